@@ -1,0 +1,1 @@
+"""Thin integrations of kvengine into inference engines."""

@@ -1,0 +1,34 @@
+"""kvengine: an embeddable KV-cache offload engine for LLM inference.
+
+Start with :class:`KVEngine` (blocking, thread-safe) or :class:`CacheEngine`
+(asyncio). Describe a model with a :class:`Namespace` and a
+:class:`ChunkLayout`, bind it, then ``lookup`` / ``load`` / ``store``.
+"""
+
+from .config import DiskConfig, EngineConfig, MemoryConfig, load_config
+from .engine import CacheEngine
+from .errors import (
+    AttachError,
+    CapacityError,
+    ConfigError,
+    IntegrityError,
+    InvalidRequestError,
+    KVEngineError,
+    TransportError,
+    UnsupportedModelError,
+)
+from .facade import KVEngine
+from .keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
+from .layout import ChunkLayout, KVCategory, TensorSpec
+from .reservations import Reservation, ReservationState
+from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttachError", "CacheEngine", "CapacityError", "ChunkHash", "ChunkKey", "ChunkLayout", "ChunkSink",
+    "ChunkSource", "ChunkView", "ConfigError", "DiskConfig", "EngineConfig", "IntegrityError",
+    "InvalidRequestError", "KVCategory", "KVEngine", "KVEngineError", "LoadResult", "MemoryConfig",
+    "ModelBinding", "Namespace", "NamespaceDigest", "Reservation", "ReservationState", "StoreResult",
+    "TensorSpec", "TransportError", "UnsupportedModelError", "load_config",
+]

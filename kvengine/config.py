@@ -1,0 +1,149 @@
+"""The one configuration object, typed and validated.
+
+Sources, later ones overriding earlier ones: defaults, a dict or YAML file,
+then ``KVENGINE_*`` environment variables. Nested keys use ``__`` in the
+environment: ``KVENGINE_MEMORY__CAPACITY_BYTES=8GiB``. Unknown keys and
+invalid values raise :class:`ConfigError` naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+ENV_PREFIX = "KVENGINE_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MemoryConfig(_Section):
+    """L1 host-memory tier."""
+
+    capacity_bytes: ByteSize = Field(default=ByteSize(2 * 2**30), gt=0)
+    #: Allocation slab; every stored chunk must fit one. Default: capacity/16
+    #: clamped to [1 MiB, 256 MiB].
+    slab_bytes: ByteSize | None = Field(default=None, gt=0)
+    eviction: Literal["lru", "fifo"] = "lru"
+
+    def effective_slab_bytes(self) -> int:
+        if self.slab_bytes is not None:
+            return int(self.slab_bytes)
+        return int(min(self.capacity_bytes, max(2**20, min(256 * 2**20, self.capacity_bytes // 16))))
+
+
+class DiskConfig(_Section):
+    """Local-disk tier below memory (disabled when ``path`` is unset)."""
+
+    path: Path | None = None
+    capacity_bytes: ByteSize = Field(default=ByteSize(64 * 2**30), gt=0)
+    fsync: Literal["never", "data", "always"] = "data"
+    codec: str = "raw"
+
+
+class EngineConfig(_Section):
+    chunk_size: int = Field(default=256, gt=0, le=1 << 20)
+    #: Store a trailing partial chunk too (rarely matched; see hashing.py).
+    store_partial_chunks: bool = False
+    #: A reservation not loaded or released within this time is reclaimed.
+    lease_seconds: float = Field(default=30.0, gt=0)
+    #: write_behind: stores return once in memory, lower tiers fill in the
+    #: background; write_through: stores return once every tier has the chunk.
+    write_mode: Literal["write_behind", "write_through"] = "write_behind"
+    #: Bound on queued background writes; beyond it writes are dropped (counted).
+    max_pending_writes: int = Field(default=256, gt=0)
+    memory: MemoryConfig = MemoryConfig()
+    disk: DiskConfig = DiskConfig()
+    #: Serve Prometheus metrics over HTTP on this port (off when unset).
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _slab_fits_capacity(self) -> EngineConfig:
+        if self.memory.effective_slab_bytes() > self.memory.capacity_bytes:
+            raise ValueError("memory.slab_bytes must not exceed memory.capacity_bytes")
+        return self
+
+
+def _allowed_keys(loc: tuple[object, ...]) -> list[str]:
+    model: type[BaseModel] = EngineConfig
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return sorted(model.model_fields)
+
+
+def _error(exc: ValidationError) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key (allowed keys: {', '.join(_allowed_keys(err['loc']))})"
+        lines.append(f"{key}: {msg}")
+    return ConfigError("invalid kvengine configuration: " + "; ".join(lines))
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment variable {name} conflicts with another KVENGINE_ variable")
+        node[path[-1]] = None if value.lower() in ("", "none", "null") else value
+    return out
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> EngineConfig:
+    """Build an :class:`EngineConfig` from a dict, a YAML path or nothing, plus the environment.
+
+    Pass ``environ={}`` to ignore the process environment.
+    """
+    if isinstance(source, EngineConfig):
+        data: dict[str, Any] = source.model_dump()
+    elif source is None:
+        data = {}
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        path = Path(source)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read configuration file {path}: {exc}") from None
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"configuration file {path} must hold a mapping, got {type(loaded).__name__}")
+        data = dict(loaded)
+    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _error(exc) from None

@@ -1,0 +1,430 @@
+"""The asyncio cache engine.
+
+Primitives (all ``async``; CPU copies run in worker threads, never on the loop):
+
+* :meth:`CacheEngine.bind` – validate a model's namespace and chunk layout.
+* :meth:`CacheEngine.lookup` – reserve the longest cached prefix of a request
+  (memory first, then lower tiers, promoted into memory and pinned).
+* :meth:`CacheEngine.load` – hand the reserved chunks to a sink; report what failed.
+* :meth:`CacheEngine.release` – end a reservation without loading.
+* :meth:`CacheEngine.store` – copy new full chunks into memory; lower tiers
+  are filled write-behind (or write-through) from there.
+* :meth:`CacheEngine.reclaim_expired` – end reservations whose lease ran out.
+
+Cache faults (corrupt records, dead tiers, no room) become counted misses.
+Caller mistakes (bad tokens, tensors that do not match the layout) raise
+:class:`InvalidRequestError` and leave the pool as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .codecs import CodecRegistry
+from .config import EngineConfig
+from .errors import CapacityError, IntegrityError, InvalidRequestError
+from .eviction import make_policy
+from .allocator import SlabAllocator
+from .hashing import TokenInput, prefix_hashes
+from .keys import ChunkKey, Namespace
+from .layout import ChunkLayout
+from .memory_tier import MemoryEntry, MemoryTier
+from .metrics import EngineMetrics
+from .record import RecordFlag, descriptors_for, encode_header, unpack_record
+from .reservations import Reservation, ReservationState, ReservationTable
+from .transport import ChunkTransport
+from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
+
+logger = logging.getLogger("kvengine")
+
+_WRITE_BATCH = 16
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        transports: Sequence[ChunkTransport] = (),
+        codecs: CodecRegistry | None = None,
+        metrics: EngineMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or EngineMetrics()
+        self.codecs = codecs or CodecRegistry()
+        self.transports = tuple(transports)
+        self._tier_codec = self.codecs.by_name(config.disk.codec)
+        self._clock = clock
+        allocator = SlabAllocator(
+            int(config.memory.capacity_bytes),
+            config.memory.effective_slab_bytes(),
+            pin_memory=_cuda_available(),
+        )
+        self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
+        self.reservations = ReservationTable()
+        self._bindings: dict[bytes, ModelBinding] = {}
+        self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        """Start background tasks (lease reaper, tier writer) on the running loop."""
+        self._write_queue = asyncio.Queue(maxsize=self.config.max_pending_writes)
+        self._tasks.append(asyncio.create_task(self._reaper(), name="kvengine-reaper"))
+        if self.transports:
+            self._tasks.append(asyncio.create_task(self._writer(), name="kvengine-writer"))
+
+    async def flush(self) -> None:
+        """Wait until every queued tier write has been attempted."""
+        if self._write_queue is not None and self.transports:
+            await self._write_queue.join()
+
+    async def close(self, *, flush: bool = True) -> None:
+        """Stop; flush queued tier writes (or drop them, counted) and close transports."""
+        if self._closed:
+            return
+        self._closed = True
+        queue = self._write_queue
+        if queue is not None and self.transports:
+            if flush:
+                await queue.join()
+            else:
+                while not queue.empty():
+                    _, entry = queue.get_nowait()
+                    self.memory.unpin([entry])
+                    self.metrics.writes_dropped.labels(reason="shutdown").inc()
+                    queue.task_done()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for res in self.reservations.all():
+            self._end(res)
+        for transport in self.transports:
+            await transport.close()
+
+    # -- binding -------------------------------------------------------------
+    def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+        """Validate a model's chunk layout against this engine; raise if it can never work."""
+        if layout.chunk_size != self.config.chunk_size:
+            raise InvalidRequestError(
+                f"layout chunk_size {layout.chunk_size} differs from the engine's chunk_size "
+                f"{self.config.chunk_size}"
+            )
+        self.memory.check_fits(layout.nbytes())
+        if not namespace.verified:
+            logger.warning(
+                "kvengine: model %r bound WITHOUT attach verification (debug override); "
+                "its chunks live in a separate namespace and are never served to verified readers",
+                namespace.model,
+            )
+        binding = ModelBinding.create(namespace, layout)
+        self._bindings[binding.digest] = binding
+        return binding
+
+    # -- lookup ----------------------------------------------------------------
+    async def lookup(
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+    ) -> Reservation:
+        """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``).
+
+        Idempotent per ``request_id``: the same question returns the same
+        reservation with a renewed lease, pinning and counting nothing again.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if max_tokens is not None and max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens)
+        query = (max_tokens, *hashes)
+        now = self._clock()
+        existing = self.reservations.get(binding.digest, request_id)
+        if existing is not None and existing.query == query and existing.state is ReservationState.RESERVED:
+            existing.expires_at = now + self.config.lease_seconds
+            return existing
+        if existing is not None:
+            self._end(existing)
+        keys = [ChunkKey(binding.digest, h) for h in hashes]
+        entries = self.memory.pin_prefix(keys)
+        if len(entries) < len(keys) and self.transports:
+            entries += await self._promote(binding, keys[len(entries) :])
+        res = Reservation(
+            request_id=request_id,
+            namespace=binding.digest,
+            matched_tokens=len(entries) * binding.chunk_size,
+            keys=tuple(e.key for e in entries),
+            expires_at=now + self.config.lease_seconds,
+            query=query,
+            entries=entries,
+        )
+        replaced = self.reservations.put(res)
+        if replaced is not None:  # a concurrent lookup of the same request won the race
+            self._end(replaced)
+        self.metrics.lookups.inc()
+        self.metrics.lookup_tokens.inc(len(hashes) * binding.chunk_size)
+        self.metrics.hit_tokens.inc(res.matched_tokens)
+        self.metrics.reservations_active.set(len(self.reservations))
+        return res
+
+    async def _promote(self, binding: ModelBinding, keys: list[ChunkKey]) -> list[MemoryEntry]:
+        """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned."""
+        promoted: list[MemoryEntry] = []
+        for transport in self.transports:
+            want = keys[len(promoted) :]
+            if not want:
+                break
+            present = await transport.exists(want)
+            run = next((i for i, ok in enumerate(present) if not ok), len(want))
+            if run == 0:
+                continue
+            blobs = await transport.get(want[:run])
+            for key, blob in zip(want[:run], blobs):
+                entry = None
+                if blob is not None:
+                    entry = await asyncio.to_thread(self._admit_record, binding, key, blob, transport.name)
+                if entry is None:
+                    if blob is not None:
+                        await transport.delete([key])
+                    return promoted
+                promoted.append(entry)
+        return promoted
+
+    def _admit_record(self, binding: ModelBinding, key: ChunkKey, blob: object, tier: str) -> MemoryEntry | None:
+        """Verify a record and copy it into memory, pinned; None (counted) if it is bad."""
+        try:
+            header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
+            n = header.token_end - header.token_start
+            if header.tensors != descriptors_for(binding.layout, n):
+                raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
+            if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
+                raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
+            raw = self.codecs.by_id(header.codec_id).decode(payload, header.tensors)
+        except IntegrityError as exc:
+            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
+            return None
+        except Exception as exc:  # a codec library failing on garbage is still a miss
+            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
+            return None
+        entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end), header.raw_length)
+        if entry is None:
+            # Present already (a concurrent promotion) or no room: pin what is there, if anything.
+            return self.memory.pin(key)
+        self.memory.raw(entry).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+        self.memory.commit(entry)
+        pinned = self.memory.pin(key)
+        self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
+        return pinned
+
+    # -- load / release ------------------------------------------------------------
+    async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
+        """Give every reserved chunk, in order, to ``sink``; the reservation ends.
+
+        Loading stops at the first chunk the sink fails on; that chunk and all
+        later ones are reported failed so the caller recomputes them. An
+        expired or already ended reservation loads nothing.
+        """
+        binding = self._bindings[res.namespace]
+        if not self.reservations.begin_load(res, self._clock()):
+            result = LoadResult(res.matched_tokens, 0, tuple(range(res.num_chunks)), binding.chunk_size)
+            self.metrics.load_failed_tokens.inc(res.matched_tokens)
+            return result
+        try:
+            loaded = await asyncio.to_thread(self._run_sink, res, sink)
+        finally:
+            self._end(res)
+        tokens = loaded * binding.chunk_size
+        self.metrics.loaded_tokens.inc(tokens)
+        self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
+        return LoadResult(res.matched_tokens, tokens, tuple(range(loaded, res.num_chunks)), binding.chunk_size)
+
+    def _run_sink(self, res: Reservation, sink: ChunkSink) -> int:
+        nbytes = 0
+        for i, entry in enumerate(res.entries):
+            view = ChunkView(i, entry.key, entry.token_range, self.memory.tensors(entry))
+            try:
+                sink(view)
+            except Exception as exc:
+                self.metrics.log_once(
+                    "sink_error", "kvengine: load sink failed on chunk %d (%s: %s); the rest is recomputed",
+                    i, type(exc).__name__, exc,
+                )
+                self.metrics.loaded_bytes.labels(tier="memory").inc(nbytes)
+                return i
+            nbytes += entry.nbytes
+        self.metrics.loaded_bytes.labels(tier="memory").inc(nbytes)
+        return len(res.entries)
+
+    async def release(self, res: Reservation) -> None:
+        """End a reservation without loading (request not scheduled, aborted, finished)."""
+        self._end(res)
+
+    async def release_request(self, binding: ModelBinding, request_id: str) -> None:
+        res = self.reservations.get(binding.digest, request_id)
+        if res is not None and res.state is ReservationState.RESERVED:
+            self._end(res)
+
+    def _end(self, res: Reservation) -> None:
+        if self.reservations.end(res):
+            self.memory.unpin(res.entries)
+            self.metrics.reservations_active.set(len(self.reservations))
+
+    async def reclaim_expired(self) -> int:
+        """End reservations whose lease ran out; returns how many (counted in metrics)."""
+        count = 0
+        for res in self.reservations.expired(self._clock()):
+            if res.state is ReservationState.RESERVED:
+                self._end(res)
+                count += 1
+        if count:
+            self.metrics.reservations_reclaimed.inc(count)
+            self.metrics.log_once("reclaim", "kvengine: reclaimed reservations never loaded or released "
+                                  "within %.1fs (requests not scheduled or aborted?)", self.config.lease_seconds)
+        return count
+
+    async def _reaper(self) -> None:
+        interval = min(1.0, self.config.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(interval)
+            await self.reclaim_expired()
+
+    # -- store ------------------------------------------------------------------
+    async def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
+        """Copy the chunks of ``tokens`` that are not cached yet into memory.
+
+        ``source`` is called only for chunks that will be stored. Storing stops
+        at the first chunk that finds no room (a later chunk is unreachable
+        without it).
+        """
+        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
+        total = len(tokens)
+        result, committed = await asyncio.to_thread(self._copy_in, binding, hashes, total, source)
+        if committed and self.transports:
+            await self._enqueue_writes(binding, committed)
+        return result
+
+    def _copy_in(
+        self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource
+    ) -> tuple[StoreResult, list[MemoryEntry]]:
+        """Copy new chunks into memory; return the result and the new entries, pinned.
+
+        New entries stay pinned until the call ends so that a prompt larger
+        than memory never evicts its own head (which would make every later
+        chunk unreachable); the tail that does not fit is rejected instead.
+        """
+        layout, size = binding.layout, binding.chunk_size
+        stored = present = rejected = 0
+        held: list[MemoryEntry] = []
+        try:
+            for i, h in enumerate(hashes):
+                start, end = i * size, min((i + 1) * size, total)
+                key = ChunkKey(binding.digest, h)
+                if self.memory.contains(key):
+                    present += 1
+                    continue
+                entry = self.memory.prepare(key, layout, (start, end), layout.nbytes(end - start))
+                if entry is None:
+                    if self.memory.contains(key):  # stored concurrently
+                        present += 1
+                        continue
+                    rejected = len(hashes) - i
+                    self.metrics.store_rejected.labels(reason="no_room").inc(rejected)
+                    self.metrics.log_once("no_room", "kvengine: no room in memory (pinned or in use); "
+                                          "the rest of a store is skipped")
+                    break
+                try:
+                    tensors = source(i, start, end)
+                    layout.check(tensors, end - start)
+                    for dst, src in zip(self.memory.tensors(entry), tensors):
+                        dst.copy_(src)
+                except BaseException:
+                    self.memory.abort(entry)
+                    raise
+                self.memory.commit(entry)
+                pinned = self.memory.pin(key)
+                if pinned is not None:
+                    held.append(pinned)
+                stored += 1
+                self.metrics.stored_bytes.labels(tier="memory").inc(entry.nbytes)
+                self.metrics.stored_chunks.labels(tier="memory").inc()
+        except BaseException:
+            self.memory.unpin(held)
+            raise
+        if not self.transports:  # otherwise the pins pass to the tier writer
+            self.memory.unpin(held)
+            held = []
+        return StoreResult(stored, present, rejected), held
+
+    # -- lower tiers ------------------------------------------------------------------
+    async def _enqueue_writes(self, binding: ModelBinding, entries: list[MemoryEntry]) -> None:
+        assert self._write_queue is not None, "engine not started"
+        if self.config.write_mode == "write_through":
+            for start in range(0, len(entries), _WRITE_BATCH):
+                await self._write_batch([(binding, e) for e in entries[start : start + _WRITE_BATCH]])
+            return
+        for entry in entries:
+            try:
+                self._write_queue.put_nowait((binding, entry))
+            except asyncio.QueueFull:
+                self.memory.unpin([entry])
+                self.metrics.writes_dropped.labels(reason="backpressure").inc()
+                self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; dropping some")
+
+    async def _writer(self) -> None:
+        assert self._write_queue is not None
+        queue = self._write_queue
+        while True:
+            batch = [await queue.get()]
+            while len(batch) < _WRITE_BATCH and not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await self._write_batch(batch)
+            except Exception as exc:  # never let the writer die; the chunks stay in memory
+                self.metrics.log_once("writer", "kvengine: tier writer failed: %s: %s", type(exc).__name__, exc)
+            finally:
+                for _ in batch:
+                    queue.task_done()
+
+    async def _write_batch(self, batch: list[tuple[ModelBinding, MemoryEntry]]) -> None:
+        """Serialise pinned entries once and put them to every transport; unpin."""
+        try:
+            records = await asyncio.to_thread(lambda: [(e.key, self._encode(b, e)) for b, e in batch])
+            for transport in self.transports:
+                ok = await transport.put(records)
+                for (_, blob), done in zip(records, ok):
+                    if done:
+                        self.metrics.stored_bytes.labels(tier=transport.name).inc(len(blob))
+                        self.metrics.stored_chunks.labels(tier=transport.name).inc()
+                    else:
+                        self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()
+        finally:
+            self.memory.unpin([e for _, e in batch])
+
+    def _encode(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
+        raw = memoryview(self.memory.raw(entry).numpy())
+        tensors = descriptors_for(binding.layout, entry.num_tokens)
+        payload = self._tier_codec.encode(raw, tensors)
+        flags = RecordFlag.NONE if binding.namespace.verified else RecordFlag.UNVERIFIED
+        header = encode_header(entry.key, entry.token_range, tensors, codec_id=self._tier_codec.codec_id,
+                               raw_length=entry.nbytes, payload=payload, flags=flags)
+        return header + bytes(payload)
+
+    def _on_evict(self, entry: MemoryEntry) -> None:
+        self.metrics.evictions.labels(tier="memory").inc()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+__all__ = ["CacheEngine", "CapacityError"]

@@ -1,0 +1,123 @@
+"""A thread-safe synchronous facade for inference engines.
+
+:class:`KVEngine` runs a :class:`CacheEngine` on a private event loop in a
+background thread. Its methods may be called from any number of threads
+(never from that loop's own thread); each call costs one thread hop, so the
+API is batched per request, not per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+from .codecs import CodecRegistry
+from .config import EngineConfig, load_config
+from .engine import CacheEngine
+from .errors import KVEngineError
+from .hashing import TokenInput
+from .keys import Namespace
+from .layout import ChunkLayout
+from .metrics import EngineMetrics
+from .reservations import Reservation
+from .transport import ChunkTransport
+from .types import ChunkSink, ChunkSource, LoadResult, ModelBinding, StoreResult
+
+T = TypeVar("T")
+
+
+class KVEngine:
+    """Embedded cache engine with a blocking API.
+
+    ``config`` may be an :class:`EngineConfig`, a dict, a YAML path or None
+    (defaults); ``KVENGINE_*`` environment variables override it.
+    ``transports`` replaces the tiers the configuration would build.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        *,
+        transports: Sequence[ChunkTransport] | None = None,
+        codecs: CodecRegistry | None = None,
+    ) -> None:
+        self.config = load_config(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvengine-loop", daemon=True)
+        self._thread.start()
+        try:
+            if transports is None:
+                from .tiers import build_transports
+
+                transports = build_transports(self.config)
+            self.core = CacheEngine(self.config, transports=transports, codecs=codecs)
+            self._call(self.core.start())
+            if self.config.metrics_port is not None:
+                self.core.metrics.serve_http(self.config.metrics_port)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._closed = False
+
+    # -- plumbing -------------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise KVEngineError("KVEngine's blocking API was called from its own event loop; use .core")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self, *, flush: bool = True) -> None:
+        """Flush (or drop, counted) pending tier writes and stop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self.core.close(flush=flush))
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> KVEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- API ---------------------------------------------------------------------
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.core.metrics
+
+    def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+        return self.core.bind(namespace, layout)
+
+    def lookup(
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+    ) -> Reservation:
+        return self._call(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens))
+
+    def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
+        return self._call(self.core.load(reservation, sink))
+
+    def release(self, reservation: Reservation) -> None:
+        self._call(self.core.release(reservation))
+
+    def release_request(self, binding: ModelBinding, request_id: str) -> None:
+        self._call(self.core.release_request(binding, request_id))
+
+    def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
+        return self._call(self.core.store(binding, tokens, source))
+
+    def flush(self) -> None:
+        """Wait until queued tier writes are done."""
+        self._call(self.core.flush())
+
+    def reclaim_expired(self) -> int:
+        return self._call(self.core.reclaim_expired())

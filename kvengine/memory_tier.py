@@ -1,0 +1,205 @@
+"""L1: the host-memory tier.
+
+Fixed capacity (a :class:`SlabAllocator` arena, never exceeded), pins, and a
+pluggable eviction policy. Stores are two-phase so the copy runs outside the
+lock: :meth:`prepare` reserves a slot (evicting unpinned entries if needed),
+the caller fills it, :meth:`commit` publishes it (or :meth:`abort` returns
+it). A prepared entry is invisible to lookups until committed.
+
+Invariant: an entry with ``pins > 0`` is never evicted or freed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .allocator import Allocation, SlabAllocator
+from .eviction import EvictionPolicy
+from .keys import ChunkKey
+from .layout import ChunkLayout
+
+
+@dataclass(slots=True, eq=False)
+class MemoryEntry:
+    """One chunk resident in host memory."""
+
+    key: ChunkKey
+    layout: ChunkLayout
+    token_range: tuple[int, int]
+    alloc: Allocation
+    nbytes: int
+    pins: int = 0
+    committed: bool = False
+    unverified: bool = False
+    _views: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_range[1] - self.token_range[0]
+
+
+class MemoryTier:
+    name = "memory"
+
+    def __init__(
+        self,
+        allocator: SlabAllocator,
+        policy: EvictionPolicy,
+        *,
+        on_evict: Callable[[MemoryEntry], None] | None = None,
+    ) -> None:
+        self._alloc = allocator
+        self._policy = policy
+        self._entries: dict[ChunkKey, MemoryEntry] = {}
+        self._lock = threading.Lock()
+        self._on_evict = on_evict
+
+    # -- introspection -------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def total_pins(self) -> int:
+        with self._lock:
+            return sum(e.pins for e in self._entries.values())
+
+    def pins_of(self, key: ChunkKey) -> int:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.pins if entry else 0
+
+    def check_fits(self, nbytes: int) -> None:
+        """Raise :class:`CapacityError` if an object of ``nbytes`` can never be stored."""
+        self._alloc.slot_bytes(nbytes)
+
+    # -- lookups -------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.committed
+
+    def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryEntry]:
+        """Pin the longest prefix of ``keys`` that is resident; return its entries.
+
+        Entries are touched last-to-first so that, under LRU, the tail of a
+        prefix is evicted before its head (a missing head makes the rest
+        unreachable).
+        """
+        with self._lock:
+            pinned: list[MemoryEntry] = []
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.committed:
+                    break
+                entry.pins += 1
+                pinned.append(entry)
+            for entry in reversed(pinned):
+                self._policy.accessed(entry.key)
+            return pinned
+
+    def pin(self, key: ChunkKey) -> MemoryEntry | None:
+        entries = self.pin_prefix([key])
+        return entries[0] if entries else None
+
+    def unpin(self, entries: Iterable[MemoryEntry]) -> None:
+        with self._lock:
+            for entry in entries:
+                assert entry.pins > 0, f"unbalanced unpin of {entry.key}"
+                entry.pins -= 1
+
+    # -- two-phase store ----------------------------------------------
+    def prepare(
+        self, key: ChunkKey, layout: ChunkLayout, token_range: tuple[int, int], nbytes: int
+    ) -> MemoryEntry | None:
+        """Reserve a slot for ``key``; None if present already or no room can be made.
+
+        The returned entry is pinned once for the writer; ``commit`` or
+        ``abort`` drops that pin.
+        """
+        with self._lock:
+            if key in self._entries:
+                return None
+            alloc = self._alloc.allocate(nbytes)
+            while alloc is None:
+                if not self._evict_one_locked(nbytes):
+                    return None
+                alloc = self._alloc.allocate(nbytes)
+            entry = MemoryEntry(key, layout, token_range, alloc, nbytes, pins=1)
+            self._entries[key] = entry
+            return entry
+
+    def commit(self, entry: MemoryEntry) -> None:
+        with self._lock:
+            entry.committed = True
+            entry.pins -= 1
+            self._policy.inserted(entry.key)
+
+    def abort(self, entry: MemoryEntry) -> None:
+        with self._lock:
+            entry.pins -= 1
+            self._remove_locked(entry)
+
+    # -- data access ----------------------------------------------------
+    def raw(self, entry: MemoryEntry) -> torch.Tensor:
+        """The entry's payload as flat uint8 (valid while pinned)."""
+        return self._alloc.view(entry.alloc, entry.nbytes)
+
+    def tensors(self, entry: MemoryEntry) -> tuple[torch.Tensor, ...]:
+        """Typed views of the entry's tensors, in layout order (valid while pinned)."""
+        views = entry._views
+        if views is None:
+            flat = self.raw(entry)
+            n = entry.num_tokens
+            out = []
+            offset = 0
+            for spec, shape, size in zip(entry.layout.tensors, entry.layout.shapes(n), entry.layout.sizes(n)):
+                out.append(flat[offset : offset + size].view(spec.dtype).view(shape))
+                offset += size
+            views = entry._views = tuple(out)
+        return views
+
+    # -- removal ----------------------------------------------------------
+    def discard(self, key: ChunkKey) -> bool:
+        """Drop an unpinned entry; False if absent or pinned."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.pins or not entry.committed:
+                return False
+            self._remove_locked(entry)
+            return True
+
+    def _evict_one_locked(self, nbytes: int) -> bool:
+        """Evict the first evictable entry; prefer entries of a slot size that helps."""
+        want = self._alloc.slot_bytes(nbytes)
+        fallback: MemoryEntry | None = None
+        for key in self._policy.candidates():
+            entry = self._entries[key]  # type: ignore[index]
+            if entry.pins or not entry.committed:
+                continue
+            if entry.alloc.nbytes == want:
+                fallback = entry
+                break
+            if fallback is None:
+                fallback = entry
+        if fallback is None:
+            return False
+        self._remove_locked(fallback)
+        if self._on_evict is not None:
+            self._on_evict(fallback)
+        return True
+
+    def _remove_locked(self, entry: MemoryEntry) -> None:
+        del self._entries[entry.key]
+        self._policy.removed(entry.key)
+        entry._views = None
+        self._alloc.free(entry.alloc)

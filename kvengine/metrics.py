@@ -1,0 +1,52 @@
+"""Prometheus metrics of one engine instance (its own registry, no globals)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+logger = logging.getLogger("kvengine")
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lookups = Counter("kvengine_lookups", "Distinct lookups (repeats of a live reservation excluded)", registry=r)
+        self.lookup_tokens = Counter("kvengine_lookup_tokens", "Tokens asked for by distinct lookups", registry=r)
+        self.hit_tokens = Counter("kvengine_hit_tokens", "Tokens promised by distinct lookups", registry=r)
+        self.loaded_tokens = Counter("kvengine_loaded_tokens", "Tokens delivered by loads", registry=r)
+        self.load_failed_tokens = Counter("kvengine_load_failed_tokens", "Promised tokens a load could not deliver", registry=r)
+        self.stored_bytes = Counter("kvengine_stored_bytes", "Bytes written per tier", ["tier"], registry=r)
+        self.loaded_bytes = Counter("kvengine_loaded_bytes", "Bytes read per tier", ["tier"], registry=r)
+        self.stored_chunks = Counter("kvengine_stored_chunks", "Chunks written per tier", ["tier"], registry=r)
+        self.evictions = Counter("kvengine_evictions", "Chunks evicted per tier", ["tier"], registry=r)
+        self.store_rejected = Counter("kvengine_store_rejected", "Chunks not stored", ["reason"], registry=r)
+        self.reservations_active = Gauge("kvengine_reservations_active", "Live reservations", registry=r)
+        self.reservations_reclaimed = Counter("kvengine_reservations_reclaimed", "Reservations reclaimed after their lease", registry=r)
+        self.integrity_failures = Counter("kvengine_integrity_failures", "Records that failed verification", ["reason"], registry=r)
+        self.writes_dropped = Counter("kvengine_writes_dropped", "Background writes dropped", ["reason"], registry=r)
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample (``name`` as exported, e.g. ``kvengine_hit_tokens_total``)."""
+        v = self.registry.get_sample_value(name, labels or None)
+        return 0.0 if v is None else v
+
+    def integrity_failure(self, reason: str, detail: str) -> None:
+        """Count a verification failure; log each reason once per engine."""
+        self.integrity_failures.labels(reason=reason).inc()
+        self.log_once(f"integrity:{reason}", "cache integrity failure (%s): %s; served as a miss", reason, detail)
+
+    def log_once(self, tag: str, msg: str, *args: object) -> None:
+        with self._lock:
+            if tag in self._logged:
+                return
+            self._logged.add(tag)
+        logger.warning(msg, *args)
+
+    def serve_http(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)

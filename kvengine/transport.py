@@ -1,0 +1,51 @@
+"""The plug-in seam for tiers below memory (local disk, peers).
+
+A transport stores opaque, self-verifying chunk records (see
+:mod:`kvengine.record`) under :class:`ChunkKey`. Every method is batched and
+async; none may block the event loop (use a thread pool or async I/O).
+
+Guarantees a transport must give:
+
+* ``put`` publishes a record atomically: a concurrent or later ``get`` sees
+  either nothing or the whole record, never a torn one.
+* ``get`` returns the stored bytes or None. It may return corrupt bytes; the
+  engine verifies every record with :func:`kvengine.record.unpack_record`
+  before use, and reports failures back through ``discard``.
+* Faults (I/O errors, timeouts, full disks, dead peers) are reported as
+  False / None results, never raised, except for caller mistakes.
+
+Third-party transports register under the ``kvengine.transports`` entry-point
+group; the value is a factory ``(config: dict) -> ChunkTransport``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from .keys import ChunkKey
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class ChunkTransport(Protocol):
+    name: str
+
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        """Store each record; True where it is now durable per the transport's policy."""
+        ...
+
+    async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        """The stored record bytes for each key, or None on a miss or fault."""
+        ...
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key is (probably) stored; a True may still miss on ``get``."""
+        ...
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Remove each key (used for corrupt records too); True where something was removed."""
+        ...
+
+    async def close(self) -> None: ...

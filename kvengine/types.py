@@ -1,0 +1,86 @@
+"""Values that cross the engine's API: bindings, chunk views and results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .errors import InvalidRequestError
+from .keys import ChunkKey, Namespace, NamespaceDigest
+from .layout import ChunkLayout
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBinding:
+    """A model's namespace and chunk layout, validated by :meth:`CacheEngine.bind`."""
+
+    namespace: Namespace
+    layout: ChunkLayout
+    #: Seeds the hash chain: the namespace digest combined with the layout
+    #: fingerprint, so chunks of different layouts never meet.
+    digest: NamespaceDigest
+
+    @classmethod
+    def create(cls, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+        seed = xxhash.xxh3_128_digest(namespace.digest() + layout.fingerprint.encode())
+        return cls(namespace, layout, NamespaceDigest(seed))
+
+    @property
+    def chunk_size(self) -> int:
+        return self.layout.chunk_size
+
+    def require_block_multiple(self, block_size: int) -> None:
+        """Refuse to attach when chunks do not align with an engine's KV blocks/pages."""
+        if block_size <= 0 or self.chunk_size % block_size:
+            raise InvalidRequestError(
+                f"chunk_size {self.chunk_size} must be a positive multiple of the engine's "
+                f"block size {block_size}; set chunk_size to e.g. {max(block_size, 1) * max(1, self.chunk_size // max(block_size, 1))}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkView:
+    """One reserved chunk handed to a load sink.
+
+    ``tensors`` are views of host memory in layout order, valid only for the
+    duration of the sink call: copy out, do not keep references.
+    """
+
+    index: int
+    key: ChunkKey
+    token_range: tuple[int, int]
+    tensors: tuple[torch.Tensor, ...]
+
+
+#: ``source(chunk_index, token_start, token_end)`` returns a chunk's tensors.
+ChunkSource = Callable[[int, int, int], Sequence[torch.Tensor]]
+#: ``sink(view)`` copies one chunk out of the cache.
+ChunkSink = Callable[[ChunkView], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What a load delivered. Tokens from ``loaded_tokens`` on must be recomputed."""
+
+    promised_tokens: int
+    loaded_tokens: int
+    failed_chunks: tuple[int, ...]
+    chunk_size: int
+
+    @property
+    def ok(self) -> bool:
+        return self.loaded_tokens == self.promised_tokens
+
+    @property
+    def failed_token_range(self) -> tuple[int, int] | None:
+        return None if self.ok else (self.loaded_tokens, self.promised_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    stored_chunks: int
+    present_chunks: int
+    rejected_chunks: int

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny layouts and engines built locally."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvengine import ChunkLayout, EngineConfig, KVCategory, Namespace, TensorSpec, load_config
+
+CHUNK = 16
+
+
+def make_layout(chunk: int = CHUNK, layers: int = 2, heads: int = 2, dim: int = 4,
+                dtype: torch.dtype = torch.float32) -> ChunkLayout:
+    return ChunkLayout(chunk, tuple(
+        TensorSpec(name=f"layer{i}", group=0, category=KVCategory.FULL_ATTENTION, dtype=dtype,
+                   shape=(2, heads, chunk, dim), token_dim=2)
+        for i in range(layers)
+    ))
+
+
+def make_config(capacity: int = 1 << 20, **extra: object) -> EngineConfig:
+    return load_config({"chunk_size": CHUNK, "memory": {"capacity_bytes": capacity}, **extra}, environ={})
+
+
+class FakeKV:
+    """Per-layer KV of one request, shaped like ``make_layout``'s tensors."""
+
+    def __init__(self, tokens: int, layers: int = 2, heads: int = 2, dim: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.layers = [torch.randn(2, heads, tokens, dim, generator=g) for _ in range(layers)]
+
+    def source(self, index: int, start: int, end: int) -> list[torch.Tensor]:
+        return [t[:, :, start:end] for t in self.layers]
+
+
+@pytest.fixture
+def layout() -> ChunkLayout:
+    return make_layout()
+
+
+@pytest.fixture
+def namespace() -> Namespace:
+    return Namespace(model="tiny-test")

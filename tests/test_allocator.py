@@ -1,0 +1,50 @@
+"""Slab allocator: capacity bound, reuse of emptied slabs across size classes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvengine.allocator import SlabAllocator
+from kvengine.errors import CapacityError
+
+
+def test_capacity_never_exceeded_and_slots_disjoint():
+    a = SlabAllocator(1 << 20, 1 << 16)
+    allocs = []
+    while (x := a.allocate(5000)) is not None:
+        allocs.append(x)
+    assert a.used_bytes <= a.capacity_bytes
+    spans = sorted((x.offset, x.offset + x.nbytes) for x in allocs)
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= a.capacity_bytes
+    assert len(allocs) == 16 * (65536 // 5000)
+
+
+def test_no_fragmentation_after_mixed_churn():
+    """After any churn, freeing everything lets the arena serve its full capacity in one class."""
+    a = SlabAllocator(1 << 20, 1 << 16)
+    rng = random.Random(0)
+    live = []
+    for _ in range(5000):
+        if live and rng.random() < 0.5:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            x = a.allocate(rng.choice([100, 3000, 20000, 65536]))
+            if x is not None:
+                live.append(x)
+        assert a.used_bytes <= a.capacity_bytes
+    for x in live:
+        a.free(x)
+    assert a.used_bytes == 0
+    big = [a.allocate(65536) for _ in range(16)]
+    assert all(b is not None for b in big) and a.allocate(1) is None
+
+
+def test_oversized_object_is_refused_clearly():
+    a = SlabAllocator(1 << 20, 1 << 16)
+    with pytest.raises(CapacityError, match="slab"):
+        a.allocate((1 << 16) + 1)
+    with pytest.raises(CapacityError):
+        SlabAllocator(100, 1 << 16)

@@ -1,0 +1,82 @@
+"""The chunk record format: round trip and detection of every kind of damage."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kvengine.errors import IntegrityError
+from kvengine.keys import ChunkHash, ChunkKey, Namespace
+from kvengine.record import (FORMAT_VERSION, RecordFlag, decode_header, descriptors_for, encode_header,
+                             unpack_record)
+
+from .conftest import make_layout
+
+NS = Namespace(model="m").digest()
+KEY = ChunkKey(NS, ChunkHash(b"\x01" * 16))
+
+
+def _record(payload: bytes = b"x" * 2048, key: ChunkKey = KEY) -> bytes:
+    layout = make_layout(chunk=16, layers=2, heads=2, dim=4)  # 2 tensors of 1 KiB
+    desc = descriptors_for(layout, 16)
+    head = encode_header(key, (32, 48), desc, codec_id=0, raw_length=layout.nbytes(), payload=payload)
+    return head + payload
+
+
+def test_round_trip():
+    """Header fields and payload survive encode -> unpack."""
+    blob = _record()
+    header, payload = unpack_record(blob, expect_key=KEY)
+    assert header.key == KEY and (header.token_start, header.token_end) == (32, 48)
+    assert bytes(payload) == b"x" * 2048 and header.raw_length == 2048
+    assert [t.shape for t in header.tensors] == [(2, 2, 16, 4)] * 2
+    assert header.flags == RecordFlag.NONE
+
+
+@pytest.mark.parametrize("position", [0, 5, 40, 60, 100, 200, -1, -500])
+def test_any_bit_flip_is_detected(position):
+    """A single flipped bit anywhere (magic, header, descriptors, payload) is an IntegrityError."""
+    blob = bytearray(_record())
+    blob[position] ^= 0x10
+    with pytest.raises(IntegrityError):
+        unpack_record(bytes(blob), expect_key=KEY)
+
+
+@pytest.mark.parametrize("cut", [0, 3, 20, 120, -1, -1000])
+def test_truncation_is_detected(cut):
+    blob = _record()
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(blob[:cut], expect_key=KEY)
+    assert err.value.reason.startswith(("truncated", "bad_magic"))
+
+
+def test_trailing_bytes_rejected():
+    with pytest.raises(IntegrityError, match="trailing"):
+        unpack_record(_record() + b"\0", expect_key=KEY)
+
+
+def test_other_version_rejected():
+    """A record written by another format version is a miss, not data."""
+    blob = bytearray(_record())
+    struct.pack_into("<H", blob, 4, FORMAT_VERSION + 1)
+    with pytest.raises(IntegrityError) as err:
+        decode_header(bytes(blob))
+    assert err.value.reason == "other_version"
+
+
+def test_other_namespace_and_key_rejected():
+    other = ChunkKey(Namespace(model="other").digest(), ChunkHash(b"\x01" * 16))
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_record(), expect_key=other)
+    assert err.value.reason == "other_namespace"
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_record(), expect_key=ChunkKey(NS, ChunkHash(b"\x02" * 16)))
+    assert err.value.reason == "other_key"
+
+
+def test_descriptors_follow_layout_dtype():
+    layout = make_layout(dtype=torch.bfloat16)
+    desc = descriptors_for(layout, 8)  # partial chunk: token dim halves
+    assert desc[0].shape == (2, 2, 8, 4) and desc[0].nbytes == 2 * 2 * 8 * 4 * 2

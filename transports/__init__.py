@@ -1,0 +1,1 @@
+"""Storage and network transports for tiers below memory."""
