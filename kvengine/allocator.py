@@ -1,10 +1,11 @@
 """Slab allocator over one fixed host arena.
 
 The arena is split into equal slabs. A slab serves one size class at a time:
-the class of an object of ``n`` bytes is ``k = slab_bytes // n`` slots per
-slab, each slot ``slab_bytes // k`` bytes, so internal waste is below one
-object per slab. A slab that empties returns to the shared free list and can
-take any class next, so free memory never stays stranded in a class: the
+the class of an object of ``n`` bytes (rounded up to ``ALIGN``) is
+``k = slab_bytes // n`` slots per slab, each slot ``slab_bytes // k`` bytes
+rounded down to ``ALIGN``, so internal waste is below one object per slab and
+every slot starts ``ALIGN``-aligned (typed views need aligned offsets).
+A slab that empties returns to the shared free list and can take any class next, so free memory never stays stranded in a class: the
 pool does not fragment over time, whatever mix of sizes it sees.
 
 Not thread-safe: the owning tier serialises calls.
@@ -18,6 +19,8 @@ import torch
 
 from .errors import CapacityError
 
+ALIGN = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
@@ -28,22 +31,40 @@ class Allocation:
 
 
 class _Slab:
-    __slots__ = ("slots_per_slab", "free", "used")
+    __slots__ = ("slots_per_slab", "free", "fresh", "used")
 
     def __init__(self, slots_per_slab: int) -> None:
         self.slots_per_slab = slots_per_slab
-        self.free = list(range(slots_per_slab - 1, -1, -1))
+        self.free: list[int] = []  # returned slots
+        self.fresh = 0  # slots [fresh, slots_per_slab) were never handed out
         self.used = 0
+
+    def take(self) -> int:
+        self.used += 1
+        if self.free:
+            return self.free.pop()
+        self.fresh += 1
+        return self.fresh - 1
+
+    @property
+    def full(self) -> bool:
+        return self.used == self.slots_per_slab
 
 
 class SlabAllocator:
-    def __init__(self, capacity_bytes: int, slab_bytes: int, *, pin_memory: bool = False) -> None:
-        if slab_bytes <= 0 or capacity_bytes < slab_bytes:
+    def __init__(
+        self, capacity_bytes: int, slab_bytes: int, *, pin_memory: bool = False, prefault: bool = False
+    ) -> None:
+        slab_bytes = slab_bytes // ALIGN * ALIGN
+        if slab_bytes < ALIGN or capacity_bytes < slab_bytes:
             raise CapacityError(f"capacity {capacity_bytes} B must hold at least one slab of {slab_bytes} B")
         self.slab_bytes = slab_bytes
         self.num_slabs = capacity_bytes // slab_bytes
         self.capacity_bytes = self.num_slabs * slab_bytes
         self.arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        if prefault:
+            self.arena.zero_()
+        self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.arena}
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._slabs: dict[int, _Slab] = {}
         # size class (slots per slab) -> slabs of that class with a free slot
@@ -52,17 +73,21 @@ class SlabAllocator:
 
     def slot_bytes(self, nbytes: int) -> int:
         """Bytes actually reserved for an object of ``nbytes``."""
-        return self.slab_bytes // self._slots_per_slab(nbytes)
+        return self._slot_size(self._slots_per_slab(nbytes))
+
+    def _slot_size(self, slots_per_slab: int) -> int:
+        return self.slab_bytes // slots_per_slab // ALIGN * ALIGN
 
     def _slots_per_slab(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise CapacityError(f"allocation size must be positive, got {nbytes}")
-        if nbytes > self.slab_bytes:
+        aligned = -(-nbytes // ALIGN) * ALIGN
+        if aligned > self.slab_bytes:
             raise CapacityError(
                 f"object of {nbytes} B exceeds the memory slab size {self.slab_bytes} B; "
                 f"raise memory.slab_bytes"
             )
-        return self.slab_bytes // nbytes
+        return self.slab_bytes // aligned
 
     def allocate(self, nbytes: int) -> Allocation | None:
         """A slot of at least ``nbytes``, or None when the arena is full for that class."""
@@ -77,11 +102,10 @@ class SlabAllocator:
         else:
             return None
         slab = self._slabs[slab_id]
-        slot = slab.free.pop()
-        slab.used += 1
-        if not slab.free:
+        slot = slab.take()
+        if slab.full:
             partial.discard(slab_id)
-        size = self.slab_bytes // k
+        size = self._slot_size(k)
         self.used_bytes += size
         return Allocation(slab_id, slot, slab_id * self.slab_bytes + slot * size, size)
 
@@ -97,6 +121,13 @@ class SlabAllocator:
             self._free_slabs.append(alloc.slab)
         else:
             self._partial[k].add(alloc.slab)
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole arena viewed as ``dtype`` (slots are aligned for every dtype)."""
+        arena = self._typed.get(dtype)
+        if arena is None:
+            arena = self._typed[dtype] = self.arena.view(dtype)
+        return arena
 
     def view(self, alloc: Allocation, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a slot as a flat uint8 tensor."""

@@ -33,6 +33,9 @@ class MemoryConfig(_Section):
     #: clamped to [1 MiB, 256 MiB].
     slab_bytes: ByteSize | None = Field(default=None, gt=0)
     eviction: Literal["lru", "fifo"] = "lru"
+    #: Touch the whole arena at start so the first stores take no page faults
+    #: (costs about capacity / memory bandwidth at start-up).
+    prefault: bool = False
 
     def effective_slab_bytes(self) -> int:
         if self.slab_bytes is not None:

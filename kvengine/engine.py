@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from .codecs import CodecRegistry
 from .config import EngineConfig
@@ -34,7 +35,7 @@ from .allocator import SlabAllocator
 from .hashing import TokenInput, prefix_hashes
 from .keys import ChunkKey, Namespace
 from .layout import ChunkLayout
-from .memory_tier import MemoryEntry, MemoryTier
+from .memory_tier import MemoryEntry, MemoryTier, Prepared
 from .metrics import EngineMetrics
 from .record import RecordFlag, descriptors_for, encode_header, unpack_record
 from .reservations import Reservation, ReservationState, ReservationTable
@@ -66,13 +67,17 @@ class CacheEngine:
             int(config.memory.capacity_bytes),
             config.memory.effective_slab_bytes(),
             pin_memory=_cuda_available(),
+            prefault=config.memory.prefault,
         )
         self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
         self.reservations = ReservationTable()
-        self._bindings: dict[bytes, ModelBinding] = {}
         self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._memory_stored_bytes = self.metrics.stored_bytes.labels(tier="memory")
+        self._memory_stored_chunks = self.metrics.stored_chunks.labels(tier="memory")
+        self._memory_loaded_bytes = self.metrics.loaded_bytes.labels(tier="memory")
+        self._memory_evictions = self.metrics.evictions.labels(tier="memory")
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -127,9 +132,7 @@ class CacheEngine:
                 "its chunks live in a separate namespace and are never served to verified readers",
                 namespace.model,
             )
-        binding = ModelBinding.create(namespace, layout)
-        self._bindings[binding.digest] = binding
-        return binding
+        return ModelBinding.create(namespace, layout)
 
     # -- lookup ----------------------------------------------------------------
     async def lookup(
@@ -144,7 +147,8 @@ class CacheEngine:
             raise InvalidRequestError("request_id must be a non-empty string")
         if max_tokens is not None and max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
-        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens)
+        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens,
+                               partial=self.config.store_partial_chunks)
         query = (max_tokens, *hashes)
         now = self._clock()
         existing = self.reservations.get(binding.digest, request_id)
@@ -160,7 +164,7 @@ class CacheEngine:
         res = Reservation(
             request_id=request_id,
             namespace=binding.digest,
-            matched_tokens=len(entries) * binding.chunk_size,
+            matched_tokens=entries[-1].token_range[1] if entries else 0,
             keys=tuple(e.key for e in entries),
             expires_at=now + self.config.lease_seconds,
             query=query,
@@ -170,7 +174,7 @@ class CacheEngine:
         if replaced is not None:  # a concurrent lookup of the same request won the race
             self._end(replaced)
         self.metrics.lookups.inc()
-        self.metrics.lookup_tokens.inc(len(hashes) * binding.chunk_size)
+        self.metrics.lookup_tokens.inc(len(tokens) if max_tokens is None else min(len(tokens), max_tokens))
         self.metrics.hit_tokens.inc(res.matched_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
         return res
@@ -214,15 +218,14 @@ class CacheEngine:
         except Exception as exc:  # a codec library failing on garbage is still a miss
             self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
             return None
-        entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end), header.raw_length)
-        if entry is None:
+        entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
+        if isinstance(entry, Prepared):
             # Present already (a concurrent promotion) or no room: pin what is there, if anything.
             return self.memory.pin(key)
         self.memory.raw(entry).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
-        self.memory.commit(entry)
-        pinned = self.memory.pin(key)
+        self.memory.commit(entry, keep_pin=True)
         self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
-        return pinned
+        return entry
 
     # -- load / release ------------------------------------------------------------
     async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
@@ -232,24 +235,23 @@ class CacheEngine:
         later ones are reported failed so the caller recomputes them. An
         expired or already ended reservation loads nothing.
         """
-        binding = self._bindings[res.namespace]
         if not self.reservations.begin_load(res, self._clock()):
-            result = LoadResult(res.matched_tokens, 0, tuple(range(res.num_chunks)), binding.chunk_size)
+            result = LoadResult(res.matched_tokens, 0, tuple(range(res.num_chunks)))
             self.metrics.load_failed_tokens.inc(res.matched_tokens)
             return result
         try:
             loaded = await asyncio.to_thread(self._run_sink, res, sink)
         finally:
             self._end(res)
-        tokens = loaded * binding.chunk_size
+        tokens = res.entries[loaded - 1].token_range[1] if loaded else 0
         self.metrics.loaded_tokens.inc(tokens)
         self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
-        return LoadResult(res.matched_tokens, tokens, tuple(range(loaded, res.num_chunks)), binding.chunk_size)
+        return LoadResult(res.matched_tokens, tokens, tuple(range(loaded, res.num_chunks)))
 
     def _run_sink(self, res: Reservation, sink: ChunkSink) -> int:
         nbytes = 0
         for i, entry in enumerate(res.entries):
-            view = ChunkView(i, entry.key, entry.token_range, self.memory.tensors(entry))
+            view = ChunkView(i, entry.key, entry.token_range, self.memory.tensors(entry), entry.layout)
             try:
                 sink(view)
             except Exception as exc:
@@ -257,10 +259,10 @@ class CacheEngine:
                     "sink_error", "kvengine: load sink failed on chunk %d (%s: %s); the rest is recomputed",
                     i, type(exc).__name__, exc,
                 )
-                self.metrics.loaded_bytes.labels(tier="memory").inc(nbytes)
+                self._memory_loaded_bytes.inc(nbytes)
                 return i
             nbytes += entry.nbytes
-        self.metrics.loaded_bytes.labels(tier="memory").inc(nbytes)
+        self._memory_loaded_bytes.inc(nbytes)
         return len(res.entries)
 
     async def release(self, res: Reservation) -> None:
@@ -321,20 +323,17 @@ class CacheEngine:
         chunk unreachable); the tail that does not fit is rejected instead.
         """
         layout, size = binding.layout, binding.chunk_size
-        stored = present = rejected = 0
+        stored = present = rejected = nbytes = 0
         held: list[MemoryEntry] = []
         try:
             for i, h in enumerate(hashes):
                 start, end = i * size, min((i + 1) * size, total)
                 key = ChunkKey(binding.digest, h)
-                if self.memory.contains(key):
+                entry = self.memory.prepare(key, layout, (start, end))
+                if entry is Prepared.PRESENT:
                     present += 1
                     continue
-                entry = self.memory.prepare(key, layout, (start, end), layout.nbytes(end - start))
-                if entry is None:
-                    if self.memory.contains(key):  # stored concurrently
-                        present += 1
-                        continue
+                if entry is Prepared.NO_ROOM:
                     rejected = len(hashes) - i
                     self.metrics.store_rejected.labels(reason="no_room").inc(rejected)
                     self.metrics.log_once("no_room", "kvengine: no room in memory (pinned or in use); "
@@ -343,21 +342,20 @@ class CacheEngine:
                 try:
                     tensors = source(i, start, end)
                     layout.check(tensors, end - start)
-                    for dst, src in zip(self.memory.tensors(entry), tensors):
-                        dst.copy_(src)
+                    _copy_all(self.memory.tensors(entry), tensors)
                 except BaseException:
                     self.memory.abort(entry)
                     raise
-                self.memory.commit(entry)
-                pinned = self.memory.pin(key)
-                if pinned is not None:
-                    held.append(pinned)
+                self.memory.commit(entry, keep_pin=True)
+                held.append(entry)
                 stored += 1
-                self.metrics.stored_bytes.labels(tier="memory").inc(entry.nbytes)
-                self.metrics.stored_chunks.labels(tier="memory").inc()
+                nbytes += entry.nbytes
         except BaseException:
             self.memory.unpin(held)
             raise
+        finally:
+            self._memory_stored_bytes.inc(nbytes)
+            self._memory_stored_chunks.inc(stored)
         if not self.transports:  # otherwise the pins pass to the tier writer
             self.memory.unpin(held)
             held = []
@@ -418,12 +416,18 @@ class CacheEngine:
         return header + bytes(payload)
 
     def _on_evict(self, entry: MemoryEntry) -> None:
-        self.metrics.evictions.labels(tier="memory").inc()
+        self._memory_evictions.inc()
+
+
+def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Copy tensor-wise; one dispatch for many tensors (per-layer layouts have dozens)."""
+    if len(dst) == 1:
+        dst[0].copy_(src[0])
+    else:
+        torch._foreach_copy_(list(dst), list(src))
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return bool(torch.cuda.is_available())
 
 

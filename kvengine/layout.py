@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 import xxhash
@@ -48,6 +48,17 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float8_e5m2: 11,
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+@lru_cache(maxsize=1024)
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    """Contiguous (row-major) strides of ``shape``."""
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -123,6 +134,15 @@ class ChunkLayout:
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise InvalidRequestError("tensor names in a ChunkLayout must be unique")
+        offset = 0
+        for spec, size in zip(self.tensors, self.full_sizes):
+            # Typed views into host memory need each tensor at a multiple of its item size.
+            if offset % spec.itemsize:
+                raise InvalidRequestError(
+                    f"{spec.name}: byte offset {offset} is not a multiple of its item size "
+                    f"{spec.itemsize}; order tensors by decreasing item size"
+                )
+            offset += size
 
     def nbytes(self, tokens: int | None = None) -> int:
         """Payload bytes of a chunk (a full one unless ``tokens`` is given)."""
@@ -166,6 +186,40 @@ class ChunkLayout:
         ]
         raw = json.dumps([self.chunk_size, desc], separators=(",", ":")).encode()
         return xxhash.xxh3_128_hexdigest(raw)
+
+    def uniform(self) -> bool:
+        """True when every tensor has the same dtype and full-chunk shape (fast paths apply)."""
+        first = self.tensors[0]
+        return all(t.dtype == first.dtype and t.shape == first.shape and t.token_dim == first.token_dim
+                   for t in self.tensors)
+
+    def views(
+        self, typed: Callable[[torch.dtype], torch.Tensor], byte_offset: int, tokens: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Typed views of a chunk stored at ``byte_offset`` of an arena.
+
+        ``typed(dtype)`` returns the whole arena viewed as ``dtype``; each view
+        is one ``as_strided`` call (this runs once per stored chunk).
+        """
+        shapes = self.shapes(tokens)
+        if self._uniform:
+            first = self.tensors[0]
+            arena = typed(first.dtype)
+            start = byte_offset // first.itemsize
+            if len(self.tensors) == 1:
+                return (arena.as_strided(shapes[0], _strides(shapes[0]), start),)
+            shape = torch.Size((len(self.tensors), *shapes[0]))
+            return arena.as_strided(shape, _strides(shape), start).unbind(0)
+        out = []
+        offset = byte_offset
+        for spec, shape, size in zip(self.tensors, shapes, self.sizes(tokens)):
+            out.append(typed(spec.dtype).as_strided(shape, _strides(shape), offset // spec.itemsize))
+            offset += size
+        return tuple(out)
+
+    @cached_property
+    def _uniform(self) -> bool:
+        return self.uniform()
 
     def check(self, tensors: Sequence[torch.Tensor], tokens: int | None = None) -> None:
         """Raise :class:`InvalidRequestError` unless ``tensors`` match this layout."""

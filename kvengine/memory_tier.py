@@ -11,6 +11,7 @@ Invariant: an entry with ``pins > 0`` is never evicted or freed.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,13 @@ from .allocator import Allocation, SlabAllocator
 from .eviction import EvictionPolicy
 from .keys import ChunkKey
 from .layout import ChunkLayout
+
+
+class Prepared(enum.Enum):
+    """Why :meth:`MemoryTier.prepare` returned no entry."""
+
+    PRESENT = "present"  # the key is stored (or being stored) already
+    NO_ROOM = "no_room"  # everything evictable is gone and it still does not fit
 
 
 @dataclass(slots=True, eq=False)
@@ -118,30 +126,35 @@ class MemoryTier:
                 entry.pins -= 1
 
     # -- two-phase store ----------------------------------------------
-    def prepare(
-        self, key: ChunkKey, layout: ChunkLayout, token_range: tuple[int, int], nbytes: int
-    ) -> MemoryEntry | None:
-        """Reserve a slot for ``key``; None if present already or no room can be made.
+    def prepare(self, key: ChunkKey, layout: ChunkLayout, token_range: tuple[int, int]) -> MemoryEntry | Prepared:
+        """Reserve a slot for ``key``, evicting unpinned entries if needed.
 
-        The returned entry is pinned once for the writer; ``commit`` or
-        ``abort`` drops that pin.
+        Returns the new entry, pinned once for the writer (``commit`` or
+        ``abort`` settles that pin), or why there is none. A partial chunk
+        takes a full chunk's slot: one size class per layout keeps the arena
+        from splitting into classes that cannot serve each other.
         """
+        full = layout.nbytes()
         with self._lock:
             if key in self._entries:
-                return None
-            alloc = self._alloc.allocate(nbytes)
+                return Prepared.PRESENT
+            alloc = self._alloc.allocate(full)
             while alloc is None:
-                if not self._evict_one_locked(nbytes):
-                    return None
-                alloc = self._alloc.allocate(nbytes)
+                if not self._evict_one_locked(full):
+                    return Prepared.NO_ROOM
+                alloc = self._alloc.allocate(full)
+            nbytes = full if token_range[1] - token_range[0] == layout.chunk_size else layout.nbytes(
+                token_range[1] - token_range[0])
             entry = MemoryEntry(key, layout, token_range, alloc, nbytes, pins=1)
             self._entries[key] = entry
             return entry
 
-    def commit(self, entry: MemoryEntry) -> None:
+    def commit(self, entry: MemoryEntry, *, keep_pin: bool = False) -> None:
+        """Publish a prepared entry; ``keep_pin`` hands the writer's pin to the caller."""
         with self._lock:
             entry.committed = True
-            entry.pins -= 1
+            if not keep_pin:
+                entry.pins -= 1
             self._policy.inserted(entry.key)
 
     def abort(self, entry: MemoryEntry) -> None:
@@ -158,14 +171,7 @@ class MemoryTier:
         """Typed views of the entry's tensors, in layout order (valid while pinned)."""
         views = entry._views
         if views is None:
-            flat = self.raw(entry)
-            n = entry.num_tokens
-            out = []
-            offset = 0
-            for spec, shape, size in zip(entry.layout.tensors, entry.layout.shapes(n), entry.layout.sizes(n)):
-                out.append(flat[offset : offset + size].view(spec.dtype).view(shape))
-                offset += size
-            views = entry._views = tuple(out)
+            views = entry._views = entry.layout.views(self._alloc.typed, entry.alloc.offset, entry.num_tokens)
         return views
 
     # -- removal ----------------------------------------------------------

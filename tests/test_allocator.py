@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvengine.allocator import SlabAllocator
+from kvengine.allocator import ALIGN, SlabAllocator
 from kvengine.errors import CapacityError
 
 
@@ -19,7 +19,8 @@ def test_capacity_never_exceeded_and_slots_disjoint():
     spans = sorted((x.offset, x.offset + x.nbytes) for x in allocs)
     assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
     assert spans[-1][1] <= a.capacity_bytes
-    assert len(allocs) == 16 * (65536 // 5000)
+    assert len(allocs) == 16 * (65536 // (-(-5000 // ALIGN) * ALIGN))
+    assert all(x.offset % ALIGN == 0 for x in allocs)
 
 
 def test_no_fragmentation_after_mixed_churn():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvengine.allocator import SlabAllocator
 from kvengine.eviction import LRUPolicy
 from kvengine.keys import ChunkHash, ChunkKey, Namespace
-from kvengine.memory_tier import MemoryTier
+from kvengine.memory_tier import MemoryEntry, MemoryTier, Prepared
 
 from .conftest import make_layout
 
@@ -23,8 +23,8 @@ def tier(n_chunks: int) -> MemoryTier:
 
 
 def put(t: MemoryTier, i: int) -> bool:
-    entry = t.prepare(key(i), LAYOUT, (0, 16), SIZE)
-    if entry is None:
+    entry = t.prepare(key(i), LAYOUT, (0, 16))
+    if isinstance(entry, Prepared):
         return False
     t.commit(entry)
     return True
@@ -35,7 +35,7 @@ def test_pinned_entries_survive_pressure():
     t = tier(2)
     assert put(t, 0) and put(t, 1)
     pinned = t.pin_prefix([key(0), key(1)])
-    assert not put(t, 2)
+    assert t.prepare(key(2), LAYOUT, (0, 16)) is Prepared.NO_ROOM
     assert t.contains(key(0)) and t.contains(key(1))
     t.unpin(pinned)
     assert put(t, 2) and t.used_bytes <= t.capacity_bytes
@@ -43,8 +43,9 @@ def test_pinned_entries_survive_pressure():
 
 def test_prepared_entry_invisible_until_commit():
     t = tier(2)
-    entry = t.prepare(key(0), LAYOUT, (0, 16), SIZE)
-    assert entry is not None and not t.contains(key(0)) and t.pin_prefix([key(0)]) == []
+    entry = t.prepare(key(0), LAYOUT, (0, 16))
+    assert isinstance(entry, MemoryEntry) and not t.contains(key(0)) and t.pin_prefix([key(0)]) == []
+    assert t.prepare(key(0), LAYOUT, (0, 16)) is Prepared.PRESENT
     t.abort(entry)
     assert len(t) == 0 and t.used_bytes == 0
 
@@ -61,7 +62,7 @@ def test_prefix_head_evicted_last():
 
 def test_typed_views_alias_memory():
     t = tier(1)
-    entry = t.prepare(key(0), LAYOUT, (0, 16), SIZE)
+    entry = t.prepare(key(0), LAYOUT, (0, 16))
     views = t.tensors(entry)
     views[0].fill_(1.5)
     t.commit(entry)

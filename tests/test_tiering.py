@@ -1,0 +1,184 @@
+"""Memory <-> lower tier paths of the engine, isolated with an in-memory transport.
+
+The transport here is a unit-level stand-in (a dict); the real local-disk
+transport has its own tests under tests/transports/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kvengine import CacheEngine, ChunkKey, Namespace
+
+from .conftest import CHUNK, FakeKV, make_config, make_layout
+
+
+class DictTransport:
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.blobs: dict[ChunkKey, bytes] = {}
+        self.fail_puts = False
+        self.put_delay = 0.0
+        self.deleted: list[ChunkKey] = []
+
+    async def put(self, items: Sequence[tuple[ChunkKey, bytes]]) -> list[bool]:
+        await asyncio.sleep(self.put_delay)
+        if self.fail_puts:
+            return [False] * len(items)
+        for key, blob in items:
+            self.blobs[key] = bytes(blob)
+        return [True] * len(items)
+
+    async def get(self, keys):
+        return [self.blobs.get(k) for k in keys]
+
+    async def exists(self, keys):
+        return [k in self.blobs for k in keys]
+
+    async def delete(self, keys):
+        self.deleted += keys
+        return [self.blobs.pop(k, None) is not None for k in keys]
+
+    async def close(self) -> None:
+        pass
+
+
+async def make_engine(transport, **cfg) -> CacheEngine:
+    eng = CacheEngine(make_config(capacity=4 * make_layout().nbytes(), **cfg), transports=[transport])
+    await eng.start()
+    return eng
+
+
+def sink_into(out):
+    def sink(view):
+        s, e = view.token_range
+        for d, src in zip(out, view.tensors):
+            d[:, :, s:e].copy_(src)
+    return sink
+
+
+async def test_write_behind_then_promotion_from_lower_tier(layout):
+    """A chunk evicted from memory is found below, verified, promoted and loaded exactly."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    kv = FakeKV(3 * CHUNK)
+    await eng.store(b, toks, kv.source)
+    await eng.flush()
+    assert len(t.blobs) == 3
+    for k in list(t.blobs):
+        assert eng.memory.discard(k)
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 3 * CHUNK
+    out = [torch.zeros_like(x) for x in kv.layers]
+    assert (await eng.load(res, sink_into(out))).ok
+    assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    assert eng.metrics.value("kvengine_loaded_bytes_total", tier="dict") == 3 * layout.nbytes()
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+async def test_corrupt_lower_tier_record_is_a_counted_miss(layout, damage):
+    """A damaged record below memory is never served: the prefix stops there and it is deleted."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    await eng.store(b, toks, FakeKV(3 * CHUNK).source)
+    await eng.flush()
+    keys = list(t.blobs)
+    for k in keys:
+        eng.memory.discard(k)
+    blob = bytearray(t.blobs[keys[1]])
+    if damage == "flip":
+        blob[-7] ^= 1
+    elif damage == "truncate":
+        del blob[-100:]
+    else:
+        blob = bytearray(t.blobs[keys[2]])  # a valid record, but of another chunk
+    t.blobs[keys[1]] = bytes(blob)
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == CHUNK
+    assert keys[1] in t.deleted
+    assert sum(eng.metrics.value("kvengine_integrity_failures_total", reason=r)
+               for r in ("payload_checksum", "truncated_payload", "other_key")) == 1
+    await eng.release(res)
+    await eng.close()
+
+
+async def test_failed_tier_writes_are_counted_and_memory_keeps_serving(layout):
+    t = DictTransport()
+    t.fail_puts = True
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await eng.flush()
+    assert eng.metrics.value("kvengine_writes_dropped_total", reason="dict_failed") == 2
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 2 * CHUNK and eng.memory.total_pins() == 2
+    await eng.release(res)
+    await eng.close()
+
+
+async def test_backpressure_and_shutdown_drop_are_accounted(layout):
+    """A full write queue drops (counted) instead of growing; close(flush=False) drops the rest, counted."""
+    t = DictTransport()
+    t.put_delay = 0.5
+    eng = await make_engine(t, max_pending_writes=1)
+    b = eng.bind(Namespace(model="m"), layout)
+    await eng.store(b, list(range(4 * CHUNK)), FakeKV(4 * CHUNK).source)
+    await asyncio.sleep(0.05)  # the writer takes one batch and sleeps in put
+    dropped = eng.metrics.value("kvengine_writes_dropped_total", reason="backpressure")
+    assert dropped >= 1
+    await eng.close(flush=False)
+    shutdown = eng.metrics.value("kvengine_writes_dropped_total", reason="shutdown")
+    assert len(t.blobs) + dropped + shutdown <= 4
+    assert eng.memory.total_pins() == 0
+
+
+async def test_write_through_is_durable_on_return(layout):
+    t = DictTransport()
+    eng = await make_engine(t, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    await eng.store(b, list(range(2 * CHUNK)), FakeKV(2 * CHUNK).source)
+    assert len(t.blobs) == 2 and eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_unverified_namespace_never_reaches_verified_reader(layout):
+    """Chunks written under the debug override live apart from verified ones."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    dbg = eng.bind(Namespace(model="m", verified=False), layout)
+    ok = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(dbg, toks, FakeKV(2 * CHUNK).source)
+    await eng.flush()
+    assert (await eng.lookup(ok, "r", toks)).matched_tokens == 0
+    await eng.close()
+
+
+async def test_partial_chunks_when_enabled(layout):
+    """With store_partial_chunks, an identical prompt matches its tail; a longer one only full chunks."""
+    eng = CacheEngine(make_config(capacity=8 * layout.nbytes(), store_partial_chunks=True))
+    await eng.start()
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK + 5))
+    kv = FakeKV(2 * CHUNK + 5)
+    st = await eng.store(b, toks, kv.source)
+    assert st.stored_chunks == 3
+    res = await eng.lookup(b, "same", toks)
+    assert res.matched_tokens == 2 * CHUNK + 5
+    out = [torch.zeros_like(x) for x in kv.layers]
+    result = await eng.load(res, sink_into(out))
+    assert result.loaded_tokens == 2 * CHUNK + 5 and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    assert (await eng.lookup(b, "longer", toks + [7])).matched_tokens == 2 * CHUNK
+    await eng.close()
