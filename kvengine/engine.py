@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,11 @@ from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, 
 logger = logging.getLogger("kvengine")
 
 _WRITE_BATCH = 16
+
+
+class _Rejected(enum.Enum):
+    CORRUPT = "corrupt"  # a lower-tier record failed verification; delete it
+    NO_ROOM = "no_room"  # a verified record found no room in memory; keep it
 
 
 class CacheEngine:
@@ -160,7 +166,7 @@ class CacheEngine:
         keys = [ChunkKey(binding.digest, h) for h in hashes]
         entries = self.memory.pin_prefix(keys)
         if len(entries) < len(keys) and self.transports:
-            entries += await self._promote(binding, keys[len(entries) :])
+            entries += await self._promote(binding, keys[len(entries) :], len(entries))
         res = Reservation(
             request_id=request_id,
             namespace=binding.digest,
@@ -179,8 +185,12 @@ class CacheEngine:
         self.metrics.reservations_active.set(len(self.reservations))
         return res
 
-    async def _promote(self, binding: ModelBinding, keys: list[ChunkKey]) -> list[MemoryEntry]:
-        """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned."""
+    async def _promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int) -> list[MemoryEntry]:
+        """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned.
+
+        ``keys[0]`` is chunk number ``first_chunk`` of the request; each record
+        must cover exactly that chunk's token positions.
+        """
         promoted: list[MemoryEntry] = []
         for transport in self.transports:
             want = keys[len(promoted) :]
@@ -192,36 +202,44 @@ class CacheEngine:
                 continue
             blobs = await transport.get(want[:run])
             for key, blob in zip(want[:run], blobs):
-                entry = None
-                if blob is not None:
-                    entry = await asyncio.to_thread(self._admit_record, binding, key, blob, transport.name)
-                if entry is None:
-                    if blob is not None:
-                        await transport.delete([key])
+                if blob is None:
+                    return promoted
+                start = (first_chunk + len(promoted)) * binding.chunk_size
+                entry = await asyncio.to_thread(self._admit_record, binding, key, blob, start, transport.name)
+                if entry is _Rejected.CORRUPT:
+                    await transport.delete([key])
+                if not isinstance(entry, MemoryEntry):
                     return promoted
                 promoted.append(entry)
         return promoted
 
-    def _admit_record(self, binding: ModelBinding, key: ChunkKey, blob: object, tier: str) -> MemoryEntry | None:
-        """Verify a record and copy it into memory, pinned; None (counted) if it is bad."""
+    def _admit_record(
+        self, binding: ModelBinding, key: ChunkKey, blob: object, start: int, tier: str
+    ) -> MemoryEntry | _Rejected:
+        """Verify a record and copy it into memory, pinned; or say why not (corrupt: counted)."""
         try:
             header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
             n = header.token_end - header.token_start
+            if header.token_start != start or not 0 < n <= binding.chunk_size:
+                raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
+                                     f"{header.token_end}, expected a chunk starting at {start}")
             if header.tensors != descriptors_for(binding.layout, n):
                 raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
             if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
                 raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
             raw = self.codecs.by_id(header.codec_id).decode(payload, header.tensors)
+            if len(raw) != header.raw_length:
+                raise IntegrityError("codec_length", f"decoded {len(raw)} B, header says {header.raw_length}")
         except IntegrityError as exc:
             self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
-            return None
+            return _Rejected.CORRUPT
         except Exception as exc:  # a codec library failing on garbage is still a miss
             self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
-            return None
+            return _Rejected.CORRUPT
         entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
         if isinstance(entry, Prepared):
             # Present already (a concurrent promotion) or no room: pin what is there, if anything.
-            return self.memory.pin(key)
+            return self.memory.pin(key) or _Rejected.NO_ROOM
         self.memory.raw(entry).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
         self.memory.commit(entry, keep_pin=True)
         self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)

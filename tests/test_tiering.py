@@ -182,3 +182,27 @@ async def test_partial_chunks_when_enabled(layout):
     assert result.loaded_tokens == 2 * CHUNK + 5 and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     assert (await eng.lookup(b, "longer", toks + [7])).matched_tokens == 2 * CHUNK
     await eng.close()
+
+
+async def test_record_at_wrong_position_is_refused(layout):
+    """A record whose bytes verify but whose token range is not the chunk's position is never served."""
+    from kvengine.record import descriptors_for, encode_header, unpack_record
+
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await eng.flush()
+    keys = sorted(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)
+    for k in keys:
+        eng.memory.discard(k)
+    header, payload = unpack_record(t.blobs[keys[1]])
+    forged = encode_header(keys[1], (0, CHUNK), descriptors_for(layout, CHUNK), codec_id=0,
+                           raw_length=header.raw_length, payload=payload)
+    t.blobs[keys[1]] = forged + bytes(payload)
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == CHUNK
+    assert eng.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 1
+    await eng.release(res)
+    await eng.close()
