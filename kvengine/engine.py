@@ -37,7 +37,7 @@ from .hashing import TokenInput, prefix_hashes
 from .keys import ChunkKey, Namespace
 from .layout import ChunkLayout
 from .memory_tier import MemoryEntry, MemoryTier, Prepared
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, TierStatsCollector
 from .record import RecordFlag, descriptors_for, encode_header, unpack_record
 from .reservations import Reservation, ReservationState, ReservationTable
 from .transport import ChunkTransport
@@ -67,6 +67,8 @@ class CacheEngine:
         self.metrics = metrics or EngineMetrics()
         self.codecs = codecs or CodecRegistry()
         self.transports = tuple(transports)
+        if self.transports:
+            self.metrics.registry.register(TierStatsCollector(self.transports))
         self._tier_codec = self.codecs.by_name(config.disk.codec)
         self._clock = clock
         allocator = SlabAllocator(

@@ -5,7 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .transport import ChunkTransport, ReportsStats
 
 logger = logging.getLogger("kvengine")
 
@@ -50,3 +56,29 @@ class EngineMetrics:
 
     def serve_http(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
+
+
+class TierStatsCollector(Collector):
+    """Exports the counters that lower tiers keep themselves (faults they absorb as misses)."""
+
+    def __init__(self, transports: Sequence[ChunkTransport]) -> None:
+        self._transports = [t for t in transports if isinstance(t, ReportsStats)]
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        chunks = GaugeMetricFamily("kvengine_tier_chunks", "Chunks held per tier", labels=["tier"])
+        used = GaugeMetricFamily("kvengine_tier_used_bytes", "Bytes used per tier", labels=["tier"])
+        evictions = CounterMetricFamily("kvengine_tier_evictions", "Chunks evicted by a tier", labels=["tier"])
+        integrity = CounterMetricFamily("kvengine_tier_integrity_failures",
+                                        "Records a tier found corrupt and dropped", labels=["tier", "reason"])
+        puts = CounterMetricFamily("kvengine_tier_put_failures", "Writes a tier refused", labels=["tier", "reason"])
+        for transport in self._transports:
+            stats = transport.stats()  # type: ignore[attr-defined]
+            tier = transport.name
+            chunks.add_metric([tier], stats.chunks)
+            used.add_metric([tier], stats.used_bytes)
+            evictions.add_metric([tier], stats.evictions)
+            for reason, n in stats.integrity_reasons.items():
+                integrity.add_metric([tier, reason], n)
+            for reason, n in stats.put_failures.items():
+                puts.add_metric([tier, reason], n)
+        yield from (chunks, used, evictions, integrity, puts)

@@ -20,7 +20,7 @@ group; the value is a factory ``(config: dict) -> ChunkTransport``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from .keys import ChunkKey
@@ -49,3 +49,18 @@ class ChunkTransport(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class TierStats(Protocol):
+    """What a transport's optional ``stats()`` reports (exported as Prometheus metrics)."""
+
+    chunks: int
+    used_bytes: int
+    evictions: int
+    integrity_reasons: Mapping[str, int]
+    put_failures: Mapping[str, int]
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    def stats(self) -> TierStats: ...

@@ -1,0 +1,366 @@
+"""Blocking file primitives of the local-disk transport: one chunk record per file.
+
+Everything here runs on worker threads, never on the event loop, and reports
+faults by raising ``OSError`` / :class:`IntegrityError`; the transport turns
+them into counted misses and failed puts.
+
+On-disk layout of a store directory ``root``::
+
+    root/<key hex>.kvc                  a published record, byte for byte
+    root/<key hex>.<pid>.<rand>.tmp     a record being written by process <pid>
+
+Writes of large records use ``O_DIRECT`` (measured 1.4-4x faster than a
+buffered write + fsync on the project's 2-core VM: no page-cache pages to
+allocate and flush). ``O_DIRECT`` needs block-aligned buffers, offsets and
+lengths: data goes through a reused per-thread aligned staging buffer (or
+straight from the caller's buffer when that is already aligned), the last
+block is padded and the file truncated back to the exact record length, so
+every file holds exactly one record. A filesystem that refuses ``O_DIRECT``
+(EINVAL at open or at the first write) turns it off for the life of the
+object; small records always use buffered I/O.
+
+Reads are buffered (kernel readahead measured faster than O_DIRECT reads
+there) into recycled buffers (:mod:`._read_buffers`), and large files are
+dropped from the page cache afterwards: the memory tier is the cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import numpy as np
+
+from kvengine.errors import IntegrityError, InvalidRequestError
+from kvengine.keys import ChunkKey, NamespaceDigest
+from kvengine.record import RecordHeader, decode_header, peek_header_length, verify_payload
+
+from ._read_buffers import BufferPool
+
+_T = TypeVar("_T")
+FsyncPolicy = Literal["never", "data", "always"]
+
+#: Block size used for O_DIRECT alignment and for capacity accounting.
+ALIGN = 4096
+#: Records smaller than this use buffered I/O (cheap copies, page cache helps).
+DIRECT_MIN_BYTES = 256 * 1024
+#: Size of each thread's aligned staging buffer for O_DIRECT writes.
+STAGE_BYTES = 8 * 2**20
+#: First read when only the header is wanted (index rebuild, ``read_into``).
+HEAD_BYTES = 4096
+
+RECORD_SUFFIX = ".kvc"
+TEMP_SUFFIX = ".tmp"
+_KEY_HEX_LEN = 64
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def footprint(nbytes: int) -> int:
+    """Bytes a record of ``nbytes`` occupies on disk (whole blocks)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def record_name(key: ChunkKey) -> str:
+    return key.hex() + RECORD_SUFFIX
+
+
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if buf.nbytes else 0
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_quiet(path: Path | str, dir_fd: int | None = None) -> bool:
+    try:
+        os.unlink(path, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What a directory scan found; corrupt files have already been deleted."""
+
+    #: (key, record length, mtime) of every acceptable record, oldest first.
+    records: list[tuple[ChunkKey, int, float]] = field(default_factory=list)
+    #: Integrity-failure reason of each corrupt record found (and deleted).
+    corrupt: list[str] = field(default_factory=list)
+    #: Records left alone: other format version, namespace or a foreign name.
+    ignored: int = 0
+    temps_removed: int = 0
+
+
+class RecordFiles:
+    """Reads, writes, deletes and scans record files under one directory.
+
+    Thread-safe: the only shared mutable state is the O_DIRECT fallback flag
+    (set once, monotonically) and per-thread staging buffers.
+    """
+
+    def __init__(self, root: Path, *, direct_io: bool | None = None, pool_bytes: int = 256 * 2**20) -> None:
+        self.root = root
+        self.buffers = BufferPool(pool_bytes)
+        #: None (auto) and True both try O_DIRECT; a refusal turns it off.
+        self.direct = direct_io is not False and _O_DIRECT != 0
+        self._forced_direct = direct_io is True
+        self._local = threading.local()
+
+    def path_of(self, key: ChunkKey) -> Path:
+        return self.root / record_name(key)
+
+    def _open(self, path: Path, flags: int, direct: bool) -> tuple[int, bool]:
+        """Open with O_DIRECT when asked and accepted; (fd, whether O_DIRECT is on)."""
+        if direct:
+            try:
+                return os.open(path, flags | _O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or self._forced_direct:
+                    raise
+                self.direct = False
+        return os.open(path, flags, 0o644), False
+
+    # -- write ----------------------------------------------------------------
+    def write(self, key: ChunkKey, data: memoryview, fsync: FsyncPolicy) -> None:
+        """Publish ``data`` as the record of ``key``: temp file, optional fsync, rename."""
+        final = self.path_of(key)
+        tmp = self.root / f"{key.hex()}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
+        fd, direct = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC,
+                                self.direct and data.nbytes >= DIRECT_MIN_BYTES)
+        try:
+            if direct:
+                self._write_direct(fd, data)
+            else:
+                self._write_buffered(fd, data)
+            if fsync != "never":
+                os.fdatasync(fd)
+        except BaseException as exc:
+            os.close(fd)
+            _unlink_quiet(tmp)
+            if direct and isinstance(exc, OSError) and exc.errno == errno.EINVAL and not self._forced_direct:
+                self.direct = False  # the filesystem accepted the flag but refuses the I/O
+                return self.write(key, data, fsync)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        if fsync == "always":
+            self.sync_dir()
+
+    def sync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _write_buffered(fd: int, data: memoryview) -> None:
+        off = 0
+        while off < data.nbytes:
+            off += os.pwrite(fd, data[off:], off)
+
+    def _stage(self) -> memoryview:
+        stage = getattr(self._local, "stage", None)
+        if stage is None:
+            stage = self._local.stage = memoryview(mmap.mmap(-1, STAGE_BYTES))
+        return stage
+
+    def _write_direct(self, fd: int, data: memoryview) -> None:
+        n = data.nbytes
+        off = 0
+        if _address(data) % ALIGN == 0:  # zero-copy for the aligned body
+            body = n - n % ALIGN
+            while off < body:
+                off += os.pwrite(fd, data[off:body], off)
+        stage = self._stage()
+        while off < n:
+            k = min(STAGE_BYTES, n - off)
+            stage[:k] = data[off : off + k]
+            want, done = footprint(k), 0
+            while done < want:
+                done += os.pwrite(fd, stage[done:want], off + done)
+            off += k
+        if n % ALIGN:
+            os.ftruncate(fd, n)
+
+    # -- read -----------------------------------------------------------------
+    def read(self, key: ChunkKey, check: Callable[[memoryview], object], *, max_bytes: int) -> memoryview:
+        """The whole file of ``key``, passed through ``check``.
+
+        Raises FileNotFoundError on a miss; if ``check`` raises
+        IntegrityError (or the file is over ``max_bytes``) the file is
+        deleted, unless a newer write replaced it meanwhile, and the error
+        propagates.
+        """
+        fd = os.open(self.path_of(key), os.O_RDONLY | _O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                self._checked(fd, key, partial(_raise, IntegrityError("oversized", f"{size} B file")))
+            buf = self.buffers.take(size)
+            got = _read_all(fd, buf, size)
+            if size >= DIRECT_MIN_BYTES:  # the memory tier is the cache: do not keep a second copy
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            view = buf[:got]
+            self._checked(fd, key, lambda: check(view))
+            return view
+        finally:
+            os.close(fd)
+
+    def read_into(self, key: ChunkKey, out: memoryview) -> RecordHeader:
+        """Read the header, then the payload straight into ``out``; verify both like :meth:`read`."""
+        fd = os.open(self.path_of(key), os.O_RDONLY | _O_CLOEXEC)
+        try:
+            return self._checked(fd, key, lambda: _read_payload_into(fd, key, out))
+        finally:
+            os.close(fd)
+
+    def _checked(self, fd: int, key: ChunkKey, verify: Callable[[], _T]) -> _T:
+        try:
+            return verify()
+        except IntegrityError:
+            try:
+                if os.stat(self.path_of(key)).st_ino == os.fstat(fd).st_ino:
+                    os.unlink(self.path_of(key))
+            except OSError:
+                pass
+            raise
+
+    # -- delete / scan ----------------------------------------------------------
+    def unlink(self, key: ChunkKey) -> bool:
+        """Remove the file of ``key``; whether there was one."""
+        return _unlink_quiet(self.path_of(key))
+
+    def scan(self, accept: Callable[[NamespaceDigest], bool], *, workers: int = 8) -> ScanResult:
+        """Index what is on disk from headers only; delete corrupt records and dead writers' temps.
+
+        Header reads run on ``workers`` threads: a cold scan is bound by
+        small random reads, which a virtual disk serves faster when queued.
+        """
+        result = ScanResult()
+        dir_fd = os.open(self.root, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            records: list[tuple[int, str]] = []
+            with os.scandir(self.root) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if name.endswith(RECORD_SUFFIX) and len(name) == _KEY_HEX_LEN + len(RECORD_SUFFIX):
+                        records.append((entry.inode(), name))
+                    elif name.endswith(TEMP_SUFFIX):
+                        parts = name.split(".")
+                        stale = len(parts) != 4 or not parts[1].isdigit() or not _pid_alive(int(parts[1]))
+                        if stale and _unlink_quiet(name, dir_fd):
+                            result.temps_removed += 1
+                    else:
+                        result.ignored += 1
+            records.sort()  # inode order: inode table and data blocks are read nearly sequentially
+            names = [name for _, name in records]
+            batches = [names[i : i + 512] for i in range(0, len(names), 512)]
+            with ThreadPoolExecutor(max(1, min(workers, len(batches)))) as pool:
+                for part in pool.map(lambda batch: _scan_batch(dir_fd, batch, accept), batches):
+                    result.records += part.records
+                    result.corrupt += part.corrupt
+                    result.ignored += part.ignored
+        finally:
+            os.close(dir_fd)
+        result.records.sort(key=lambda r: r[2])
+        return result
+
+
+def _scan_batch(dir_fd: int, names: list[str], accept: Callable[[NamespaceDigest], bool]) -> ScanResult:
+    result = ScanResult()
+    for name in names:
+        try:
+            fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            result.ignored += 1
+            continue
+        try:
+            st = os.fstat(fd)
+            header = decode_header(_read_header(fd))
+            if not accept(header.key.namespace):
+                result.ignored += 1
+                continue
+            if header.key.hex() != name[:_KEY_HEX_LEN]:
+                raise IntegrityError("other_key", "file name and header disagree")
+            if st.st_size != header.record_length:
+                raise IntegrityError("truncated_payload" if st.st_size < header.record_length else "trailing_bytes")
+            result.records.append((header.key, st.st_size, st.st_mtime))
+        except IntegrityError as exc:
+            if exc.reason == "other_version":
+                result.ignored += 1
+            else:
+                result.corrupt.append(exc.reason)
+                _unlink_quiet(name, dir_fd)
+        except OSError:
+            result.ignored += 1
+        finally:
+            os.close(fd)
+    return result
+
+
+def _read_all(fd: int, buf: memoryview, size: int) -> int:
+    """Fill ``buf[:size]`` from offset 0 until ``size`` bytes or EOF; bytes read."""
+    got = 0
+    while got < size:
+        k = os.preadv(fd, [buf[got:size]], got)
+        if k == 0:
+            break
+        got += k
+    return min(got, size)
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
+def _read_payload_into(fd: int, key: ChunkKey, out: memoryview) -> RecordHeader:
+    size = os.fstat(fd).st_size
+    header = decode_header(_read_header(fd), expect_namespace=key.namespace)
+    if header.key != key:
+        raise IntegrityError("other_key", "record holds a different chunk")
+    if size != header.record_length:
+        raise IntegrityError("truncated_payload" if size < header.record_length else "trailing_bytes",
+                             f"file {size} bytes, header says {header.record_length}")
+    if out.nbytes < header.payload_length:
+        raise InvalidRequestError(f"buffer of {out.nbytes} B < payload of {header.payload_length} B")
+    view = out[: header.payload_length]
+    got = 0
+    while got < header.payload_length:
+        k = os.preadv(fd, [view[got:]], header.header_length + got)
+        if k == 0:
+            break
+        got += k
+    verify_payload(header, view[:got])
+    return header
+
+
+def _read_header(fd: int) -> bytes:
+    head = os.pread(fd, HEAD_BYTES, 0)
+    length = peek_header_length(head)
+    if length > len(head):
+        head = os.pread(fd, length, 0)
+    return head

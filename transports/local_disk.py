@@ -1,0 +1,429 @@
+"""Local-disk transport: chunk records as files in one directory, LRU-bounded.
+
+One file per record (``<key hex>.kvc``, see :mod:`._disk_files`), written to
+a temp file and published with ``os.replace``: a reader sees nothing or a
+whole record. Files rather than segments because chunks are MiBs: eviction
+is an ``unlink``, recovery needs no log, nothing needs compacting.
+
+fsync policy (``LocalDiskOptions.fsync``):
+
+* ``"never"``  -- no fsync; a crash may lose recent puts or leave a torn
+  file, which is detected (restart scan or ``get``), deleted and counted.
+* ``"data"``   -- fdatasync the temp file before the rename: a put that
+  returned True has its bytes on stable storage; the name may still be lost
+  in a power cut (the chunk is then simply missing).
+* ``"always"`` -- also fsync the directory after renames and unlinks.
+
+Capacity counts each record rounded up to 4 KiB blocks and is never
+exceeded, on disk either: space is reserved before a write starts, evicting
+the least recently read-or-written records, whose files are unlinked before
+the space is reused. After a restart the LRU order starts from file mtimes.
+
+Restart: the directory is scanned in the background (headers only) when the
+transport is built; operations wait for it. Records of another format
+version, or of a namespace outside ``namespaces``, are left alone and not
+indexed (nor counted against capacity); corrupt or torn records are deleted
+and counted; temp files of writers no longer alive are removed. Several
+processes may open one directory, but each enforces capacity on what it
+indexed at open: give one of them the writer role.
+
+Faults never raise: a full disk (ENOSPC/EDQUOT), a read-only directory
+(EROFS/EACCES/EPERM) or another I/O error makes ``put`` return False
+(counted per reason, logged once per reason) and reads keep working. Every
+``get`` verifies with :func:`kvengine.record.unpack_record`; a failure is a
+miss, the file is deleted and the reason counted. Caller mistakes (a record
+not matching its key, a namespace outside ``namespaces``, use after
+``close``) raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar, get_args
+
+from pydantic import ValidationError
+
+from kvengine.config import DiskConfig
+from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError, TransportError
+from kvengine.keys import DIGEST_BYTES, ChunkKey, NamespaceDigest
+from kvengine.record import RecordHeader, decode_header, unpack_record
+from kvengine.transport import Buffer
+
+from ._disk_files import FsyncPolicy, RecordFiles, ScanResult, footprint
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_PUT_REASONS = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EROFS: "read_only",
+                errno.EACCES: "read_only", errno.EPERM: "read_only"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalDiskOptions:
+    """Everything the transport needs; build from a :class:`DiskConfig` with :meth:`from_config`."""
+
+    path: Path
+    capacity_bytes: int
+    fsync: FsyncPolicy = "data"
+    #: Namespaces this process serves; records of others are ignored. None: all.
+    namespaces: frozenset[NamespaceDigest] | None = None
+    #: None: O_DIRECT for large records where the filesystem accepts it; False: never; True: required.
+    direct_io: bool | None = None
+    io_threads: int = 4
+    #: Idle read buffers kept for reuse (fresh memory costs a page fault per 4 KiB).
+    read_pool_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if self.capacity_bytes <= 0:
+            raise ConfigError(f"local_disk capacity_bytes must be > 0, got {self.capacity_bytes}")
+        if self.fsync not in get_args(FsyncPolicy):
+            raise ConfigError(f"local_disk fsync must be one of {get_args(FsyncPolicy)}, got {self.fsync!r}")
+        if self.io_threads < 1:
+            raise ConfigError(f"local_disk io_threads must be >= 1, got {self.io_threads}")
+        if self.namespaces is not None and any(len(ns) != DIGEST_BYTES for ns in self.namespaces):
+            raise ConfigError("local_disk namespaces must be 16-byte namespace digests")
+
+    @classmethod
+    def from_config(cls, disk: DiskConfig, **extra: Any) -> LocalDiskOptions:
+        if disk.path is None:
+            raise ConfigError("disk.path is required for the local_disk transport")
+        return cls(path=Path(disk.path), capacity_bytes=int(disk.capacity_bytes), fsync=disk.fsync, **extra)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiskStats:
+    """A consistent snapshot of the transport's state and counters (monotonic unless noted)."""
+
+    chunks: int  # gauge
+    used_bytes: int  # gauge, including space reserved by in-flight puts
+    capacity_bytes: int
+    puts_ok: int
+    puts_deduplicated: int  # put of a key already stored: nothing written
+    puts_failed: int
+    hits: int
+    misses: int
+    read_errors: int  # I/O errors on reads (also counted as misses)
+    integrity_failures: int
+    evictions: int
+    bytes_written: int
+    bytes_read: int
+    put_failures: Mapping[str, int] = field(default_factory=dict)  # by reason
+    integrity_reasons: Mapping[str, int] = field(default_factory=dict)
+    direct_io: bool = False
+    rebuild_seconds: float = 0.0
+
+
+_COUNTERS = ("puts_ok", "puts_deduplicated", "puts_failed", "hits", "misses", "read_errors",
+             "integrity_failures", "evictions", "bytes_written", "bytes_read")
+
+
+class LocalDiskTransport:
+    """A :class:`kvengine.transport.ChunkTransport` over a local directory."""
+
+    name = "local_disk"
+
+    def __init__(self, options: LocalDiskOptions) -> None:
+        self.options = options
+        try:
+            options.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if not options.path.is_dir():
+                raise TransportError(f"cannot create disk cache directory {options.path}: {exc}") from exc
+        self._files = RecordFiles(options.path, direct_io=options.direct_io,
+                                  pool_bytes=options.read_pool_bytes)
+        self._pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="kvengine-disk")
+        self._cond = threading.Condition()
+        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> record length, LRU first
+        self._published = 0  # footprint of indexed records
+        self._reserved = 0  # footprint of in-flight puts
+        self._unlinking = 0  # footprint of records dropped from the index, not yet unlinked
+        self._counts: Counter[str] = Counter()
+        self._put_reasons: Counter[str] = Counter()
+        self._bad_reasons: Counter[str] = Counter()
+        self._warned: set[str] = set()
+        self._rebuild_seconds = 0.0
+        self._closed = False
+        self._ready = self._pool.submit(self._rebuild)
+
+    # -- ChunkTransport -------------------------------------------------------
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        await self._begin()
+        views = [(key, self._checked_record(key, buf)) for key, buf in items]
+        return list(await asyncio.gather(*(self._run(self._put_one, key, view) for key, view in views)))
+
+    async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        await self._begin()
+        hits = self._lookup(keys)
+        pending = (self._get_hit(key, hit) for key, hit in zip(keys, hits, strict=True))
+        return list(await asyncio.gather(*pending))
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        await self._begin()
+        with self._cond:
+            return [key in self._index for key in keys]
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        await self._begin()
+        return await self._run(self._delete_many, list(keys))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._pool.shutdown, True)
+
+    # -- extras ---------------------------------------------------------------
+    async def get_into(self, key: ChunkKey, out: bytearray | memoryview) -> RecordHeader | None:
+        """Read ``key``'s payload straight into ``out`` (verified); its header, or None on a miss."""
+        await self._begin()
+        view = memoryview(out).cast("B")
+        if view.readonly:
+            raise InvalidRequestError("get_into needs a writable buffer")
+        if not self._lookup([key])[0]:
+            return None
+        return await self._run(self._guarded_read, key, lambda: self._files.read_into(key, view))
+
+    async def wait_ready(self) -> None:
+        """Wait for the startup index rebuild (every operation also waits for it)."""
+        await asyncio.wrap_future(self._ready)
+
+    def stats(self) -> DiskStats:
+        with self._cond:
+            return DiskStats(
+                chunks=len(self._index), used_bytes=self._published + self._reserved + self._unlinking,
+                capacity_bytes=self.options.capacity_bytes, **{name: self._counts[name] for name in _COUNTERS},
+                put_failures=dict(self._put_reasons), integrity_reasons=dict(self._bad_reasons),
+                direct_io=self._files.direct, rebuild_seconds=self._rebuild_seconds,
+            )
+
+    # -- plumbing (event loop side) ---------------------------------------------
+    async def _begin(self) -> None:
+        if self._closed:
+            raise TransportError("local_disk transport is closed")
+        if not self._ready.done():
+            await asyncio.wrap_future(self._ready)
+
+    def _run(self, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _checked_record(self, key: ChunkKey, buf: Buffer) -> memoryview:
+        """Caller-mistake checks on the header only (the payload checksum is the reader's job)."""
+        view = memoryview(buf).cast("B")
+        ns = self.options.namespaces
+        if ns is not None and key.namespace not in ns:
+            raise InvalidRequestError("put of a chunk outside this transport's namespaces")
+        try:
+            header = decode_header(view, expect_namespace=key.namespace)
+        except IntegrityError as exc:
+            raise InvalidRequestError(f"put of a malformed record: {exc}") from None
+        if header.key != key or header.record_length != view.nbytes:
+            raise InvalidRequestError("put of a record whose header does not match its key or length")
+        return view
+
+    def _lookup(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key is indexed, touching the LRU order of hits; misses counted here."""
+        with self._cond:
+            hits = [key in self._index for key in keys]
+            for key, hit in zip(keys, hits, strict=True):
+                if hit:
+                    self._index.move_to_end(key)
+            self._counts["misses"] += hits.count(False)
+        return hits
+
+    async def _get_hit(self, key: ChunkKey, hit: bool) -> Buffer | None:
+        return await self._run(self._get_one, key) if hit else None
+
+    # -- workers (thread pool side) ---------------------------------------------
+    def _put_one(self, key: ChunkKey, data: memoryview) -> bool:
+        need = footprint(data.nbytes)
+        if need > self.options.capacity_bytes:
+            return self._put_failed("too_large", f"{data.nbytes} B record > capacity")
+        if not self._reserve(key, need):
+            return True  # already stored: content-addressed, nothing to write
+        failure: OSError | None = None
+        try:
+            self._files.write(key, data, self.options.fsync)
+        except OSError as exc:
+            failure = exc
+        finally:  # also on unexpected errors: a leaked reservation would block later puts
+            with self._cond:
+                self._reserved -= need
+                if failure is None:
+                    self._forget_locked(key)
+                    self._index[key] = data.nbytes
+                    self._published += need
+                    self._counts["puts_ok"] += 1
+                    self._counts["bytes_written"] += data.nbytes
+                self._cond.notify_all()
+        if failure is not None:
+            return self._put_failed(_PUT_REASONS.get(failure.errno or 0, "io_error"), str(failure))
+        return True
+
+    def _reserve(self, key: ChunkKey, need: int) -> bool:
+        """Reserve ``need`` bytes, evicting LRU records first; False if ``key`` is already stored."""
+        cap = self.options.capacity_bytes
+        while True:
+            with self._cond:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                    self._counts["puts_deduplicated"] += 1
+                    return False
+                if self._published + self._reserved + self._unlinking + need <= cap:
+                    self._reserved += need
+                    return True
+                short = self._published + self._reserved + need - cap  # once pending unlinks are done
+                if short <= 0 or not self._index:  # in-flight puts or unlinks will free the space
+                    self._cond.wait()
+                    continue
+                victims, freed = [], 0
+                while freed < short and self._index:
+                    victim = next(iter(self._index))
+                    freed += self._detach_locked(victim)
+                    victims.append(victim)
+                self._counts["evictions"] += len(victims)
+            self._unlink(victims, freed)
+
+    def _detach_locked(self, key: ChunkKey) -> int:
+        """Drop ``key`` from the index, its footprint now counted as being unlinked."""
+        size = self._index.pop(key, None)
+        freed = footprint(size) if size is not None else 0
+        self._published -= freed
+        self._unlinking += freed
+        return freed
+
+    def _forget_locked(self, key: ChunkKey) -> None:
+        """Drop ``key`` from the index whose file is already gone."""
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._published -= footprint(size)
+
+    def _unlink(self, keys: list[ChunkKey], freed: int) -> list[bool]:
+        """Unlink ``keys``' files, then release the ``freed`` bytes :meth:`_detach_locked` held back."""
+        done = [self._files.unlink(key) for key in keys]
+        if self.options.fsync == "always" and any(done):
+            with contextlib.suppress(OSError):
+                self._files.sync_dir()
+        with self._cond:
+            self._unlinking -= freed
+            self._cond.notify_all()
+        return done
+
+    def _delete_many(self, keys: list[ChunkKey]) -> list[bool]:
+        with self._cond:
+            freed = sum(self._detach_locked(key) for key in keys)
+        return self._unlink(keys, freed)
+
+    def _get_one(self, key: ChunkKey) -> Buffer | None:
+        check = partial(unpack_record, expect_key=key)
+        buf = self._guarded_read(key, partial(self._files.read, key, check, max_bytes=self.options.capacity_bytes))
+        if buf is not None:
+            with self._cond:
+                self._counts["hits"] += 1
+                self._counts["bytes_read"] += len(buf)
+        return buf
+
+    def _guarded_read(self, key: ChunkKey, read: Callable[[], _T]) -> _T | None:
+        """Run ``read``; a vanished file or a failed check (file deleted) is a counted miss."""
+        try:
+            return read()
+        except FileNotFoundError:
+            pass
+        except IntegrityError as exc:
+            with self._cond:
+                self._counts["integrity_failures"] += 1
+                self._bad_reasons[exc.reason] += 1
+            self._warn_once(f"integrity:{exc.reason}", "corrupt record %s (%s); deleted", key.hex(), exc)
+        except OSError as exc:
+            self._warn_once("read_error", "read of %s failed: %s", key.hex(), exc)
+            with self._cond:
+                self._counts["read_errors"] += 1
+                self._counts["misses"] += 1
+            return None
+        with self._cond:
+            self._forget_locked(key)
+            self._counts["misses"] += 1
+        return None
+
+    def _put_failed(self, reason: str, detail: str) -> bool:
+        with self._cond:
+            self._counts["puts_failed"] += 1
+            self._put_reasons[reason] += 1
+        self._warn_once(f"put:{reason}", "puts to %s are failing (%s: %s); further ones are only counted",
+                        self.options.path, reason, detail)
+        return False
+
+    def _warn_once(self, reason: str, message: str, *args: object) -> None:
+        with self._cond:
+            if reason in self._warned:
+                return
+            self._warned.add(reason)
+        log.warning("local_disk: " + message, *args)
+
+    def _rebuild(self) -> None:
+        start = time.perf_counter()
+        accept: Callable[[NamespaceDigest], bool] = (
+            (lambda ns: True) if self.options.namespaces is None else self.options.namespaces.__contains__
+        )
+        try:
+            found = self._files.scan(accept)
+        except OSError as exc:
+            self._warn_once("scan", "cannot scan %s, starting empty: %s", self.options.path, exc)
+            found = ScanResult()
+        with self._cond:
+            for key, size, _ in found.records:
+                self._index[key] = size
+                self._published += footprint(size)
+            for reason in found.corrupt:
+                self._bad_reasons[reason] += 1
+            self._counts["integrity_failures"] += len(found.corrupt)
+        if found.corrupt:
+            self._warn_once("integrity:scan", "deleted %d corrupt records in %s", len(found.corrupt), self.options.path)
+        with self._cond:  # a smaller capacity than last time: trim, oldest first
+            victims, freed = [], 0
+            while self._published > self.options.capacity_bytes:
+                victim = next(iter(self._index))
+                freed += self._detach_locked(victim)
+                victims.append(victim)
+            self._counts["evictions"] += len(victims)
+        self._unlink(victims, freed)
+        self._rebuild_seconds = time.perf_counter() - start
+        log.info("local_disk: indexed %d records in %s in %.2f s (%d ignored, %d corrupt, %d temp files removed)",
+                 len(found.records), self.options.path, self._rebuild_seconds, found.ignored,
+                 len(found.corrupt), found.temps_removed)
+
+
+_EXTRA_KEYS = ("namespaces", "direct_io", "io_threads", "read_pool_bytes")
+
+
+def create_transport(config: Mapping[str, Any]) -> LocalDiskTransport:
+    """Entry-point factory (group ``kvengine.transports``, name ``local_disk``).
+
+    Keys: those of :class:`DiskConfig` (``path`` required, sizes like "64GiB"
+    accepted; ``codec`` is the engine's business and ignored here), plus
+    ``namespaces`` (hex digests), ``direct_io``, ``io_threads`` and
+    ``read_pool_bytes`` (see :class:`LocalDiskOptions`).
+    """
+    disk_keys = {k: v for k, v in config.items() if k not in _EXTRA_KEYS}
+    try:
+        disk = DiskConfig.model_validate(disk_keys)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid local_disk transport config: {exc}") from None
+    extra: dict[str, Any] = {k: config[k] for k in _EXTRA_KEYS if k in config}
+    if extra.get("namespaces") is not None:
+        try:
+            extra["namespaces"] = frozenset(NamespaceDigest(bytes.fromhex(h)) for h in extra["namespaces"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"local_disk namespaces must be hex digests: {exc}") from None
+    return LocalDiskTransport(LocalDiskOptions.from_config(disk, **extra))
