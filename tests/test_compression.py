@@ -12,7 +12,7 @@ import torch
 
 from kvengine.codecs import Codec, RawCodec
 from kvengine.compression import (
-    LOSSLESS_FAMILY, Format, Grouping, QuantCodec, codec_family, default_codecs, lossless, lossless_codecs,
+    LOSSLESS_FAMILY, Format, Grouping, QuantCodec, QuantScheme, codec_family, default_codecs, lossless, lossless_codecs,
     lossy_codecs,
 )
 from kvengine.compression._frame import HEADER_BYTES, seal
@@ -137,11 +137,11 @@ def test_codecs_are_thread_safe() -> None:
 # ---------------------------------------------------------------- lossy
 
 
-def group_amax(x: torch.Tensor, codec: QuantCodec) -> torch.Tensor:
+def group_amax(x: torch.Tensor, codec: QuantCodec, token_dim: int = 0) -> torch.Tensor:
     """Per-element amax of its quantization group (independent of the codec's code)."""
     x = x.float().abs()
     if codec.scheme.grouping is Grouping.CHANNEL:
-        return x.amax(dim=0, keepdim=True).expand_as(x)
+        return x.amax(dim=token_dim if token_dim < x.dim() else 0, keepdim=True).expand_as(x)
     g = codec.scheme.group or x.shape[-1]
     cols = x.shape[-1]
     pad = -cols % g
@@ -176,6 +176,25 @@ def test_lossy_error_is_bounded_by_the_group_scale(codec: QuantCodec, dtype: tor
         assert len(stored) < len(raw)
 
 
+@pytest.mark.parametrize("scheme", [c.scheme for c in LOSSY if c.scheme.grouping is Grouping.CHANNEL],
+                         ids=lambda s: s.name)
+def test_channel_codecs_reduce_over_the_configured_token_dim(scheme: QuantScheme) -> None:
+    """Scenario: a [2 (K/V), heads, tokens, head_dim] layout (token_dim=2). Each (kv, head, dim)
+    channel gets its own scale over the tokens, and a reader configured for another
+    token_dim still decodes it (the body records the dim)."""
+    writer = QuantCodec(scheme, token_dim=2)
+    kv = synthetic_kv(48, 2 * 4, 16, dtype=torch.float32).reshape(48, 2, 4, 16).permute(1, 2, 0, 3).contiguous()
+    small = torch.randn(5) * 100  # 1-D: falls back to axis 0
+    raw, descs = payload([kv, small])
+    stored = writer.encode(memoryview(raw), descs)
+    y, y_small = tensors_of(REGISTRY.by_id(scheme.codec_id).decode(memoryview(stored), descs), descs, [kv, small])
+    step = STEP[scheme.fmt] * (1 + 2.0**-7)
+    assert bool(((y - kv).abs() <= group_amax(kv, writer, token_dim=2) * step + 1e-6).all())
+    assert bool(((y_small - small).abs() <= small.abs().max() * step + 1e-6).all())
+    token_first = QuantCodec(scheme, token_dim=0).encode(memoryview(raw), descs)
+    assert len(stored) < len(token_first)  # 2*4*16 channel scales, not 4*48*16
+
+
 @pytest.mark.parametrize("codec", LOSSY, ids=lambda c: c.name)
 def test_lossy_passes_non_float_tensors_and_zeros_through(codec: QuantCodec) -> None:
     tensors = [rand((8, 4), torch.int8), torch.zeros(6, 8, dtype=torch.bfloat16), rand((3, 5), torch.int32),
@@ -195,6 +214,18 @@ def test_lossy_refuses_non_finite_values(codec: QuantCodec, bad: float) -> None:
     raw, descs = payload([x])
     with pytest.raises(InvalidRequestError):
         codec.encode(memoryview(raw), descs)
+
+
+def test_fp8_codes_match_torch_rounding() -> None:
+    """The chunked fp8 conversion equals torch's e4m3fn rounding, subnormals and +-448 included."""
+    from kvengine.compression.quantize import _FP8_VALUES, _SERIAL_ELEMENTS, _fp8_codes
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(3 * _SERIAL_ELEMENTS + 5, generator=gen) * s for s in (1e-3, 1.0, 100.0)])
+    x = torch.cat([x.clamp(-448, 448), torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10])])
+    codes = np.frombuffer(_fp8_codes(x.numpy()), np.uint8)
+    assert np.array_equal(codes, x.to(torch.float8_e4m3fn).view(torch.uint8).numpy())
+    assert np.array_equal(_FP8_VALUES[codes], x.to(torch.float8_e4m3fn).float().numpy())
 
 
 def test_lossy_ratios_on_bf16_kv() -> None:
@@ -257,7 +288,7 @@ def test_forged_blosc_header_sizes_raise(codec: Codec) -> None:
 def test_forged_invalid_scales_raise(codec: QuantCodec, scale_bits: int) -> None:
     raw, descs = payload([rand((8, 4, 16), torch.float32)])
     body = bytearray(bytes(codec.encode(memoryview(raw), descs))[HEADER_BYTES:])
-    struct.pack_into("<H", body, 0, scale_bits)
+    struct.pack_into("<H", body, 1 if codec.scheme.grouping is Grouping.CHANNEL else 0, scale_bits)
     with pytest.raises(IntegrityError):
         codec.decode(memoryview(reseal(codec, bytes(body))), descs)
 

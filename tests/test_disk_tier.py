@@ -107,3 +107,41 @@ def test_corrupt_file_on_disk_is_a_miss_not_data(tmp_path):
         assert eng.metrics.value("kvengine_tier_integrity_failures_total", tier="local_disk",
                                  reason="payload_checksum") >= 1
     assert not list(tmp_path.rglob("*.kvc"))  # corrupt files are deleted, never served later
+
+
+def test_compressed_disk_tier_round_trips_exactly(tmp_path):
+    """With a lossless codec on disk, a restarted engine loads bit-identical KV."""
+    layout = make_layout(dtype=torch.bfloat16)
+    kv = FakeKV(2 * CHUNK, seed=9)
+    kv.layers = [t.to(torch.bfloat16) for t in kv.layers]
+    toks = list(range(2 * CHUNK))
+    cfg = {"disk": {"path": str(tmp_path), "codec": "zstd-byteshuffle"}}
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()}, **cfg}) as eng:
+        eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()}, **cfg}) as eng:
+        matched, result, exact = load_all(eng, eng.bind(Namespace(model="m"), layout), toks, kv)
+        assert matched == 2 * CHUNK and result.ok and exact
+
+
+def test_lossy_disk_codec_needs_a_lossy_namespace(tmp_path):
+    """A quantizing disk tier never answers an exact reader: binding a lossless namespace is refused."""
+    import pytest
+
+    from kvengine import InvalidRequestError
+
+    layout = make_layout()
+    cfg = {"disk": {"path": str(tmp_path), "codec": "int8-token"}}
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()}, **cfg}) as eng:
+        with pytest.raises(InvalidRequestError, match="lossy:int8-token"):
+            eng.bind(Namespace(model="m"), layout)
+        lossy = eng.bind(Namespace(model="m", codec_family="lossy:int8-token"), layout)
+        kv = FakeKV(2 * CHUNK, seed=4)
+        eng.store(lossy, list(range(2 * CHUNK)), kv.source)
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()}, **cfg}) as eng:
+        lossy = eng.bind(Namespace(model="m", codec_family="lossy:int8-token"), layout)
+        res = eng.lookup(lossy, "r", list(range(2 * CHUNK)))
+        got = []
+        eng.load(res, lambda v: got.append([t.clone() for t in v.tensors]))
+        assert res.matched_tokens == 2 * CHUNK
+        err = max((g - k[:, :, :CHUNK]).abs().max().item() for g, k in zip(got[0], kv.layers))
+        assert 0 < err < 0.05  # quantized: close, not exact

@@ -1,0 +1,113 @@
+"""The backend's settings (from SGLang's extra config) and the namespace of its pages.
+
+Extra config keys (``--hicache-storage-backend-extra-config``, JSON):
+
+* SGLang's own: ``backend_name``, ``module_path``, ``class_name``,
+  ``interface_v1`` (set it to 1: the zero-copy path).
+* ``kvengine_config``: kvengine's configuration, a mapping or a YAML path
+  (``KVENGINE_*`` environment variables override it as usual). Its
+  ``chunk_size`` is the page size; leave it unset.
+* ``model``: the model identity to namespace pages by (default: SGLang's
+  ``model_name``, i.e. ``--served-model-name`` or the model path).
+* ``model_fingerprint``: anything that tells apart two models served under
+  one name (a weights revision, a checkpoint hash). Empty by default.
+* ``disk_transport``: options of the local-disk tier beyond kvengine's
+  ``disk`` section: ``direct_io`` (None: O_DIRECT for large records where
+  the filesystem allows; False: through the page cache), ``io_threads``,
+  ``read_pool_bytes``.
+
+Any other key is refused, naming the allowed ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvengine.config import EngineConfig, load_config
+from kvengine.errors import ConfigError
+from kvengine.keyed import keyed_namespace
+from kvengine.keys import Namespace
+
+from .pages import PageGeometry, PoolKind
+
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+OWN_KEYS = frozenset({"kvengine_config", "model", "model_fingerprint", "disk_transport"})
+DISK_TRANSPORT_KEYS = frozenset({"direct_io", "io_threads", "read_pool_bytes"})
+#: Name of the key scheme: SGLang's page hashes (sha256 chains over token ids, hex).
+KEY_SCHEME = "sglang-page-hash"
+_DEFAULT_CHUNK = EngineConfig.model_fields["chunk_size"].default
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendOptions:
+    engine: EngineConfig
+    model: str | None = None
+    model_fingerprint: str = ""
+    zero_copy: bool = False
+    disk_transport: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendOptions:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - SGLANG_KEYS - OWN_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown kvengine HiCache backend option(s) {unknown}; allowed: "
+                              f"{sorted(OWN_KEYS)} (and SGLang's {sorted(SGLANG_KEYS)})")
+        model = extra.get("model")
+        fingerprint = extra.get("model_fingerprint", "")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ConfigError("extra config 'model' must be a non-empty string")
+        if not isinstance(fingerprint, str):
+            raise ConfigError("extra config 'model_fingerprint' must be a string")
+        source = extra.get("kvengine_config")
+        if source is not None and not isinstance(source, (str, Mapping)):
+            raise ConfigError("extra config 'kvengine_config' must be a mapping or a YAML path")
+        disk = extra.get("disk_transport") or {}
+        if not isinstance(disk, Mapping) or set(disk) - DISK_TRANSPORT_KEYS:
+            raise ConfigError(f"extra config 'disk_transport' must be a mapping with keys from "
+                              f"{sorted(DISK_TRANSPORT_KEYS)}, got {disk!r}")
+        return cls(engine=load_config(source), model=model, model_fingerprint=fingerprint,
+                   zero_copy=bool(int(extra.get("interface_v1", 0) or 0)), disk_transport=dict(disk))
+
+    def engine_for(self, page_size: int) -> EngineConfig:
+        """The engine configuration with ``chunk_size`` set to SGLang's page size."""
+        chunk = self.engine.chunk_size
+        if chunk not in (page_size, _DEFAULT_CHUNK):
+            raise ConfigError(f"kvengine chunk_size {chunk} differs from SGLang's page size {page_size}; "
+                              "leave chunk_size unset (the backend uses the page size)")
+        return EngineConfig.model_validate({**self.engine.model_dump(), "chunk_size": page_size})
+
+
+def namespace_for(storage_config: Any, geometry: PageGeometry, options: BackendOptions) -> Namespace:
+    """Where this rank's pages live.
+
+    MHA KV is sharded over tensor-parallel ranks (heads), so the rank and TP
+    size are part of the namespace; MLA KV is the same on every rank, so all
+    ranks share one namespace (only the storage writer puts). Pipeline and
+    attention context-parallel shards hold different layers or tokens, so
+    they always split the namespace. The host layout, dtype and geometry are
+    in it too (``layout_id`` and the chunk layout), so a page is only ever
+    read as the bytes it was written as.
+    """
+    model = options.model or storage_config.model_name
+    if not model:
+        raise ConfigError("SGLang passed no model name to the kvengine HiCache backend; set 'model' in "
+                          "--hicache-storage-backend-extra-config")
+    replicated = geometry.kind is PoolKind.MLA or bool(storage_config.is_mla_model)
+    if getattr(storage_config, "should_split_heads", False) or getattr(storage_config, "tp_lcm_size", None):
+        raise ConfigError("tp_lcm_size (heterogeneous TP head splitting) is not supported by the kvengine "
+                          "HiCache backend")
+    extra = (f"pp={storage_config.pp_rank}/{storage_config.pp_size}",
+             f"attn_cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
+    namespace = Namespace(
+        model=model,
+        model_fingerprint=options.model_fingerprint,
+        kv_spec_fingerprint=geometry.describe(),
+        layout_id=f"sglang-hicache/{geometry.host_layout}",
+        rank=0 if replicated else int(storage_config.tp_rank),
+        world_size=1 if replicated else int(storage_config.tp_size),
+        extra_keys=extra,
+    )
+    return keyed_namespace(namespace, KEY_SCHEME)

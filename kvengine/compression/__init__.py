@@ -1,0 +1,58 @@
+"""Payload codecs beyond raw: lossless shuffle+LZ4/zstd and opt-in lossy quantization.
+
+Codec ids are stable and stored in every chunk header:
+
+==========  ===================  ====================================
+id          name                 what
+==========  ===================  ====================================
+0           raw                  :class:`kvengine.codecs.RawCodec`
+1           lz4-byteshuffle      lossless, fastest decode
+2           lz4-bitshuffle       lossless, fast, ~1.1x on bf16
+3           zstd-byteshuffle     lossless, dense (~0.99 of the order-0 bound)
+4           zstd-bitshuffle      lossless
+16          int8-token           lossy, per token (and head) scale
+17          int8-channel         lossy, per channel scale over the chunk's tokens
+18          int4-token-g32       lossy, 4-bit, a scale per 32 values
+19          int4-channel         lossy, 4-bit, per channel scale over the tokens
+20          fp8-token            lossy, float8 e4m3 with per token scale
+==========  ===================  ====================================
+
+Lossless ids are 1..15 and lossy ids 16..255. Every codec of this package
+frames its body with its id and a checksum (see ``_frame``), so corrupt,
+truncated or foreign input raises :class:`~kvengine.errors.IntegrityError`.
+"""
+
+from __future__ import annotations
+
+from ..codecs import Codec, CodecRegistry, RawCodec
+from .lossless import BloscCodec, BloscScheme, Shuffle, lossless_codecs
+from .quantize import Format, Grouping, QuantCodec, QuantScheme, lossy_codecs
+
+__all__ = [
+    "LOSSLESS_FAMILY", "BloscCodec", "BloscScheme", "Format", "Grouping", "QuantCodec", "QuantScheme",
+    "Shuffle", "codec_family", "default_codecs", "lossless_codecs", "lossy_codecs",
+]
+
+#: ``Namespace.codec_family`` of every lossless codec (and the Namespace default).
+LOSSLESS_FAMILY = "lossless"
+
+
+def codec_family(codec: Codec) -> str:
+    """The ``Namespace.codec_family`` that chunks written by ``codec`` belong to.
+
+    All lossless codecs decode to the same bytes, so they share one family and
+    a reader may meet any of them. Each lossy codec yields different KV, so
+    each is its own family (``"lossy:<name>"``): an exact reader never sees
+    lossy chunks, and two lossy schemes never mix.
+    """
+    return LOSSLESS_FAMILY if codec.lossless else f"lossy:{codec.name}"
+
+
+def default_codecs(threads: int = 2, *, token_dim: int = 0) -> CodecRegistry:
+    """Registry of raw plus every codec of this package.
+
+    ``threads``: blosc2 threads per lossless call. ``token_dim``: the layout's
+    token dimension, over which per-channel lossy codecs take their scales
+    when encoding (any registry decodes any writer's chunks).
+    """
+    return CodecRegistry([RawCodec(), *lossless_codecs(threads), *lossy_codecs(token_dim)])

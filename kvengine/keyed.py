@@ -1,0 +1,278 @@
+"""Keyed chunks: put / get / exists by the caller's own chunk keys.
+
+For inference engines that hash their own pages (SGLang's HiCache page
+hashes, for one) and only need a store, not prefix hashing. Everything else
+is the engine's: the memory tier, the lower tiers (write-behind or
+write-through), the record format and its verification, the metrics.
+
+* :func:`keyed_namespace` – mark a namespace as keyed by a named key scheme.
+* :func:`keyed_chunk_key` – ``ChunkHash = xxh3_128(binding.digest || key)``.
+* :meth:`KeyedStore.exists` – which keys are stored (memory, then lower tiers).
+* :meth:`KeyedStore.put` – copy new chunks into memory; lower tiers follow.
+* :meth:`KeyedStore.get` – hand stored chunks to a sink, promoting from lower
+  tiers into memory on the way.
+* :class:`SyncKeyedStore` – the same, blocking, over a :class:`KVEngine`.
+
+Keys are opaque bytes; the caller guarantees that one key always names the
+same bytes under one binding (for SGLang: the page hash chain). A binding
+used for keyed chunks must come from :func:`keyed_namespace`, so keyed
+chunks can never meet token-hashed chunks (the hash formulas could collide
+for equal inputs, the namespaces cannot).
+
+Every keyed chunk is a full chunk whose record covers tokens
+``[0, chunk_size)``: the key already encodes the position.
+
+Batches are independent per key, except that :meth:`KeyedStore.put` stops
+at the first key that finds no room (the rest is reported ``NO_ROOM``).
+Cache faults (corrupt records, dead tiers, no room) are counted outcomes,
+never exceptions; caller mistakes (tensors not matching the layout, a
+binding without a key scheme) raise :class:`InvalidRequestError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import xxhash
+
+from .engine import AdmitRejected, CacheEngine, copy_all
+from .errors import InvalidRequestError
+from .keys import ChunkHash, ChunkKey, Namespace
+from .memory_tier import MemoryEntry, Prepared
+from .types import ModelBinding
+
+if TYPE_CHECKING:
+    from .facade import KVEngine
+
+T = TypeVar("T")
+
+KEYED_PREFIX = "keyed:"
+
+#: ``source(index)`` returns the tensors of the batch's ``index``-th chunk, in layout order.
+KeyedSource = Callable[[int], Sequence[torch.Tensor]]
+#: ``sink(index, tensors)`` copies a stored chunk out (views valid only during the call).
+KeyedSink = Callable[[int, tuple[torch.Tensor, ...]], None]
+
+
+class PutOutcome(enum.Enum):
+    STORED = "stored"  # copied into memory; lower tiers follow per the write mode
+    PRESENT = "present"  # already in memory: nothing copied
+    NO_ROOM = "no_room"  # memory is full of pinned chunks (counted)
+
+    @property
+    def ok(self) -> bool:
+        return self is not PutOutcome.NO_ROOM
+
+
+class GetOutcome(enum.Enum):
+    HIT = "hit"  # the sink got the chunk
+    MISS = "miss"  # stored nowhere
+    CORRUPT = "corrupt"  # a lower tier held a record that failed verification (counted, deleted)
+    NO_ROOM = "no_room"  # found below, but memory had no room to promote it (counted)
+    SINK_FAILED = "sink_failed"  # the sink raised (logged once)
+
+    @property
+    def ok(self) -> bool:
+        return self is GetOutcome.HIT
+
+
+def keyed_namespace(namespace: Namespace, scheme: str) -> Namespace:
+    """``namespace`` marked as keyed by ``scheme`` (e.g. ``"sglang-page-sha256"``)."""
+    if not scheme or any(k.startswith(KEYED_PREFIX) for k in namespace.extra_keys):
+        raise InvalidRequestError("keyed_namespace needs a non-empty scheme and an unkeyed namespace")
+    return namespace.with_updates(extra_keys=(*namespace.extra_keys, KEYED_PREFIX + scheme))
+
+
+def key_scheme(binding: ModelBinding) -> str | None:
+    """The binding's key scheme, or None for a token-hashed binding."""
+    for extra in binding.namespace.extra_keys:
+        if extra.startswith(KEYED_PREFIX):
+            return extra[len(KEYED_PREFIX):]
+    return None
+
+
+def keyed_chunk_key(binding: ModelBinding, key: bytes) -> ChunkKey:
+    """The engine's address of the caller's ``key`` under ``binding``."""
+    if not isinstance(key, (bytes, bytearray, memoryview)) or len(key) == 0:
+        raise InvalidRequestError(f"a chunk key must be non-empty bytes, got {type(key).__name__}")
+    return ChunkKey(binding.digest, ChunkHash(xxhash.xxh3_128_digest(bytes(binding.digest) + bytes(key))))
+
+
+class KeyedStore:
+    """Keyed put / get / exists over a started :class:`CacheEngine` (async, its loop only)."""
+
+    def __init__(self, engine: CacheEngine, binding: ModelBinding) -> None:
+        if key_scheme(binding) is None:
+            raise InvalidRequestError("KeyedStore needs a binding whose namespace comes from keyed_namespace()")
+        self.engine = engine
+        self.binding = binding
+        self._full = (0, binding.chunk_size)
+        metrics = engine.metrics
+        self._stored_bytes = metrics.stored_bytes.labels(tier="memory")
+        self._stored_chunks = metrics.stored_chunks.labels(tier="memory")
+        self._loaded_bytes = metrics.loaded_bytes.labels(tier="memory")
+        self._no_room = metrics.store_rejected.labels(reason="no_room")
+
+    def chunk_keys(self, keys: Sequence[bytes]) -> list[ChunkKey]:
+        return [keyed_chunk_key(self.binding, k) for k in keys]
+
+    # -- exists -------------------------------------------------------------------
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored in memory or (probably) in a lower tier."""
+        ckeys = self.chunk_keys(keys)
+        found = [self.engine.memory.contains(k) for k in ckeys]
+        for transport in self.engine.transports:
+            todo = [i for i, hit in enumerate(found) if not hit]
+            if not todo:
+                break
+            present = await transport.exists([ckeys[i] for i in todo])
+            for i, hit in zip(todo, present):
+                found[i] = hit
+        return found
+
+    # -- put ----------------------------------------------------------------------
+    async def put(self, keys: Sequence[bytes], source: KeyedSource) -> list[PutOutcome]:
+        """Store the chunks of ``keys`` that memory does not hold yet.
+
+        ``source(i)`` is called only for chunks that will be stored. Lower
+        tiers receive the new chunks per the engine's write mode.
+
+        :raises InvalidRequestError: ``source`` returned tensors that do not
+            match the layout (nothing of that chunk is stored).
+        """
+        ckeys = self.chunk_keys(keys)
+        outcomes, held = await asyncio.to_thread(self._copy_in, ckeys, source)
+        if held:
+            await self.engine.write_lower_tiers(self.binding, held)
+        return outcomes
+
+    def _copy_in(self, ckeys: list[ChunkKey], source: KeyedSource) -> tuple[list[PutOutcome], list[MemoryEntry]]:
+        memory, layout = self.engine.memory, self.binding.layout
+        outcomes: list[PutOutcome] = []
+        held: list[MemoryEntry] = []  # pinned until handed on, so the batch never evicts itself
+        nbytes = 0
+        try:
+            for i, key in enumerate(ckeys):
+                entry = memory.prepare(key, layout, self._full)
+                if entry is Prepared.PRESENT:
+                    outcomes.append(PutOutcome.PRESENT)
+                    continue
+                if entry is Prepared.NO_ROOM:
+                    rest = len(ckeys) - i
+                    outcomes += [PutOutcome.NO_ROOM] * rest
+                    self._no_room.inc(rest)
+                    self.engine.metrics.log_once("keyed_no_room", "kvengine: no room in memory for keyed "
+                                                 "chunks (all pinned or in use); the rest of a put is skipped")
+                    break
+                try:
+                    tensors = source(i)
+                    layout.check(tensors)
+                    copy_all(memory.tensors(entry), tensors)
+                except BaseException:
+                    memory.abort(entry)
+                    raise
+                memory.commit(entry, keep_pin=True)
+                held.append(entry)
+                nbytes += entry.nbytes
+                outcomes.append(PutOutcome.STORED)
+        except BaseException:
+            memory.unpin(held)
+            raise
+        finally:
+            self._stored_bytes.inc(nbytes)
+            self._stored_chunks.inc(len(held))
+        if not self.engine.transports:
+            memory.unpin(held)
+            held = []
+        return outcomes, held
+
+    # -- get ----------------------------------------------------------------------
+    async def get(self, keys: Sequence[bytes], sink: KeyedSink) -> list[GetOutcome]:
+        """Give each stored chunk to ``sink``; chunks found below memory are promoted into it."""
+        ckeys = self.chunk_keys(keys)
+        memory = self.engine.memory
+        entries: list[MemoryEntry | None] = [memory.pin(k) for k in ckeys]
+        outcomes = [GetOutcome.HIT if e is not None else GetOutcome.MISS for e in entries]
+        try:
+            if self.engine.transports and None in entries:
+                await self._promote(ckeys, entries, outcomes)
+            await asyncio.to_thread(self._copy_out, entries, outcomes, sink)
+        finally:
+            memory.unpin([e for e in entries if e is not None])
+        return outcomes
+
+    async def _promote(self, ckeys: list[ChunkKey], entries: list[MemoryEntry | None],
+                       outcomes: list[GetOutcome]) -> None:
+        for transport in self.engine.transports:
+            todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
+            if not todo:
+                return
+            present = await transport.exists([ckeys[i] for i in todo])
+            todo = [i for i, hit in zip(todo, present) if hit]
+            if not todo:
+                continue
+            blobs = await transport.get([ckeys[i] for i in todo])
+            found = [(i, blob) for i, blob in zip(todo, blobs) if blob is not None]
+            admitted = await asyncio.to_thread(
+                lambda: [self.engine.admit_record(self.binding, ckeys[i], blob, 0, transport.name)
+                         for i, blob in found])
+            corrupt = []
+            for (i, _), result in zip(found, admitted):
+                if isinstance(result, MemoryEntry):
+                    entries[i], outcomes[i] = result, GetOutcome.HIT
+                elif result is AdmitRejected.CORRUPT:
+                    outcomes[i] = GetOutcome.CORRUPT
+                    corrupt.append(ckeys[i])
+                else:
+                    outcomes[i] = GetOutcome.NO_ROOM
+                    self.engine.metrics.log_once("keyed_promote_no_room", "kvengine: no room in memory to "
+                                                 "promote keyed chunks from %s; served as misses", transport.name)
+            if corrupt:
+                await transport.delete(corrupt)
+
+    def _copy_out(self, entries: list[MemoryEntry | None], outcomes: list[GetOutcome], sink: KeyedSink) -> None:
+        memory = self.engine.memory
+        nbytes = 0
+        for i, entry in enumerate(entries):
+            if entry is None:
+                continue
+            try:
+                sink(i, memory.tensors(entry))
+            except Exception as exc:
+                outcomes[i] = GetOutcome.SINK_FAILED
+                self.engine.metrics.log_once("keyed_sink_error", "kvengine: keyed get sink failed (%s: %s); "
+                                             "served as a miss", type(exc).__name__, exc)
+                continue
+            nbytes += entry.nbytes
+        self._loaded_bytes.inc(nbytes)
+
+
+class SyncKeyedStore:
+    """Blocking :class:`KeyedStore` over a :class:`KVEngine`; callable from any thread but the engine's loop."""
+
+    def __init__(self, kv: KVEngine, binding: ModelBinding) -> None:
+        self.kv = kv
+        self.store = KeyedStore(kv.core, binding)
+
+    @property
+    def binding(self) -> ModelBinding:
+        return self.store.binding
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.kv.run(self.store.exists(keys))
+
+    def put(self, keys: Sequence[bytes], source: KeyedSource) -> list[PutOutcome]:
+        return self.kv.run(self.store.put(keys, source))
+
+    def get(self, keys: Sequence[bytes], sink: KeyedSink) -> list[GetOutcome]:
+        return self.kv.run(self.store.get(keys, sink))
+
+
+__all__ = [
+    "GetOutcome", "KeyedSink", "KeyedSource", "KeyedStore", "PutOutcome", "SyncKeyedStore", "key_scheme",
+    "keyed_chunk_key", "keyed_namespace",
+]

@@ -1,0 +1,311 @@
+"""kvengine as SGLang's HiCache storage backend, against real SGLang 0.5.23 objects on CPU.
+
+Run in .venv-sglang (see docs/sglang.md)::
+
+    bash scripts/setup_sglang.sh && .venv-sglang/bin/python -m pytest tests/integrations/test_sglang_backend.py
+
+Skipped, with the reason, where SGLang is not installed (the main .venv).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.integrations import sglang_env
+
+sglang_env.require_sglang()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+
+from kvengine.errors import ConfigError, UnsupportedModelError  # noqa: E402
+from kvengine.integrations.sglang import extra_config  # noqa: E402
+from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage  # noqa: E402
+from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = sglang_env.PoolGeometry().page
+
+
+def fill_random(host, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=g))
+
+
+def page_keys(n: int, seed: int = 0) -> tuple[list[int], list[str]]:
+    """Token ids of ``n`` pages and SGLang's own page hash chain over them."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    tokens = torch.randint(0, 32000, (n * PAGE,), generator=g).tolist()
+    return tokens, get_hash_str(tokens, None, page_size=PAGE)
+
+
+def pages_at(host, indices: torch.Tensor) -> list[torch.Tensor]:
+    return [host.get_data_page(int(indices[i])).clone() for i in range(0, len(indices), host.page_size)]
+
+
+def make_backend(host, tmp_path: Path | None = None, *, layout: str | None = None, **storage: object):
+    kv_config: dict = {"memory": {"capacity_bytes": "16MiB"}}
+    if tmp_path is not None:
+        kv_config["disk"] = {"path": str(tmp_path / "disk"), "fsync": "never"}
+    config = sglang_env.storage_config(layout=layout or host.layout,
+                                       extra=extra_config(kvengine_config=kv_config), **storage)
+    backend = KVEngineHiCacheStorage(config, {})
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+@pytest.fixture(params=SUPPORTED_LAYOUTS)
+def layout(request) -> str:
+    return request.param
+
+
+# -- v1 ------------------------------------------------------------------------------------------
+def test_v1_round_trip_is_exact(layout: str) -> None:
+    """Scenario: pages stored from some host slots load bit-exact into other slots, for every layout."""
+    _, host = sglang_env.make_mha_pools(layout)
+    fill_random(host)
+    backend = make_backend(host)
+    try:
+        _, keys = page_keys(4)
+        src, dst = torch.arange(PAGE, 5 * PAGE), torch.arange(20 * PAGE, 24 * PAGE)
+        expected = pages_at(host, src)
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_set_v1(keys, src) == [True] * 4
+        assert backend.batch_exists(keys) == 4
+        assert backend.batch_exists([*keys[:2], "f" * 64, keys[3]]) == 2
+        assert backend.batch_get_v1([keys[1], "e" * 64, keys[3]], dst[: 3 * PAGE]) == [True, False, True]
+        assert backend.batch_get_v1(keys, dst) == [True] * 4
+        for got, want in zip(pages_at(host, dst), expected):
+            assert torch.equal(got, want)
+    finally:
+        backend.close()
+
+
+def test_copying_api_matches_zero_copy(layout: str) -> None:
+    """SGLang's flat-page get/set read and write the same stored pages as the v1 path."""
+    _, host = sglang_env.make_mha_pools(layout)
+    fill_random(host, seed=1)
+    backend = make_backend(host)
+    try:
+        _, keys = page_keys(3, seed=1)
+        src = torch.arange(2 * PAGE, 5 * PAGE)
+        expected = pages_at(host, src)
+        assert backend.batch_set_v1(keys[:2], src[: 2 * PAGE]) == [True, True]
+        assert backend.set(keys[2], expected[2])  # flat page, copying API
+        assert backend.exists(keys[2])
+        for key, want in zip(keys, expected):
+            got = backend.get(key, host.get_dummy_flat_data_page())
+            assert got is not None and torch.equal(got, want)
+        dst = torch.arange(10 * PAGE, 13 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        for got, want in zip(pages_at(host, dst), expected):
+            assert torch.equal(got, want)
+        assert backend.get("d" * 64, host.get_dummy_flat_data_page()) is None
+    finally:
+        backend.close()
+
+
+# -- through a real HiCacheController --------------------------------------------------------------
+@pytest.mark.parametrize("hybrid", [False, True], ids=["HiCacheController", "HybridCacheController"])
+def test_controller_writes_then_prefetches(layout: str, hybrid: bool) -> None:
+    """Scenario: SGLang's controller backs pages up through the dynamic backend, then prefetches them by
+    token ids into fresh host slots, bit-exact. HybridCacheController over a KV-only pool group is the
+    path SGLang 0.5.23's unified radix cache takes for every plain model."""
+    device, host = sglang_env.make_mha_pools(layout)
+    fill_random(host, seed=2)
+    kv_config = {"memory": {"capacity_bytes": "16MiB"}}
+    controller = sglang_env.make_controller(device, host, backend="dynamic", hybrid=hybrid,
+                                            extra_config=extra_config(kvengine_config=kv_config))
+    try:
+        assert isinstance(controller.storage_backend, KVEngineHiCacheStorage)
+        assert controller.page_get_func == controller._page_get_zero_copy
+        n_pages = 6
+        tokens, hashes = page_keys(n_pages, seed=2)
+        src = host.alloc(n_pages * PAGE)
+        expected = pages_at(host, src)
+        controller.write_storage(src, tokens, hash_value=hashes)
+        op = controller.ack_backup_queue.get(timeout=60)
+        assert op.completed_tokens == n_pages * PAGE
+
+        prefetch = controller.prefetch(sglang_env.RequestHandle("req-1") if hybrid else "req-1", tokens)
+        hit = controller.prefetch_hit_queue.get(timeout=60)
+        assert hit is prefetch and hit.storage_hit_count == n_pages * PAGE
+        dst = host.alloc(n_pages * PAGE)
+        hit.host_indices = dst
+        controller.prefetch_buffer.put(hit)
+        completed = 0
+        while True:
+            ack = controller.ack_prefetch_queue.get(timeout=60)
+            if ack.completed_tokens is not None:
+                completed = max(completed, ack.completed_tokens)
+            if ack.completed_req:
+                break
+        assert completed == n_pages * PAGE
+        for got, want in zip(pages_at(host, dst), expected):
+            assert torch.equal(got, want)
+
+        miss = controller.prefetch(sglang_env.RequestHandle("req-2") if hybrid else "req-2",
+                                   page_keys(2, seed=99)[0])
+        assert controller.prefetch_hit_queue.get(timeout=60) is miss and miss.storage_hit_count == 0
+    finally:
+        controller.detach_storage_backend()
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+def test_unknown_layout_is_refused() -> None:
+    """A host layout whose pages this backend does not know (page_head) fails at start-up, saying which to use."""
+    _, host = sglang_env.make_mha_pools("page_head")
+    with pytest.raises(UnsupportedModelError, match="--hicache-mem-layout one of layer_first, page_first"):
+        make_backend(host, layout="page_head")
+
+
+def test_unknown_layout_is_refused_through_the_controller() -> None:
+    """Scenario: SGLang attaching the backend to a page_head pool gets the refusal, storage stays off."""
+    device, host = sglang_env.make_mha_pools("page_head")
+    with pytest.raises(UnsupportedModelError, match="page_head"):
+        sglang_env.make_controller(device, host, backend="dynamic", extra_config=extra_config())
+
+
+def test_hybrid_pools_are_refused() -> None:
+    """Hybrid models (Mamba / SWA / indexer / draft pools) are refused, by pool name, at registration."""
+    _, host = sglang_env.make_mha_pools("page_first")
+    backend = make_backend(host)
+    try:
+        backend.register_mem_host_pool_v2(host, PoolName.KV)  # the KV anchor itself is fine
+        with pytest.raises(UnsupportedModelError, match="'mamba' host pool"):
+            backend.register_mem_host_pool_v2(object(), PoolName.MAMBA)
+        with pytest.raises(UnsupportedModelError, match="'swa' host pool"):
+            backend.batch_exists_v2(["a" * 64], [PoolTransfer(name=PoolName.SWA, keys=["a" * 64])])
+        with pytest.raises(UnsupportedModelError):
+            backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=["a" * 64])])
+    finally:
+        backend.close()
+
+
+def test_hybrid_model_is_refused_through_the_controller() -> None:
+    """Scenario: a hybrid model (here a KV pool plus a sliding-window sidecar pool) attaching the backend
+    through HybridCacheController fails at start-up, naming the pool."""
+    device, host = sglang_env.make_mha_pools("page_first")
+    swa_device, swa_host = sglang_env.make_mha_pools("page_first")
+    with pytest.raises(UnsupportedModelError, match="'swa' host pool"):
+        sglang_env.make_controller(device, host, backend="dynamic", hybrid=True, extra_config=extra_config(),
+                                   extra_pools={PoolName.SWA: (swa_device, swa_host)})
+
+
+def test_bad_extra_config_is_refused() -> None:
+    """A typo in the extra config names the allowed keys; a chunk_size other than the page size is refused."""
+    _, host = sglang_env.make_mha_pools("page_first")
+    with pytest.raises(ConfigError, match="allowed"):
+        KVEngineHiCacheStorage(sglang_env.storage_config(extra=extra_config(kvengine_confg={})), {})
+    backend = KVEngineHiCacheStorage(
+        sglang_env.storage_config(extra=extra_config(kvengine_config={"chunk_size": 64})), {})
+    with pytest.raises(ConfigError, match="page size"):
+        backend.register_mem_pool_host(host)
+
+
+# -- namespaces -----------------------------------------------------------------------------------
+def _write_then_read(tmp_path: Path, writer_host, reader_host, *, writer: dict, reader: dict) -> list[bool]:
+    fill_random(writer_host, seed=3)
+    _, keys = page_keys(2, seed=3)
+    a = make_backend(writer_host, tmp_path, **writer)
+    assert a.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
+    a.close()
+    b = make_backend(reader_host, tmp_path, **reader)
+    try:
+        return b.batch_get_v1(keys, torch.arange(4 * PAGE, 6 * PAGE))
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("change", ["dtype", "layout", "tp_rank", "model"])
+def test_pages_are_never_read_as_other_bytes(tmp_path: Path, change: str) -> None:
+    """Regression (SGLang issue #33268: keys without dtype let bf16 and fp8 runs collide): pages written
+    under one dtype, layout, TP shard or model are misses for every other one."""
+    _, writer_host = sglang_env.make_mha_pools("page_first")
+    reader_layout = "page_first_direct" if change == "layout" else "page_first"
+    geometry = sglang_env.PoolGeometry(dtype=torch.float16 if change == "dtype" else None)
+    _, reader_host = sglang_env.make_mha_pools(reader_layout, geometry)
+    writer = {"tp_size": 2}
+    reader = {"tp_size": 2, "tp_rank": 1 if change == "tp_rank" else 0,
+              "model_name": "tiny/other-model" if change == "model" else "tiny/test-model"}
+    assert _write_then_read(tmp_path, writer_host, reader_host, writer=writer, reader=reader) == [False, False]
+
+
+def test_same_namespace_hits_across_restarts(tmp_path: Path) -> None:
+    """Control for the test above: the same settings do hit after a restart (through the disk tier)."""
+    _, writer_host = sglang_env.make_mha_pools("page_first")
+    _, reader_host = sglang_env.make_mha_pools("page_first")
+    assert _write_then_read(tmp_path, writer_host, reader_host, writer={}, reader={}) == [True, True]
+    assert torch.equal(reader_host.get_data_page(4 * PAGE), writer_host.get_data_page(0))
+
+
+def test_mla_pages_are_shared_by_ranks_and_written_once(tmp_path: Path, layout: str) -> None:
+    """MLA KV is the same on every TP rank: rank 1 reads what rank 0 wrote, and rank 1 never writes."""
+    _, host0 = sglang_env.make_mla_host_pool(layout)
+    _, host1 = sglang_env.make_mla_host_pool(layout)
+    fill_random(host0, seed=4)
+    fill_random(host1, seed=5)
+    _, keys = page_keys(2, seed=4)
+    rank1 = make_backend(host1, tmp_path, is_mla=True, tp_rank=1, tp_size=2)
+    assert rank1.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]  # not the writer: skipped
+    assert rank1.batch_exists(keys) == 0
+    rank1.close()
+    rank0 = make_backend(host0, tmp_path, is_mla=True, tp_rank=0, tp_size=2)
+    assert rank0.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
+    rank0.close()
+    rank1 = make_backend(host1, tmp_path, is_mla=True, tp_rank=1, tp_size=2)
+    try:
+        assert rank1.batch_get_v1(keys, torch.arange(4 * PAGE, 6 * PAGE)) == [True, True]
+        assert torch.equal(host1.get_data_page(5 * PAGE), host0.get_data_page(PAGE))
+    finally:
+        rank1.close()
+
+
+# -- another process ----------------------------------------------------------------------------------
+WRITER = textwrap.dedent("""
+    import json, sys, torch
+    from tests.integrations import sglang_env
+    sglang_env.install_shims()
+    from kvengine.integrations.sglang import extra_config
+    from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
+    args = json.loads(sys.argv[1])
+    _, host = sglang_env.make_mha_pools(args["layout"])
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=torch.Generator().manual_seed(7)))
+    config = sglang_env.storage_config(layout=args["layout"], extra=extra_config(kvengine_config={
+        "memory": {"capacity_bytes": "16MiB"}, "disk": {"path": args["disk"], "fsync": "data"}}))
+    backend = KVEngineHiCacheStorage(config, {})
+    backend.register_mem_pool_host(host)
+    n = len(args["keys"])
+    assert backend.batch_set_v1(args["keys"], torch.arange(0, n * host.page_size)) == [True] * n
+    backend.close()
+    torch.save([host.get_data_page(i * host.page_size).clone() for i in range(n)], args["expected"])
+""")
+
+
+def test_second_process_reads_what_the_first_wrote(tmp_path: Path) -> None:
+    """Scenario: one SGLang rank process stores pages and exits; a new process loads them from disk, exact."""
+    layout = "page_first"
+    _, keys = page_keys(5, seed=6)
+    args = {"layout": layout, "disk": str(tmp_path / "disk"), "keys": keys, "expected": str(tmp_path / "exp.pt")}
+    proc = subprocess.run([sys.executable, "-c", WRITER, json.dumps(args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = torch.load(tmp_path / "exp.pt")
+    _, host = sglang_env.make_mha_pools(layout)
+    backend = make_backend(host, tmp_path)
+    try:
+        assert backend.batch_exists(keys) == 5
+        dst = torch.arange(8 * PAGE, 13 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 5
+        for got, want in zip(pages_at(host, dst), expected):
+            assert torch.equal(got, want)
+        assert backend.kv.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") > 0
+    finally:
+        backend.close()
