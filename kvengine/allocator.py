@@ -122,6 +122,13 @@ class SlabAllocator:
         else:
             self._partial[k].add(alloc.slab)
 
+    def release(self) -> None:
+        """Give the arena's memory back now (not at garbage collection); the allocator is unusable after."""
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self._typed = {}
+        self._free_slabs = []
+        self._partial = {}
+
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole arena viewed as ``dtype`` (slots are aligned for every dtype)."""
         arena = self._typed.get(dtype)

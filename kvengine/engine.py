@@ -131,6 +131,7 @@ class CacheEngine:
             self._end(res)
         for transport in self.transports:
             await transport.close()
+        self.memory.close()
 
     # -- binding -------------------------------------------------------------
     def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:

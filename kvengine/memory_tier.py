@@ -174,6 +174,14 @@ class MemoryTier:
             views = entry._views = entry.layout.views(self._alloc.typed, entry.alloc.offset, entry.num_tokens)
         return views
 
+    def close(self) -> None:
+        """Drop every entry and release the arena (pins no longer matter: the engine is closed)."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry._views = None
+            self._entries.clear()
+            self._alloc.release()
+
     # -- removal ----------------------------------------------------------
     def discard(self, key: ChunkKey) -> bool:
         """Drop an unpinned entry; False if absent or pinned."""

@@ -57,9 +57,12 @@ def test_close_is_idempotent_and_releases_reservations():
     toks = list(range(2 * CHUNK))
     eng.store(b, toks, FakeKV(2 * CHUNK).source)
     eng.lookup(b, "never-loaded", toks)
+    assert eng.core.memory.total_pins() == 2
     eng.close()
     eng.close()
-    assert eng.core.memory.total_pins() == 0
+    assert len(eng.core.reservations) == 0
+    assert len(eng.core.memory) == 0 and eng.core.memory.capacity_bytes > 0
+    assert eng.core.memory._alloc.arena.numel() == 0  # memory returned at close, not at GC
 
 
 def test_metrics_http_exporter(unused_tcp_port):
