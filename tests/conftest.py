@@ -34,6 +34,15 @@ class FakeKV:
         return [t[:, :, start:end] for t in self.layers]
 
 
+def copier(out: list[torch.Tensor]):
+    """A load sink that copies each chunk into ``out`` (tensors shaped like ``FakeKV.layers``)."""
+    def sink(view) -> None:
+        s, e = view.token_range
+        for dst, src in zip(out, view.tensors):
+            dst[:, :, s:e].copy_(src)
+    return sink
+
+
 @pytest.fixture
 def layout() -> ChunkLayout:
     return make_layout()

@@ -10,7 +10,7 @@ import torch
 
 from kvengine import KVEngine, Namespace
 
-from .conftest import CHUNK, FakeKV, make_layout
+from .conftest import CHUNK, FakeKV, copier, make_layout
 
 
 def engine_with_disk(path, capacity_chunks: int = 4, **extra) -> KVEngine:
@@ -22,13 +22,7 @@ def engine_with_disk(path, capacity_chunks: int = 4, **extra) -> KVEngine:
 def load_all(eng: KVEngine, binding, toks, kv: FakeKV, request: str = "r"):
     res = eng.lookup(binding, request, toks)
     out = [torch.zeros_like(t) for t in kv.layers]
-
-    def sink(view):
-        s, e = view.token_range
-        for d, src in zip(out, view.tensors):
-            d[:, :, s:e].copy_(src)
-
-    result = eng.load(res, sink)
+    result = eng.load(res, copier(out))
     n = result.loaded_tokens
     exact = all(torch.equal(o[:, :, :n], k[:, :, :n]) for o, k in zip(out, kv.layers))
     return res.matched_tokens, result, exact

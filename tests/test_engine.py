@@ -8,7 +8,7 @@ import torch
 from kvengine import CacheEngine, InvalidRequestError, Namespace, CapacityError
 from kvengine.errors import InvalidRequestError as IRE
 
-from .conftest import CHUNK, FakeKV, make_config, make_layout
+from .conftest import CHUNK, FakeKV, copier, make_config, make_layout
 
 
 class Clock:
@@ -27,14 +27,6 @@ async def engine():
     await eng.start()
     yield eng
     await eng.close()
-
-
-def copier(out: list[torch.Tensor]):
-    def sink(view):
-        s, e = view.token_range
-        for dst, src in zip(out, view.tensors):
-            dst[:, :, s:e].copy_(src)
-    return sink
 
 
 async def test_store_lookup_load_round_trip(engine, layout, namespace):

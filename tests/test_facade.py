@@ -10,7 +10,7 @@ import torch
 from kvengine import KVEngine, Namespace
 from kvengine.cli import main as cli_main
 
-from .conftest import CHUNK, FakeKV, make_layout
+from .conftest import CHUNK, FakeKV, copier, make_layout
 
 
 def test_many_threads_share_one_engine():
@@ -28,13 +28,7 @@ def test_many_threads_share_one_engine():
                     eng.store(binding, toks, kv.source)
                     res = eng.lookup(binding, f"w{w}-{it}", toks)
                     out = [torch.zeros_like(t) for t in kv.layers]
-
-                    def sink(view):
-                        s, e = view.token_range
-                        for d, src in zip(out, view.tensors):
-                            d[:, :, s:e].copy_(src)
-
-                    result = eng.load(res, sink)
+                    result = eng.load(res, copier(out))
                     n = result.loaded_tokens
                     assert all(torch.equal(o[:, :, :n], k[:, :, :n]) for o, k in zip(out, kv.layers))
             except BaseException as exc:  # noqa: BLE001 - collected for the assertion below

@@ -14,7 +14,7 @@ import torch
 
 from kvengine import CacheEngine, ChunkKey, Namespace
 
-from .conftest import CHUNK, FakeKV, make_config, make_layout
+from .conftest import CHUNK, FakeKV, copier, make_config, make_layout
 
 
 class DictTransport:
@@ -54,14 +54,6 @@ async def make_engine(transport, **cfg) -> CacheEngine:
     return eng
 
 
-def sink_into(out):
-    def sink(view):
-        s, e = view.token_range
-        for d, src in zip(out, view.tensors):
-            d[:, :, s:e].copy_(src)
-    return sink
-
-
 async def test_write_behind_then_promotion_from_lower_tier(layout):
     """A chunk evicted from memory is found below, verified, promoted and loaded exactly."""
     t = DictTransport()
@@ -77,7 +69,7 @@ async def test_write_behind_then_promotion_from_lower_tier(layout):
     res = await eng.lookup(b, "r", toks)
     assert res.matched_tokens == 3 * CHUNK
     out = [torch.zeros_like(x) for x in kv.layers]
-    assert (await eng.load(res, sink_into(out))).ok
+    assert (await eng.load(res, copier(out))).ok
     assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     assert eng.metrics.value("kvengine_loaded_bytes_total", tier="dict") == 3 * layout.nbytes()
     assert eng.memory.total_pins() == 0
@@ -178,7 +170,7 @@ async def test_partial_chunks_when_enabled(layout):
     res = await eng.lookup(b, "same", toks)
     assert res.matched_tokens == 2 * CHUNK + 5
     out = [torch.zeros_like(x) for x in kv.layers]
-    result = await eng.load(res, sink_into(out))
+    result = await eng.load(res, copier(out))
     assert result.loaded_tokens == 2 * CHUNK + 5 and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     assert (await eng.lookup(b, "longer", toks + [7])).matched_tokens == 2 * CHUNK
     await eng.close()
