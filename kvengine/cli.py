@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -47,9 +48,24 @@ def _quickstart(args: argparse.Namespace) -> int:
         return 0 if exact and loaded.ok else 1
 
 
+# Subcommands with their own argument parsers, imported only when used (transformers,
+# zmq and friends are slow to import).
+_DELEGATED = {
+    "demo": ("kvengine.integrations.hf", "run_demo", "multi-turn chat with a tiny local model, with and without the cache"),
+    "inspect": ("kvengine.inspect_cmd", "main", "show a model's KV spec and reuse plan from its config.json"),
+    "serve": ("kvengine.serve_cmd", "main", "run a peer endpoint that shares this node's tiers"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _DELEGATED:
+        module, func, _ = _DELEGATED[argv[0]]
+        return int(getattr(importlib.import_module(module), func)(argv[1:]))
     parser = argparse.ArgumentParser(prog="kvengine", description="KV-cache offload engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, _, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     q = sub.add_parser("quickstart", help="store -> lookup -> load round trip through the Python API")
     q.add_argument("--tokens", type=int, default=4000)
     q.add_argument("--chunk-size", type=int, default=256)

@@ -3,7 +3,8 @@
 Reads the configuration only (no weights). Prints, per layer group, the
 category, bytes per token and per chunk boundary, the reuse plan and the
 storage per 1k tokens; a refused model or feature is printed with its
-reason and the command exits 1. ``--json`` prints the same as JSON.
+reason and the command exits 1. ``--json`` prints the same as JSON;
+``--list-refused`` lists every refused family and feature with its reason.
 """
 
 from __future__ import annotations
@@ -104,11 +105,21 @@ def _print_text(rep: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvengine inspect``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="kvengine inspect", description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="model directory or config.json")
+    parser.add_argument("model", nargs="?", help="model directory or config.json")
+    parser.add_argument("--list-refused", action="store_true",
+                        help="list the families and features kvengine refuses, with reasons")
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--dtype", default=None, help="cache dtype (default: the config's dtype, else float32)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    if args.list_refused:
+        from .semantics import refusal_reasons
+
+        for what, why in refusal_reasons().items():
+            print(f"{what}: {why}")
+        return EXIT_OK
+    if args.model is None:
+        parser.error("a model directory or config.json is required (or --list-refused)")
     if args.chunk_size <= 0:
         parser.error("--chunk-size must be positive")
     try:

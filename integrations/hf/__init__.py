@@ -1,0 +1,26 @@
+"""Hugging Face transformers integration: a generate loop that reuses cached prefixes.
+
+>>> engine = KVEngine({"chunk_size": 16, "memory": {"capacity_bytes": "256MiB"}})
+>>> cached = attach(model, engine)            # derives the KV spec, runs the attach canary
+>>> out = cached.generate(prompt_ids, max_new_tokens=20)
+>>> out.reused_tokens, out.new_tokens
+
+* :func:`attach` - fail-closed attach (canary; ``debug_unverified`` override).
+* :class:`AttachedModel` - ``generate`` plus the restore / prefill / store steps.
+* :func:`run_demo` - the multi-turn chat demo (``kvengine demo``).
+"""
+
+from __future__ import annotations
+
+from .attaching import attach, model_fingerprint, run_canary
+from .generator import AttachedModel, GenerationResult, Sampling
+
+
+def run_demo(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvengine demo`` (imports the demo lazily)."""
+    from .demo import run_demo as _run
+
+    return _run(argv)
+
+
+__all__ = ["AttachedModel", "GenerationResult", "Sampling", "attach", "model_fingerprint", "run_canary", "run_demo"]

@@ -1,0 +1,171 @@
+"""Fail-closed attach of a transformers model to a :class:`~kvengine.KVEngine`.
+
+:func:`attach` derives the model's KV spec (unknown families raise
+:class:`~kvengine.errors.UnsupportedModelError`), checks it against the
+cache the model really builds, then runs the attach canary:
+
+1. plain prefill of a probe prompt (reference logits and per-layer states);
+2. the store path over the probe's chunk-aligned prefix, into a canary namespace;
+3. a fresh lookup + load of that prefix into a new cache, compared bit for bit
+   with the in-memory cache it was stored from;
+4. continuing the probe over the restored cache, compared with step 1 within
+   the dtype's tolerance, layer by layer.
+
+Any difference raises :class:`~kvengine.errors.AttachError` naming the layer
+group, and nothing is bound. ``debug_unverified=True`` skips the canary,
+logs loudly and binds under ``Namespace(verified=False)``, whose chunks
+never reach verified readers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+import torch
+import xxhash
+
+from kvengine import KVEngine, Namespace
+from kvengine.semantics.canary import CanaryReport, judge
+from kvengine.semantics.families import derive_spec
+
+from .generator import AttachedModel
+
+logger = logging.getLogger("kvengine.hf")
+
+CANARY_KEY = "kvengine-attach-canary"
+
+
+def model_fingerprint(model: Any, *, weights: bool = True) -> str:
+    """Digest of the config and (by default) every parameter and buffer's bytes."""
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    if weights:
+        for name, tensor in sorted(model.state_dict().items()):
+            h.update(name.encode())
+            h.update(str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
+            t = tensor.detach().contiguous().cpu()
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def attach(
+    model: Any,
+    engine: KVEngine,
+    *,
+    model_id: str | None = None,
+    fingerprint: str | None = None,
+    debug_unverified: bool = False,
+) -> AttachedModel:
+    """Verify ``model`` and bind it to ``engine``; see the module docstring.
+
+    :raises UnsupportedModelError: the family, a layer type or a config feature is not reusable.
+    :raises AttachError: the canary found a cached continuation that differs from a plain prefill.
+    """
+    model.eval()
+    spec = derive_spec(model.config, dtype=model.dtype)
+    chunk = engine.config.chunk_size
+    layout = spec.layout(chunk)
+    name = model_id or getattr(model.config, "_name_or_path", "") or spec.model_type
+    namespace = Namespace(
+        model=name,
+        model_fingerprint=fingerprint if fingerprint is not None else model_fingerprint(model),
+        kv_spec_fingerprint=spec.fingerprint,
+        layout_id=layout.fingerprint,
+        verified=not debug_unverified,
+    )
+    attached = AttachedModel(model, engine, spec, layout, namespace)
+    _check_real_cache(attached)
+    if debug_unverified:
+        logger.warning(
+            "\n" + "!" * 78 + "\n"
+            "kvengine: ATTACH VERIFICATION SKIPPED for %r (debug_unverified=True).\n"
+            "Cached continuations of this model were NOT checked against a plain prefill.\n"
+            "Its chunks are stored under Namespace(verified=False) and never served to verified readers.\n"
+            + "!" * 78, name,
+        )
+    else:
+        report = run_canary(attached)
+        report.raise_if_failed()
+        logger.info("kvengine: attach canary passed for %r (max logit error %.3g)", name, report.max_logit_error)
+    attached.binding = engine.bind(namespace, layout)
+    return attached
+
+
+def _check_real_cache(attached: AttachedModel) -> None:
+    """Prefill a few tokens and compare the cache the model builds with the spec."""
+    ids = _probe_tokens(attached, 3)
+    ctx = attached.context(_probe_tokens(attached, 5, seed=1) if attached.spec.encoder_decoder else None,
+                           binding=_canary_binding(attached))
+    cache = attached.codec.new_cache()
+    attached.runner.forward(ids, cache, 0, encoder_outputs=ctx.encoder_outputs)
+    attached.codec.check_cache(cache)
+
+
+def _vocab(attached: AttachedModel) -> int:
+    cfg = attached.model.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    return int(getattr(text, "vocab_size", None) or cfg.vocab_size)
+
+
+def _probe_tokens(attached: AttachedModel, n: int, *, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234 + seed)
+    vocab = _vocab(attached)
+    low = min(4, vocab - 1)  # keep clear of the usual special ids
+    return torch.randint(low, vocab, (n,), generator=g)
+
+
+def _canary_binding(attached: AttachedModel):  # -> ModelBinding
+    ns = attached.namespace.with_updates(extra_keys=(*attached.namespace.extra_keys, CANARY_KEY))
+    return attached.engine.bind(ns, attached.layout)
+
+
+def probe_lengths(attached: AttachedModel) -> tuple[int, int]:
+    """(stored prefix, total) probe lengths: >= 2 chunks, past every window, >= 2 suffix tokens."""
+    c = attached.chunk_size
+    chunks = max(2, math.ceil(attached.spec.max_window / c) + 1)
+    prefix = chunks * c
+    return prefix, prefix + max(2, min(c // 2, 32))
+
+
+def run_canary(attached: AttachedModel) -> CanaryReport:
+    """Store -> fresh load -> continue a probe and compare with a plain prefill (see module docstring)."""
+    codec, runner = attached.codec, attached.runner
+    prefix, total = probe_lengths(attached)
+    ids = _probe_tokens(attached, total)
+    if attached.spec.encoder_decoder:
+        start = getattr(attached.model.config, "decoder_start_token_id", None)
+        if start is not None:
+            ids[0] = int(start)
+    encoder_ids = _probe_tokens(attached, attached.chunk_size + 3, seed=1) if attached.spec.encoder_decoder else None
+    ctx = attached.context(encoder_ids, binding=_canary_binding(attached))
+
+    reference = codec.new_cache()
+    ref_logits = runner.forward(ids, reference, 0, encoder_outputs=ctx.encoder_outputs, all_logits=True)
+
+    in_memory = codec.new_cache()
+    codec.record(in_memory)
+    snapshots: dict = {}
+    attached.prefill(ctx, ids[:prefix], in_memory, 0, snapshots)
+    attached.store(ctx, ids[:prefix], in_memory, snapshots)
+
+    restored, matched, _ = attached.restore(ctx, ids, "kvengine-attach-canary")
+    restored_states = codec.comparable(restored)
+    in_memory_states = codec.comparable(in_memory)
+    cached_logits = runner.forward(ids[matched:], restored, matched, encoder_outputs=ctx.encoder_outputs,
+                                   all_logits=True)
+    return judge(
+        spec=attached.spec,
+        model=attached.namespace.model,
+        probe_tokens=total,
+        expected_match=prefix,
+        matched_tokens=matched,
+        in_memory=in_memory_states,
+        restored=restored_states,
+        reference_logits=ref_logits[matched:] if matched == prefix else ref_logits[prefix:],
+        cached_logits=cached_logits if matched == prefix else cached_logits[-(total - prefix):],
+        reference_states=codec.comparable(reference),
+        continued_states=codec.comparable(restored),
+    )

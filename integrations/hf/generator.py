@@ -1,0 +1,282 @@
+"""A plain transformers generate loop that reuses cached prefixes through kvengine.
+
+Per request (batch size 1):
+
+1. ``lookup`` the longest cached chunk prefix, leaving at least one token to compute;
+2. ``load`` it into a fresh transformers cache (:class:`~.codec.Restorer`);
+3. prefill only the suffix with explicit positions - in chunk-sized pieces
+   for stateful families, snapshotting their state at every chunk boundary;
+4. sample the first token (TTFT), then ``store`` the prompt's new full chunks;
+5. decode; at the end store the chunks completed by generated tokens.
+
+Sliding-window layers keep this request's K/V until it ends (transformers'
+past recording) so every new chunk can be stored. An :class:`AttachedModel`
+runs one request at a time (the model and its caches are not thread-safe).
+
+Build instances with :func:`kvengine.integrations.hf.attach`, which verifies
+the model with the attach canary first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from kvengine import KVEngine, Namespace
+from kvengine.errors import InvalidRequestError
+from kvengine.hashing import token_bytes
+from kvengine.layout import ChunkLayout
+from kvengine.semantics.spec import ModelKVSpec
+from kvengine.types import ModelBinding
+
+from .codec import ChunkUnavailable, HFCacheCodec, Snapshot
+from .runner import ModelRunner
+
+logger = logging.getLogger("kvengine.hf")
+
+_ENCODER_BINDINGS = 256
+_request_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sampling:
+    """Greedy when ``temperature == 0``; otherwise temperature / top-k sampling with ``seed``."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature must be >= 0")
+        if self.top_k is not None and self.top_k <= 0:
+            raise InvalidRequestError("top_k must be positive")
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerationResult:
+    """One request: what was reused, computed, generated and stored, and how long it took."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    new_tokens: tuple[int, ...]
+    stored_chunks: int
+    #: lookup + load + cache rebuild (0 when the cache was not asked).
+    restore_s: float
+    ttft_s: float
+    total_s: float
+    load_ok: bool
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Where a request's chunks live (and the encoder outputs of encoder-decoder models)."""
+
+    binding: ModelBinding
+    encoder_outputs: Any = None
+
+
+def as_tokens(ids: Any, what: str = "input_ids") -> torch.Tensor:
+    """A 1-D int64 CPU tensor; batches other than 1 are refused."""
+    t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
+    if t.dim() == 2:
+        if t.shape[0] != 1:
+            raise InvalidRequestError(
+                f"{what}: batch size {t.shape[0]}; the HF integration runs batch size 1 (padded batches would need "
+                f"per-row positions and masks that a shared prefix cache cannot express); run rows one by one")
+        t = t[0]
+    if t.dim() != 1 or t.numel() == 0:
+        raise InvalidRequestError(f"{what}: expected a non-empty 1-D token sequence, got shape {tuple(t.shape)}")
+    return t.to(dtype=torch.long, device="cpu")
+
+
+class AttachedModel:
+    """A verified (or explicitly unverified) model bound to an engine."""
+
+    def __init__(self, model: Any, engine: KVEngine, spec: ModelKVSpec, layout: ChunkLayout,
+                 namespace: Namespace) -> None:
+        self.model = model
+        self.engine = engine
+        self.spec = spec
+        self.layout = layout
+        self.namespace = namespace
+        self.chunk_size = layout.chunk_size
+        self.codec = HFCacheCodec(spec, model.config, layout)
+        self.runner = ModelRunner(model, spec)
+        self.binding: ModelBinding | None = None
+        self._encoder_bindings: OrderedDict[tuple[bytes, str], ModelBinding] = OrderedDict()
+
+    # -- context ------------------------------------------------------------------
+    def context(self, encoder_input_ids: Any = None, *, binding: ModelBinding | None = None) -> RequestContext:
+        """The binding a request uses: the model's, or for encoder-decoder models one per encoder input."""
+        base = binding or self.binding
+        if not self.spec.encoder_decoder:
+            if encoder_input_ids is not None:
+                raise InvalidRequestError(f"{self.spec.model_type} is decoder-only; encoder_input_ids is not accepted")
+            if base is None:
+                raise InvalidRequestError("model is not bound (attach() did not finish)")
+            return RequestContext(base)
+        if encoder_input_ids is None:
+            raise InvalidRequestError(f"{self.spec.model_type} is an encoder-decoder model: pass encoder_input_ids")
+        enc = as_tokens(encoder_input_ids, "encoder_input_ids")
+        ns = base.namespace if base is not None else self.namespace
+        digest = xxhash.xxh3_128_hexdigest(token_bytes(enc))
+        key = (ns.digest(), digest)
+        bound = self._encoder_bindings.get(key)
+        if bound is None:
+            bound = self.engine.bind(ns.with_updates(extra_keys=(*ns.extra_keys, f"encoder-input:{digest}")),
+                                     self.layout)
+            self._encoder_bindings[key] = bound
+            while len(self._encoder_bindings) > _ENCODER_BINDINGS:
+                self._encoder_bindings.popitem(last=False)
+        else:
+            self._encoder_bindings.move_to_end(key)
+        return RequestContext(bound, self.runner.encode(enc))
+
+    # -- building blocks (also used by the canary) ------------------------------------
+    def restore(self, ctx: RequestContext, ids: torch.Tensor, request_id: str) -> tuple[Any, int, bool]:
+        """Look up and load the longest cached prefix (<= len-1 tokens); returns (cache, tokens, load ok)."""
+        res = self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1)
+        if res.matched_tokens == 0:
+            self.engine.release(res)
+            return self.codec.new_cache(), 0, True
+        restorer = self.codec.restorer(res.matched_tokens, self.runner.device)
+        result = self.engine.load(res, restorer)
+        cache, used = restorer.build(result.loaded_tokens)
+        if not result.ok:
+            logger.warning("kvengine: load delivered %d of %d tokens; recomputing the rest",
+                           result.loaded_tokens, result.promised_tokens)
+        return cache, used, result.ok
+
+    def prefill(self, ctx: RequestContext, ids: torch.Tensor, cache: Any, start: int,
+                snapshots: dict[int, Snapshot] | None, *, all_logits: bool = False) -> torch.Tensor:
+        """Compute tokens ``ids[start:]`` over ``cache``; snapshot state at chunk ends when asked.
+
+        Stateful families run in chunk-sized pieces so every boundary has a
+        snapshot; others run one piece.
+        """
+        n, c = len(ids), self.chunk_size
+        bounds = [n]
+        if snapshots is not None and self.spec.stateful:
+            first = (start // c + 1) * c
+            bounds = [*range(first, n, c), n]
+        logits: list[torch.Tensor] = []
+        a = start
+        for b in bounds:
+            if b <= a:
+                continue
+            logits.append(self.runner.forward(ids[a:b], cache, a, encoder_outputs=ctx.encoder_outputs,
+                                              all_logits=all_logits))
+            if snapshots is not None and self.spec.stateful and b % c == 0:
+                snapshots[b // c - 1] = self.codec.snapshot(cache)
+            a = b
+        return torch.cat(logits) if all_logits else logits[-1]
+
+    def store(self, ctx: RequestContext, tokens: torch.Tensor, cache: Any, snapshots: dict[int, Snapshot]) -> int:
+        """Store the full chunks of ``tokens`` not cached yet; returns chunks stored."""
+        full = len(tokens) // self.chunk_size * self.chunk_size
+        if full == 0:
+            return 0
+        try:
+            st = self.engine.store(ctx.binding, tokens[:full],
+                                   lambda i, s, e: self.codec.chunk_tensors(cache, i, snapshots))
+        except ChunkUnavailable as exc:
+            logger.info("kvengine: store stopped: %s", exc)
+            return 0
+        return st.stored_chunks
+
+    # -- the generate loop ---------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: Any,
+        *,
+        max_new_tokens: int = 32,
+        encoder_input_ids: Any = None,
+        sampling: Sampling = GREEDY,
+        eos_token_id: int | Sequence[int] | None = -1,
+        use_cache: bool = True,
+        store: bool = True,
+        request_id: str | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after ``input_ids`` (batch size 1).
+
+        ``eos_token_id=-1`` means the model's generation config; None never stops early.
+        ``use_cache=False`` skips the lookup (plain prefill); ``store=False`` stores nothing.
+        """
+        if max_new_tokens <= 0:
+            raise InvalidRequestError("max_new_tokens must be positive")
+        t0 = time.perf_counter()
+        ids = as_tokens(input_ids)
+        ctx = self.context(encoder_input_ids)
+        rid = request_id or f"hf-{next(_request_ids)}"
+        t_restore = time.perf_counter()
+        if use_cache:
+            cache, reused, load_ok = self.restore(ctx, ids, rid)
+        else:
+            cache, reused, load_ok = self.codec.new_cache(), 0, True
+        restore_s = time.perf_counter() - t_restore if use_cache else 0.0
+        snapshots: dict[int, Snapshot] = {}
+        if store:
+            self.codec.record(cache)
+        logits = self.prefill(ctx, ids, cache, reused, snapshots if store else None)
+        stops = _eos_set(self.model, eos_token_id)
+        rng = torch.Generator().manual_seed(sampling.seed)
+        token = _sample(logits[-1], sampling, rng)
+        ttft = time.perf_counter() - t0
+        stored = self.store(ctx, ids, cache, snapshots) if store else 0
+        generated = [token]
+        if on_token is not None:
+            on_token(token)
+        pos = len(ids)
+        while len(generated) < max_new_tokens and token not in stops:
+            logits = self.runner.forward(torch.tensor([token]), cache, pos, encoder_outputs=ctx.encoder_outputs)
+            pos += 1
+            if store and self.spec.stateful and pos % self.chunk_size == 0:
+                snapshots[pos // self.chunk_size - 1] = self.codec.snapshot(cache)
+            token = _sample(logits[-1], sampling, rng)
+            generated.append(token)
+            if on_token is not None:
+                on_token(token)
+        if store and len(generated) > 1:
+            seen = torch.cat([ids, torch.tensor(generated[:-1], dtype=torch.long)])
+            stored += self.store(ctx, seen, cache, snapshots)
+        return GenerationResult(
+            prompt_tokens=len(ids), reused_tokens=reused, computed_tokens=len(ids) - reused,
+            new_tokens=tuple(generated), stored_chunks=stored, restore_s=restore_s, ttft_s=ttft,
+            total_s=time.perf_counter() - t0,
+            load_ok=load_ok,
+        )
+
+
+def _eos_set(model: Any, eos: int | Sequence[int] | None) -> frozenset[int]:
+    if eos == -1:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _sample(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator) -> int:
+    scores = logits.float()
+    if sampling.temperature == 0:
+        return int(torch.argmax(scores))
+    scores = scores / sampling.temperature
+    if sampling.top_k is not None:
+        k = min(sampling.top_k, scores.numel())
+        kth = torch.topk(scores, k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=rng))

@@ -1,0 +1,25 @@
+"""The chat demo runs end to end and every turn's cached output matches the plain one."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvengine.integrations.hf import run_demo  # noqa: E402
+
+
+@pytest.mark.slow
+def test_demo_runs_and_all_turns_match(capsys):
+    """Scenario: ``kvengine demo --size tiny --turns 3``: later turns reuse most of the prompt; exit 0."""
+    assert run_demo(["--size", "tiny", "--turns", "3", "--max-new-tokens", "6", "--chunk-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs matched: all" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0] in {"1", "2", "3"}]
+    assert len(rows) == 3
+    assert int(rows[0][2]) == 0 and all(int(r[2]) > 0.9 * int(r[1]) for r in rows[1:])
+
+
+def test_demo_rejects_bad_turns():
+    with pytest.raises(SystemExit):
+        run_demo(["--turns", "0"])
