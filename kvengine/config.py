@@ -52,6 +52,30 @@ class DiskConfig(_Section):
     codec: str = "raw"
 
 
+class PeersConfig(_Section):
+    """Peer sharing tier (off unless ``peers`` or ``peers_file`` is set)."""
+
+    transport: Literal["zmq", "ucx"] = "zmq"
+    #: Static peer list, "host:port" each.
+    peers: tuple[str, ...] = ()
+    #: A file with one "host:port" a line, reloaded when it changes.
+    peers_file: Path | None = None
+    reload_interval: float = Field(default=1.0, gt=0)
+    #: Owners per chunk (rendezvous hashing over the peer list).
+    replicas: int = Field(default=2, ge=1)
+    request_timeout: float = Field(default=0.5, gt=0)
+    read_deadline: float = Field(default=1.0, gt=0)
+    write_timeout: float = Field(default=5.0, gt=0)
+    #: A peer that failed is skipped this long.
+    cooldown: float = Field(default=5.0, gt=0)
+    #: Bound on bytes of writes in flight to peers (backpressure beyond it).
+    max_inflight_write_bytes: ByteSize = ByteSize(256 * 2**20)
+    #: CURVE keys (Z85), ZeroMQ only.
+    curve_public_key: str | None = None
+    curve_secret_key: str | None = None
+    curve_server_key: str | None = None
+
+
 class EngineConfig(_Section):
     chunk_size: int = Field(default=256, gt=0, le=1 << 20)
     #: Store a trailing partial chunk too (rarely matched; see hashing.py).
@@ -65,13 +89,17 @@ class EngineConfig(_Section):
     max_pending_writes: int = Field(default=256, gt=0)
     memory: MemoryConfig = MemoryConfig()
     disk: DiskConfig = DiskConfig()
+    peers: PeersConfig = PeersConfig()
     #: Serve Prometheus metrics over HTTP on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     @model_validator(mode="after")
-    def _slab_fits_capacity(self) -> EngineConfig:
+    def _consistent(self) -> EngineConfig:
         if self.memory.effective_slab_bytes() > self.memory.capacity_bytes:
             raise ValueError("memory.slab_bytes must not exceed memory.capacity_bytes")
+        curve = (self.peers.curve_public_key, self.peers.curve_secret_key, self.peers.curve_server_key)
+        if self.peers.transport == "ucx" and any(curve):
+            raise ValueError("peers.curve_* keys are ZeroMQ-only; UCX has no authentication")
         return self
 
 

@@ -436,7 +436,7 @@ class CacheEngine:
     async def _write_batch(self, batch: list[tuple[ModelBinding, MemoryEntry]]) -> None:
         """Serialise pinned entries once and put them to every transport; unpin."""
         try:
-            records = await asyncio.to_thread(lambda: [(e.key, self._encode(b, e)) for b, e in batch])
+            records = await asyncio.to_thread(lambda: [(e.key, self.encode_record(b, e)) for b, e in batch])
             for transport in self.transports:
                 ok = await transport.put(records)
                 for (_, blob), done in zip(records, ok):
@@ -448,7 +448,8 @@ class CacheEngine:
         finally:
             self.memory.unpin([e for _, e in batch])
 
-    def _encode(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
+    def encode_record(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
+        """The chunk record of a pinned entry, encoded with the tier codec (blocking)."""
         raw = memoryview(self.memory.raw(entry).numpy())
         tensors = descriptors_for(binding.layout, entry.num_tokens)
         codec = self._tier_codec

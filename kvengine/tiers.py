@@ -16,13 +16,22 @@ def transport_factories() -> dict[str, object]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def _load(name: str, why: str) -> object:
+    factories = transport_factories()
+    if name not in factories:
+        raise ConfigError(f"{why} but the {name} transport is not installed")
+    return factories[name].load()  # type: ignore[attr-defined]
+
+
 def build_transports(config: EngineConfig) -> list[ChunkTransport]:
-    """The transports the configuration asks for, in lookup order (disk first)."""
+    """The transports the configuration asks for, in lookup order (disk, then peers)."""
     transports: list[ChunkTransport] = []
     if config.disk.path is not None:
-        factories = transport_factories()
-        if "local_disk" not in factories:
-            raise ConfigError("disk.path is set but the local_disk transport is not installed")
-        factory = factories["local_disk"].load()  # type: ignore[attr-defined]
-        transports.append(factory(config.disk.model_dump()))
+        factory = _load("local_disk", "disk.path is set")
+        transports.append(factory(config.disk.model_dump()))  # type: ignore[operator]
+    peers = config.peers
+    if peers.peers or peers.peers_file is not None:
+        factory = _load(f"peers_{peers.transport}", f"peers.transport={peers.transport!r}")
+        options = peers.model_dump(exclude={"transport"}, exclude_none=True)
+        transports.append(factory(options))  # type: ignore[operator]
     return transports

@@ -1,0 +1,542 @@
+"""The peer wire format, the server-side service and the ZeroMQ transport on real loopback sockets.
+
+Multi-process scenarios (engines on several addresses, killed peers, UCX)
+are in test_peer_e2e.py; here client and servers share one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from kvengine.transports.peer_buffers import BufferPool
+from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
+from kvengine.transports.peer_protocol import (
+    Limits, Op, ProtocolError, RecordAssembler, Status, decode_header, encode_reply, encode_request,
+    gather_records, record_matches, split_frames, tagged,
+)
+from kvengine.transports.peer_service import PeerService, ServerOptions
+from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
+from kvengine.transports.placement import Membership, Peer, rendezvous_owners
+from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport
+
+from kvengine import CacheEngine, Namespace
+from kvengine.errors import ConfigError
+from kvengine.keys import ChunkKey
+from kvengine.record import unpack_record
+from kvengine.transport import ChunkTransport
+
+MiB = 1 << 20
+FAST = PeerClientOptions(replicas=1, request_timeout=0.5, read_deadline=1.0, write_timeout=1.0, cooldown=30.0)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- wire format -------------------------------------------------------------------------------------
+def test_request_and_reply_headers_round_trip(make_record: Any) -> None:
+    keys = [make_record(8)[0] for _ in range(3)]
+    msg = decode_header(encode_request(Op.PUT, 7, keys, [100, 0, 5]), Limits(), reply=False)
+    assert (msg.op, msg.request_id, msg.keys, msg.lengths) == (Op.PUT, 7, tuple(keys), (100, 0, 5))
+    rep = decode_header(encode_reply(Op.GET, 7, Status.OK, [True, False], [9, 0]), Limits(), reply=True)
+    assert (rep.op, rep.flags, rep.lengths, rep.status) == (Op.GET, (True, False), (9, 0), Status.OK)
+
+
+def _header(op: int = Op.GET, version: int = 1, count: int = 1, magic: bytes = b"KVPP", extra: bytes = b"") -> bytes:
+    import struct
+
+    return struct.pack("<4sBBBxQI", magic, version, op, 0, 1, count) + b"\0" * (40 * count) + extra
+
+
+@pytest.mark.parametrize("header, status", [
+    (b"KVPP", Status.BAD_REQUEST),  # truncated
+    (_header(magic=b"XXXX"), Status.BAD_REQUEST),
+    (_header(version=9), Status.UNSUPPORTED),
+    (_header(op=77), Status.UNSUPPORTED),
+    (_header(count=5000), Status.TOO_LARGE),
+    (_header(extra=b"\0"), Status.BAD_REQUEST),  # length does not match the item count
+])
+def test_malformed_headers_are_refused_with_a_status(header: bytes, status: Status) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_header(header, Limits(), reply=False)
+    assert info.value.status is status
+
+
+def test_lengths_are_checked_against_op_and_limits(make_record: Any) -> None:
+    key = make_record(8)[0]
+    with pytest.raises(ProtocolError, match="carries no records"):
+        decode_header(encode_request(Op.GET, 1, [key], [10]), Limits(), reply=False)
+    with pytest.raises(ProtocolError) as info:
+        decode_header(encode_request(Op.PUT, 1, [key], [2 * MiB]), Limits(max_record_bytes=MiB), reply=False)
+    assert info.value.status is Status.TOO_LARGE
+
+
+def test_records_are_reassembled_exactly_from_frames() -> None:
+    a, b = os.urandom(2500), os.urandom(1000)
+    frames = split_frames([a, b], 1024)
+    assert [len(f) for f in frames] == [1024, 1024, 452, 1000]
+    assert [bytes(r) for r in gather_records(frames, [2500, 0, 1000])] == [a, b"", b]
+    for bad in (frames[:-1], frames + [b"x"]):
+        with pytest.raises(ProtocolError):
+            gather_records(bad, [2500, 0, 1000])
+    with pytest.raises(ProtocolError, match="boundary"):
+        gather_records(frames, [2000, 1500])
+
+
+def test_streamed_records_are_rebuilt_in_order_only() -> None:
+    a, b = os.urandom(2500), os.urandom(10)
+    frames = list(tagged(1, split_frames([a, b], 1024)))
+    asm = RecordAssembler([2500, 0, 10])
+    offsets = [int.from_bytes(tag[12:20], "little") for tag, _ in frames]
+    assert offsets == [0, 1024, 2048, 2500]
+    assert [asm.feed(o, f) for o, (_, f) in zip(offsets, frames)] == [False, False, False, True]
+    assert [bytes(r) for r in asm.records()] == [a, b"", b]
+    with pytest.raises(ProtocolError):  # a gap
+        RecordAssembler([2500]).feed(1024, frames[1][1])
+    with pytest.raises(ProtocolError):  # crosses into the next record
+        RecordAssembler([10, 10]).feed(0, b"x" * 15)
+    with pytest.raises(ProtocolError):  # beyond the payload
+        RecordAssembler([4]).feed(0, b"x" * 5)
+
+
+def test_record_matches_only_its_own_key(make_record: Any) -> None:
+    key, record = make_record(64)
+    other_key, _ = make_record(64)
+    foreign_key, foreign = make_record(64, namespace=Namespace(model="someone-else").digest())
+    assert record_matches(key, record) is None
+    assert record_matches(other_key, record) == "other_key"
+    assert record_matches(key, foreign) == "other_namespace"
+    assert record_matches(key, record[:-1]) == "wrong_length"
+    assert record_matches(key, b"garbage" * 20) == "bad_magic"
+
+
+def test_receive_buffers_are_reused_only_once_nothing_refers_to_them() -> None:
+    """Regression guard for buffer recycling: a record still referenced (even through a view) is never reused."""
+    pool = BufferPool(capacity_bytes=8 * MiB, min_bytes=MiB)
+    first = pool.take(3 * MiB)
+    first[:4] = [1, 2, 3, 4]
+    record = first.data.toreadonly()  # what a transport hands out
+    del first
+    view = np.frombuffer(record, dtype=np.uint8)[:4]
+    del record
+    second = pool.take(3 * MiB)  # the first buffer is still referenced by `view`
+    second[:4] = 0
+    assert list(view) == [1, 2, 3, 4]
+    base = view.base
+    del view, base, second
+    gc.collect()
+    assert pool.idle_bytes == 8 * MiB  # both came back (4 MiB size class each)
+    held = pool.take(3 * MiB)
+    assert pool.idle_bytes == 4 * MiB and held.nbytes == 3 * MiB  # one idle buffer reused, not allocated
+    assert type(pool.take(100)) is np.ndarray  # small: not pooled
+
+
+# -- the service, without sockets ---------------------------------------------------------------------
+async def _handle(service: PeerService, op: Op, keys: Sequence[ChunkKey], records: Sequence[bytes] = ()) -> Any:
+    reply = await service.handle(encode_request(op, 1, keys, [len(r) for r in records]), split_frames(records, MiB))
+    assert reply is not None
+    return decode_header(reply.header, Limits(), reply=True), reply.records
+
+
+async def test_put_keeps_only_records_that_verify_under_their_key(make_record: Any) -> None:
+    store = MemoryRecordStore(MiB)
+    service = PeerService(store)
+    good, (k2, r2), (k3, r3) = make_record(100), make_record(100), make_record(100)
+    corrupt = bytearray(r3)
+    corrupt[-1] ^= 1
+    msg, _ = await _handle(service, Op.PUT, [good[0], k3, k3], [good[1], r2, bytes(corrupt)])
+    assert msg.flags == (True, False, False)  # r2 under k3: another key; corrupt payload: refused
+    assert await store.exists([good[0], k2, k3]) == [True, False, False]
+    lenient = PeerService(store, ServerOptions(verify_puts=False))
+    msg, _ = await _handle(lenient, Op.PUT, [k3, k3], [bytes(corrupt), r2])
+    assert msg.flags == (True, False)  # header-only check still refuses another key's record
+
+
+async def test_namespaces_outside_the_served_set_are_misses(make_record: Any) -> None:
+    mine, theirs = make_record(10), make_record(10, namespace=Namespace(model="x").digest())
+    store = MemoryRecordStore(MiB)
+    await store.put([mine, theirs])
+    service = PeerService(store, ServerOptions(namespaces=frozenset({mine[0].namespace})))
+    assert (await _handle(service, Op.EXISTS, [mine[0], theirs[0]]))[0].flags == (True, False)
+    msg, records = await _handle(service, Op.GET, [theirs[0], mine[0]])
+    assert msg.flags == (False, True) and bytes(records[0]) == mine[1]
+    assert (await _handle(service, Op.PUT, [theirs[0]], [theirs[1]]))[0].flags == (False,)
+
+
+async def test_get_reply_stops_at_the_byte_budget(make_record: Any) -> None:
+    items = [make_record(1000) for _ in range(3)]
+    store = MemoryRecordStore(MiB)
+    await store.put(items)
+    service = PeerService(store, ServerOptions(max_reply_bytes=2500))
+    msg, records = await _handle(service, Op.GET, [k for k, _ in items])
+    assert msg.flags == (True, True, False) and len(records) == 2
+
+
+async def test_a_store_that_raises_is_answered_with_misses(make_record: Any) -> None:
+    class Broken(MemoryRecordStore):
+        async def get(self, keys: Any) -> Any:
+            raise OSError("disk on fire")
+
+    service = PeerService(Broken(MiB))
+    msg, _ = await _handle(service, Op.GET, [make_record(1)[0]])
+    assert msg.status is Status.OK and msg.flags == (False,)
+    assert service.counts["store_error"] == 1
+
+
+async def test_undecodable_requests_get_an_error_reply_or_are_dropped(make_record: Any) -> None:
+    service = PeerService(MemoryRecordStore(MiB))
+    assert await service.handle(b"junk", []) is None  # no request id to answer
+    key, record = make_record(100)
+    reply = await service.handle(encode_request(Op.PUT, 42, [key], [len(record)]), [])  # payload missing
+    assert reply is not None
+    msg = decode_header(reply.header, Limits(), reply=True)
+    assert (msg.request_id, msg.status) == (42, Status.BAD_REQUEST)
+
+
+# -- ZeroMQ on loopback ----------------------------------------------------------------------------------
+@pytest.fixture
+async def servers() -> AsyncIterator[list[ZmqPeerServer]]:
+    started = []
+    for host in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
+        server = ZmqPeerServer(MemoryRecordStore(64 * MiB), f"{host}:0")
+        await server.start()
+        started.append(server)
+    yield started
+    for server in started:
+        await server.close()
+
+
+def client(addresses: Sequence[str | None], options: PeerClientOptions = FAST, **zmq: Any) -> PeerTransport:
+    connector = ZmqConnector(options.limits, ZmqOptions(**zmq))
+    return PeerTransport(connector, Membership(a for a in addresses if a), options)
+
+
+async def test_put_get_exists_delete_round_trip(servers: list[ZmqPeerServer], make_record: Any) -> None:
+    """Records above the frame size are streamed in ~1 MiB frames and come back byte-identical."""
+    transport = client([s.address for s in servers])
+    assert isinstance(transport, ChunkTransport)
+    items = [make_record(3 * MiB + 17)] + [make_record(100) for _ in range(20)]
+    keys = [k for k, _ in items]
+    assert await transport.put(items) == [True] * len(items)
+    assert await transport.exists(keys) == [True] * len(items)
+    got = await transport.get(keys)
+    assert [bytes(g) for g in got] == [r for _, r in items]
+    assert await transport.delete(keys[:5]) == [True] * 5
+    assert await transport.get(keys[:6]) == [None] * 5 + [got[5]]
+    assert sum(len(s.service.store) for s in servers) == len(items) - 5  # type: ignore[attr-defined]
+    await transport.close()
+
+
+async def test_every_owner_gets_a_replica_and_reads_fall_back(servers: list[ZmqPeerServer], make_record: Any) -> None:
+    options = PeerClientOptions(replicas=2, request_timeout=0.5, read_deadline=2.0, cooldown=30.0)
+    transport = client([s.address for s in servers], options)
+    items = [make_record(100) for _ in range(12)]
+    assert all(await transport.put(items))
+    peers = transport.membership.peers()
+    for key, _ in items:
+        owners = {p.address for p in rendezvous_owners(key, peers, 2)}
+        holders = {s.address for s in servers if (await s.service.store.exists([key]))[0]}
+        assert holders == owners
+    await servers[0].close()  # one owner of some keys is gone: its replicas answer
+    got = await transport.get([k for k, _ in items])
+    assert [bytes(g) for g in got] == [r for _, r in items]
+    await transport.close()
+
+
+async def test_membership_change_costs_misses_never_wrong_data(servers: list[ZmqPeerServer], make_record: Any) -> None:
+    addresses = [s.address for s in servers]
+    items = [make_record(50) for _ in range(40)]
+    writer = client(addresses[:2])
+    assert all(await writer.put(items))
+    reader = client(addresses)  # a third peer joined: keys it now owns are misses
+    got = await reader.get([k for k, _ in items])
+    peers = reader.membership.peers()
+    for (key, record), blob in zip(items, got):
+        moved = rendezvous_owners(key, peers, 1)[0].address == addresses[2]
+        assert (blob is None) if moved else (bytes(blob) == record)
+    assert any(g is None for g in got) and any(g is not None for g in got)
+    await writer.close()
+    await reader.close()
+
+
+async def test_curve_admits_listed_clients_and_refuses_everyone_else(make_record: Any) -> None:
+    allowed, unlisted = CurveConfig.generate(), CurveConfig.generate()
+    server_keys = CurveConfig.generate(allowed_clients=frozenset({allowed.public_key}))
+    server = ZmqPeerServer(MemoryRecordStore(MiB), "127.0.0.2:0", zmq_options=ZmqOptions(curve=server_keys))
+    await server.start()
+    item = make_record(100)
+
+    def with_keys(keys: CurveConfig | None, server_key: bytes) -> PeerTransport:
+        curve = None if keys is None else CurveConfig(public_key=keys.public_key, secret_key=keys.secret_key,
+                                                      server_key=server_key)
+        return client([server.address], curve=curve)
+
+    good = with_keys(allowed, server_keys.public_key)
+    assert await good.put([item]) == [True]
+    assert [bytes(b) for b in await good.get([item[0]])] == [item[1]]
+    for name, bad in [("plain", with_keys(None, b"")), ("unlisted", with_keys(unlisted, server_keys.public_key)),
+                      ("wrong server key", with_keys(allowed, unlisted.public_key))]:
+        t0 = time.monotonic()
+        assert await bad.get([item[0]]) == [None], name
+        assert await bad.put([make_record(10)]) == [False], name
+        assert time.monotonic() - t0 < 2 * FAST.read_deadline + 0.5, name
+        await bad.close()
+    assert await good.exists([item[0]]) == [True]  # still serving the right client
+    await good.close()
+    await server.close()
+
+
+async def test_malformed_and_oversized_messages_do_not_stop_the_server(
+    servers: list[ZmqPeerServer], make_record: Any
+) -> None:
+    server = servers[0]
+    ctx = zmq.asyncio.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(f"tcp://{server.address}")
+    key, record = make_record(100)
+    await raw.send_multipart([b"garbage"])  # dropped: no request id
+    await raw.send_multipart([encode_request(Op.PUT, 5, [key], [len(record)])])  # payload missing
+    await raw.send_multipart([encode_request(Op.GET, 6, [key]), b"unexpected payload"])
+    replies = [decode_header(await asyncio.wait_for(raw.recv(), 5), Limits(), reply=True) for _ in range(2)]
+    assert sorted((r.request_id, r.status) for r in replies) == [(5, Status.BAD_REQUEST), (6, Status.BAD_REQUEST)]
+    big = ctx.socket(zmq.DEALER)  # a frame above MAXMSGSIZE: that client is cut off
+    big.connect(f"tcp://{server.address}")
+    await big.send_multipart([encode_request(Op.PUT, 7, [key], [9 * MiB]), bytes(9 * MiB)])
+    transport = client([server.address])
+    assert await transport.put([(key, record)]) == [True]
+    assert [bytes(b) for b in await transport.get([key])] == [record]
+    assert server.counts["refused_bad_request"] == 3  # the garbage was counted, and dropped unanswered
+    assert server.counts["op_put"] == 1  # the oversized put never reached the service
+    for s in (raw, big):
+        s.close(linger=0)
+    ctx.term()
+    await transport.close()
+
+
+@pytest.fixture
+async def liar() -> AsyncIterator[tuple[str, list[Any]]]:
+    """A raw ROUTER peer that answers GET with whatever records the test puts in ``script``."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.6")
+    script: list[Any] = []
+
+    async def serve() -> None:
+        while True:
+            ident, header, *_ = await sock.recv_multipart()
+            req = decode_header(header, Limits(), reply=False)
+            answer = script.pop(0) if script else None
+            if answer is not None:
+                await answer(sock, ident, req)
+
+    task = asyncio.create_task(serve())
+    yield f"127.0.0.6:{port}", script
+    task.cancel()
+    sock.close(linger=0)
+    ctx.term()
+
+
+async def test_a_record_for_another_key_is_never_returned(liar: tuple[str, list[Any]], make_record: Any) -> None:
+    address, script = liar
+    asked = make_record(100)[0]
+    foreign = make_record(100, namespace=Namespace(model="not-mine").digest())[1]
+    for record in (make_record(100)[1], foreign):
+        async def answer(sock: Any, ident: bytes, req: Any, record: bytes = record) -> None:
+            await sock.send_multipart([ident, encode_reply(Op.GET, req.request_id, Status.OK, [True], [len(record)]),
+                                       record])
+        script.append(answer)
+    transport = client([address])
+    assert await transport.get([asked]) == [None]
+    assert await transport.get([asked]) == [None]
+    assert transport.counts["wrong_record_other_key"] == transport.counts["wrong_record_other_namespace"] == 1
+    await transport.close()
+
+
+async def test_a_stream_that_stops_half_way_is_a_miss_at_the_deadline(liar: tuple[str, list[Any]]) -> None:
+    address, script = liar
+
+    async def half(sock: Any, ident: bytes, req: Any) -> None:
+        await sock.send_multipart([ident, encode_reply(Op.GET, req.request_id, Status.OK, [True], [4 * MiB])])
+        for tag, frame in list(tagged(req.request_id, split_frames([bytes(4 * MiB)], MiB)))[:2]:
+            await sock.send_multipart([ident, tag, frame])
+
+    script.append(half)
+    transport = client([address])
+    t0 = time.monotonic()
+    assert await transport.get([ChunkKey.from_hex("ab" * 32)]) == [None]
+    assert FAST.request_timeout <= time.monotonic() - t0 < FAST.read_deadline + 0.5
+    await transport.close()
+
+
+async def test_a_late_reply_is_not_taken_for_a_later_request(make_record: Any) -> None:
+    """Scenario: request 1 times out; its reply arrives while request 2 waits; request 2 gets its own answer."""
+    class Slow(MemoryRecordStore):
+        delays = [1.0, 0.8]
+
+        async def get(self, keys: Any) -> Any:
+            await asyncio.sleep(self.delays.pop(0))
+            return await super().get(keys)
+
+    store = Slow(MiB)
+    a, b = make_record(100), make_record(100)
+    await store.put([a, b])
+    server = ZmqPeerServer(store, "127.0.0.2:0")
+    await server.start()
+    connector = ZmqConnector()
+    peer = Peer.parse(server.address or "")
+    assert await connector.request(peer, Op.GET, [a[0]], (), timeout=0.5) is None
+    answer = await connector.request(peer, Op.GET, [b[0]], (), timeout=5.0)  # a's reply comes first, at ~1.0 s
+    assert answer is not None and [bytes(r) for r in answer[1]] == [b[1]]
+    assert connector.counts()["late_replies"] == 1
+    await connector.close()
+    await server.close()
+
+
+async def test_a_dead_peer_costs_one_timeout_then_is_skipped(make_record: Any) -> None:
+    transport = client(["127.0.0.2:9"])  # nothing listens there
+    key = make_record(10)[0]
+    t0 = time.monotonic()
+    assert await transport.exists([key]) == [False]
+    assert time.monotonic() - t0 < FAST.read_deadline + 0.5
+    t0 = time.monotonic()
+    assert await transport.get([key]) == [None] and await transport.put([make_record(10)]) == [False]
+    assert time.monotonic() - t0 < 0.25  # not even tried
+    assert transport.health.down() == [Peer("127.0.0.2", 9)]
+    await transport.close()
+
+
+async def test_writes_in_flight_are_bounded_and_excess_is_dropped(make_record: Any) -> None:
+    """Scenario: a peer that stalls on writes; only the in-flight byte budget goes out, the rest drops in time."""
+    class StalledPuts(MemoryRecordStore):
+        async def put(self, items: Any) -> Any:
+            await asyncio.sleep(2.0)
+            return await super().put(items)
+
+    server = ZmqPeerServer(StalledPuts(64 * MiB), "127.0.0.2:0")
+    await server.start()
+    items = [make_record(100_000) for _ in range(6)]
+    options = PeerClientOptions(replicas=1, request_timeout=5.0, write_timeout=0.6, max_inflight_write_bytes=250_000)
+    transport = client([server.address], options)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(transport.put([item]) for item in items))
+    assert time.monotonic() - t0 < options.write_timeout + 0.5
+    assert results == [[False]] * 6
+    assert transport.counts["writes_dropped_backpressure"] == 4  # never got budget: never sent
+    await asyncio.sleep(0.3)  # let the server take in whatever was sent
+    assert server.counts["op_put"] == 2  # two records fit the budget at once
+    await transport.close()
+    await server.close()
+
+
+async def test_engine_store_serves_resident_chunks_as_verifiable_records(layout: Any, namespace: Namespace) -> None:
+    from tests.conftest import FakeKV, make_config
+
+    engine = CacheEngine(make_config())
+    await engine.start()
+    binding = engine.bind(namespace, layout)
+    tokens = list(range(40))
+    await engine.store(binding, tokens, FakeKV(40).source)
+    res = await engine.lookup(binding, "r", tokens)
+    keys = list(res.keys)
+    await engine.release(res)
+    store = EngineStore(engine, MemoryRecordStore(MiB))
+    assert await store.get(keys) == [None, None]  # namespace not shared yet
+    store.share(binding)
+    assert await store.exists(keys) == [True, True]
+    for key, record in zip(keys, await store.get(keys)):
+        header, _ = unpack_record(record, expect_key=key)
+        assert header.key == key
+    other, blob = ChunkKey(binding.digest, keys[0].chunk_hash[::-1]), b"x"
+    assert await store.put([(other, blob)]) == [True] and await store.get([other]) == [blob]
+    assert engine.memory.total_pins() == 0
+    await engine.close()
+
+
+def test_transport_factory_builds_from_plain_config(tmp_path: Path) -> None:
+    peers = tmp_path / "peers"
+    peers.write_text("127.0.0.2:7000\n")
+    transport = create_transport({"peers_file": str(peers), "peers": ["127.0.0.3:7000"], "replicas": 2})
+    assert transport.name == "peers_zmq" and len(transport.membership.peers()) == 2
+    with pytest.raises(ConfigError):
+        create_transport({"peers": [], "replicas": 0})
+    with pytest.raises(ConfigError):
+        create_transport({"curve_public_key": "x" * 40})
+    with pytest.raises(ConfigError, match="unknown"):
+        create_transport({"peers": [], "replica": 2})
+
+
+def test_ucx_transport_factory_builds_from_plain_config() -> None:
+    ucx_peer = pytest.importorskip("kvengine.transports.ucx_peer")
+    pytest.importorskip("ucxx", reason="the 'ucx' extra (ucxx-cu12) is not installed")
+    transport = ucx_peer.create_transport({"peers": ["127.0.0.3:7000"], "connections_per_peer": 2})
+    assert transport.name == "peers_ucx" and transport.connector.options.connections_per_peer == 2
+    with pytest.raises(ConfigError):
+        ucx_peer.create_transport({"peers": [], "bogus": 1})
+
+
+@pytest.mark.slow
+async def test_kvengine_serve_runs_standalone_until_sigterm(tmp_path: Path, make_record: Any) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvengine.serve_cmd", "--bind", "127.0.0.7:0",
+                             "--disk", str(tmp_path / "disk"), "--capacity", "16MiB"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.to_thread(proc.stdout.readline)
+        match = re.search(r"zmq on (\S+), store disk", line)
+        assert match, line
+        transport = client([match.group(1)], PeerClientOptions(replicas=1, request_timeout=5, read_deadline=5))
+        item = make_record(2 * MiB)
+        assert await transport.put([item]) == [True]
+        assert [bytes(b) for b in await transport.get([item[0]])] == [item[1]]
+        await transport.close()
+        assert any((tmp_path / "disk").iterdir())
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+        assert "op_put=1" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+async def test_kvengine_serve_with_curve_certificates_admits_only_listed_clients(
+    tmp_path: Path, make_record: Any
+) -> None:
+    import zmq.auth
+
+    server_public, server_secret = zmq.auth.create_certificates(str(tmp_path), "server")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    client_public, client_secret = zmq.auth.create_certificates(str(allowed), "client")
+    proc = subprocess.Popen([sys.executable, "-m", "kvengine.serve_cmd", "--bind", "127.0.0.7:0", "--capacity", "1MiB",
+                             "--curve-cert", server_secret, "--curve-allow", str(allowed)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        match = re.search(r"zmq on (\S+),", await asyncio.to_thread(proc.stdout.readline))
+        assert match
+        public, secret = zmq.auth.load_certificate(client_secret)
+        server_key, _ = zmq.auth.load_certificate(server_public)
+        assert secret is not None
+        good = client([match.group(1)], curve=CurveConfig(public_key=public, secret_key=secret, server_key=server_key))
+        stranger = client([match.group(1)], curve=CurveConfig.generate(server_key=server_key))
+        item = make_record(100)
+        assert await stranger.put([item]) == [False]
+        assert await good.put([item]) == [True]
+        assert await stranger.get([item[0]]) == [None]
+        for t in (good, stranger):
+            await t.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)

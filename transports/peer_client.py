@@ -1,0 +1,290 @@
+"""The client side of peer sharing: a :class:`ChunkTransport` that routes to owners.
+
+:class:`PeerTransport` is wire-independent; a :class:`Connector` (ZeroMQ in
+:mod:`.zmq_peer`, UCX in :mod:`.ucx_peer`) carries one request to one peer.
+
+Routing (see :mod:`.placement`): each key's owners are the ``replicas``
+rendezvous winners over the current membership, minus peers in cool-down.
+
+* ``put`` sends each record to every live owner; True where one acked.
+  Writes hold a byte budget (``max_inflight_write_bytes``) while in flight;
+  a write that gets no budget within ``write_timeout`` is dropped (False,
+  counted), so nothing queues without bound.
+* ``exists`` asks every live owner at once; True where one has it (that
+  owner is remembered as a hint for the following ``get``).
+* ``get`` asks the hinted or first live owner, then, for what is still
+  missing, the next owner, and so on, all within ``read_deadline``.
+* ``delete`` goes to every live owner.
+
+Faults: a request that gets no answer within its timeout, or whose peer
+disconnects, is a miss and puts the peer in cool-down. A reply that is
+malformed, refused, or holds a record whose header names another key is a
+miss (counted); bytes for a key other than the one asked for are never
+returned. Nothing here raises for a cache fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvengine.errors import ConfigError
+from kvengine.keys import ChunkKey
+from kvengine.transport import Buffer
+
+from .peer_protocol import Limits, Message, Op, Status, record_matches
+from .placement import Membership, Peer, PeerHealth, rendezvous_owners
+
+#: A reply: its decoded header and one record per item (``b""`` where it carries none).
+Answer = tuple[Message, list[Buffer]]
+
+_HINTS = 4096
+
+
+class Connector(Protocol):
+    """Carries requests to peers over one wire."""
+
+    async def request(
+        self, peer: Peer, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], timeout: float
+    ) -> Answer | None:
+        """Send one request and wait for its reply; None on timeout, disconnect or send failure."""
+        ...
+
+    async def forget(self, peer: Peer) -> None:
+        """Drop any connection to a peer that left the membership."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerClientOptions:
+    replicas: int = 2
+    #: One request to one peer.
+    request_timeout: float = 0.5
+    #: A whole ``get`` / ``exists`` call, all owners and retries included.
+    read_deadline: float = 1.0
+    #: A whole ``put`` / ``delete`` call, waiting for write budget included.
+    write_timeout: float = 5.0
+    #: A peer that failed is skipped this long.
+    cooldown: float = 5.0
+    max_keys_per_request: int = 16
+    max_request_bytes: int = 64 << 20
+    max_inflight_write_bytes: int = 256 << 20
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.max_keys_per_request < 1:
+            raise ValueError("replicas and max_keys_per_request must be >= 1")
+        if min(self.request_timeout, self.read_deadline, self.write_timeout, self.cooldown) <= 0:
+            raise ValueError("peer timeouts and cool-down must be > 0")
+
+
+def client_from_config(config: dict[str, Any], name: str) -> tuple[Membership, PeerClientOptions]:
+    """Pop the membership and :class:`PeerClientOptions` keys out of a transport factory's config.
+
+    Keys: ``peers`` (list of ``host:port``) and/or ``peers_file``,
+    ``reload_interval``, and the fields of :class:`PeerClientOptions`
+    (except ``limits``). What is left in ``config`` is the wire's.
+    """
+    membership = Membership(config.pop("peers", ()), path=config.pop("peers_file", None),
+                            reload_interval=float(config.pop("reload_interval", 1.0)))
+    fields = {f.name for f in dataclasses.fields(PeerClientOptions)} - {"limits"}
+    try:
+        options = PeerClientOptions(**{k: config.pop(k) for k in list(config) if k in fields})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid {name} transport config: {exc}") from None
+    return membership, options
+
+
+class _ByteBudget:
+    """At most ``limit`` bytes held at once; a holder larger than ``limit`` holds all of it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, nbytes: int, timeout: float) -> int:
+        """Bytes granted (pass them to :meth:`release`), or 0 if none came within ``timeout``."""
+        need = min(nbytes, self.limit)
+        try:
+            async with asyncio.timeout(max(timeout, 0)), self._cond:
+                await self._cond.wait_for(lambda: self.held + need <= self.limit)
+                self.held += need
+                return need
+        except TimeoutError:
+            return 0
+
+    async def release(self, nbytes: int) -> None:
+        async with self._cond:
+            self.held -= nbytes
+            self._cond.notify_all()
+
+
+class PeerTransport:
+    """A :class:`kvengine.transport.ChunkTransport` over peer servers."""
+
+    def __init__(
+        self, connector: Connector, membership: Membership, options: PeerClientOptions | None = None,
+        *, name: str = "peers",
+    ) -> None:
+        self.name = name
+        self.connector = connector
+        self.membership = membership
+        self.options = options or PeerClientOptions()
+        self.health = PeerHealth(self.options.cooldown)
+        self.counts: Counter[str] = Counter()
+        self._hints: OrderedDict[ChunkKey, Peer] = OrderedDict()
+        self._budget: _ByteBudget | None = None  # made on first use, on the loop that uses it
+        self._known: tuple[Peer, ...] = ()
+
+    # -- routing -----------------------------------------------------------------
+    async def _owners(self, keys: Sequence[ChunkKey]) -> list[list[Peer]]:
+        peers = self.membership.peers()
+        if peers != self._known:
+            for gone in set(self._known) - set(peers):
+                await self.connector.forget(gone)
+            self._known = peers
+        if not peers:
+            return [[] for _ in keys]
+        return [[p for p in rendezvous_owners(k, peers, self.options.replicas) if self.health.usable(p)] for k in keys]
+
+    def _batches(self, indices: list[int], sizes: Sequence[int] | None = None) -> Iterator[list[int]]:
+        batch: list[int] = []
+        nbytes = 0
+        for i in indices:
+            size = sizes[i] if sizes is not None else 0
+            if batch and (len(batch) == self.options.max_keys_per_request
+                          or nbytes + size > self.options.max_request_bytes):
+                yield batch
+                batch, nbytes = [], 0
+            batch.append(i)
+            nbytes += size
+        if batch:
+            yield batch
+
+    async def _call(
+        self, peer: Peer, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], deadline: float
+    ) -> Answer | None:
+        timeout = min(self.options.request_timeout, deadline - time.monotonic())
+        if timeout <= 0:
+            self.counts["deadline_passed"] += 1
+            return None
+        self.counts[f"requests_{op.name.lower()}"] += 1
+        reply = await self.connector.request(peer, op, keys, records, timeout)
+        if reply is None:
+            self.counts["peer_failures"] += 1
+            self.health.failed(peer)
+            return None
+        msg = reply[0]
+        if msg.status is not Status.OK or msg.op is not op or len(msg.flags) != len(keys):
+            self.counts[f"refused_{msg.status.name.lower()}"] += 1
+            return None
+        self.health.succeeded(peer)
+        return reply
+
+    def _hint(self, key: ChunkKey, peer: Peer) -> None:
+        self._hints[key] = peer
+        self._hints.move_to_end(key)
+        if len(self._hints) > _HINTS:
+            self._hints.popitem(last=False)
+
+    async def _to_owners(
+        self, op: Op, keys: Sequence[ChunkKey], deadline: float, records: Sequence[Buffer] = ()
+    ) -> list[bool]:
+        """Send ``op`` for each key to every live owner at once; True where an owner said True."""
+        out = [False] * len(keys)
+        sizes = [len(r) for r in records] if records else None
+        by_peer: dict[Peer, list[int]] = defaultdict(list)
+        for i, owners in enumerate(await self._owners(keys)):
+            for peer in owners:
+                by_peer[peer].append(i)
+
+        async def one(peer: Peer, batch: list[int]) -> None:
+            granted = 0
+            if sizes is not None:  # writes hold part of the in-flight budget
+                if self._budget is None:
+                    self._budget = _ByteBudget(self.options.max_inflight_write_bytes)
+                granted = await self._budget.acquire(sum(sizes[i] for i in batch), deadline - time.monotonic())
+                if not granted:
+                    self.counts["writes_dropped_backpressure"] += len(batch)
+                    return
+            try:
+                reply = await self._call(peer, op, [keys[i] for i in batch], [records[i] for i in batch] if sizes
+                                         else (), deadline)
+            finally:
+                if granted:
+                    await self._budget.release(granted)  # type: ignore[union-attr]
+            for i, ok in zip(batch, reply[0].flags if reply is not None else ()):
+                if ok and not out[i]:
+                    out[i] = True
+                    if op is Op.EXISTS:
+                        self._hint(keys[i], peer)
+
+        await asyncio.gather(*(one(p, b) for p, idx in by_peer.items() for b in self._batches(idx, sizes)))
+        return out
+
+    # -- ChunkTransport --------------------------------------------------------------
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return await self._to_owners(Op.EXISTS, keys, time.monotonic() + self.options.read_deadline)
+
+    async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        deadline = time.monotonic() + self.options.read_deadline
+        out: list[Buffer | None] = [None] * len(keys)
+        candidates = []
+        for key, owners in zip(keys, await self._owners(keys)):
+            hinted = self._hints.pop(key, None)
+            if hinted in owners:
+                owners.remove(hinted)  # type: ignore[arg-type]
+                owners.insert(0, hinted)  # type: ignore[arg-type]
+            candidates.append(owners)
+
+        async def fetch(peer: Peer, batch: list[int]) -> None:
+            reply = await self._call(peer, Op.GET, [keys[i] for i in batch], (), deadline)
+            if reply is None:
+                return
+            msg, records = reply
+            for i, present, record in zip(batch, msg.flags, records):
+                if not present:
+                    continue
+                reason = record_matches(keys[i], record)
+                if reason is None:
+                    out[i] = record
+                    self.counts["bytes_received"] += len(record)
+                else:
+                    self.counts[f"wrong_record_{reason}"] += 1
+
+        for rank in range(self.options.replicas):
+            by_peer: dict[Peer, list[int]] = defaultdict(list)
+            for i, owners in enumerate(candidates):
+                if out[i] is None and rank < len(owners):
+                    by_peer[owners[rank]].append(i)
+            if not by_peer or time.monotonic() >= deadline:
+                break
+            await asyncio.gather(*(fetch(p, b) for p, idx in by_peer.items() for b in self._batches(idx)))
+        hits = sum(r is not None for r in out)
+        self.counts["hits"] += hits
+        self.counts["misses"] += len(keys) - hits
+        return out
+
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        deadline = time.monotonic() + self.options.write_timeout
+        out = await self._to_owners(Op.PUT, [k for k, _ in items], deadline, [r for _, r in items])
+        self.counts["bytes_sent"] += sum(len(r) for (_, r), ok in zip(items, out) if ok)
+        self.counts["puts_acked"] += sum(out)
+        self.counts["puts_failed"] += len(out) - sum(out)
+        return out
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        for key in keys:
+            self._hints.pop(key, None)
+        return await self._to_owners(Op.DELETE, keys, time.monotonic() + self.options.write_timeout)
+
+    async def close(self) -> None:
+        await self.connector.close()

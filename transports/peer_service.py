@@ -1,0 +1,218 @@
+"""The server side of the peer protocol, independent of the wire (ZeroMQ, UCX).
+
+:meth:`PeerService.handle` turns one request (header + payload frames) into
+one reply (header + payload frames) against a :class:`RecordStore`:
+
+* a message that cannot be decoded is answered with an error status when it
+  carries a request id, otherwise dropped (``None``); either way counted;
+* keys of namespaces outside ``ServerOptions.namespaces`` are misses, and
+  puts of them are refused;
+* a put record is stored only if it verifies under its key (header always;
+  payload checksum too with ``verify_puts``), so a server never holds bytes
+  under a key they do not belong to;
+* a get never returns a record whose header names another key, and stops
+  adding records once the reply would exceed ``max_reply_bytes`` (the rest
+  are misses);
+* a store that raises is a fault of this node: logged once, counted, and
+  answered as misses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvengine.errors import IntegrityError
+from kvengine.keys import ChunkKey, NamespaceDigest
+from kvengine.record import unpack_record
+from kvengine.transport import Buffer
+
+from .peer_protocol import (
+    Limits, Message, Op, ProtocolError, Status, decode_header, encode_reply, gather_records, peek_request_id,
+    record_matches,
+)
+from .peer_store import RecordStore
+
+log = logging.getLogger(__name__)
+
+#: Payloads above this are joined and verified in a worker thread, not on the event loop.
+_THREAD_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A reply to send: its header and the records it carries (each whole; the wire frames them)."""
+
+    request_id: int
+    header: bytes
+    records: list[Buffer] = field(default_factory=list)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(r) for r in self.records)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerOptions:
+    limits: Limits = field(default_factory=Limits)
+    #: Namespaces served; None serves every namespace.
+    namespaces: frozenset[NamespaceDigest] | None = None
+    #: Check each put record's payload checksum too (the header is always checked).
+    verify_puts: bool = True
+    #: Requests served at once; beyond it the server stops reading (backpressure).
+    max_concurrent: int = 8
+    #: Records of one get reply, in bytes; later records are answered as misses.
+    max_reply_bytes: int = 512 << 20
+    #: How long a reply may wait for a client that does not read; then it is abandoned.
+    reply_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1 or self.max_reply_bytes < 1 or self.reply_timeout <= 0:
+            raise ValueError("max_concurrent, max_reply_bytes and reply_timeout must be positive")
+
+
+class PeerService:
+    def __init__(self, store: RecordStore, options: ServerOptions | None = None) -> None:
+        self.store = store
+        self.options = options or ServerOptions()
+        self.counts: Counter[str] = Counter()
+
+    async def handle(self, header: Buffer, frames: Sequence[Buffer]) -> Reply | None:
+        """The reply to one request, or None to drop it unanswered."""
+        limits = self.options.limits
+        try:
+            msg = decode_header(header, limits, reply=False)
+            if msg.payload_bytes > _THREAD_BYTES:
+                records = await asyncio.to_thread(gather_records, frames, msg.lengths)
+            else:
+                records = gather_records(frames, msg.lengths)
+        except ProtocolError as exc:
+            self.counts[f"refused_{exc.status.name.lower()}"] += 1
+            request_id = peek_request_id(header)
+            if request_id is None:
+                return None
+            return Reply(request_id, encode_reply(Op.PING, request_id, exc.status))
+        self.counts[f"op_{msg.op.name.lower()}"] += 1
+        try:
+            return await self._dispatch(msg, records)
+        except Exception as exc:  # the store broke its no-raise contract: a miss, counted and logged
+            self.counts["store_error"] += 1
+            if self.counts["store_error"] == 1:
+                log.warning("kvengine peer server: store failed (%s: %s); answering misses", type(exc).__name__, exc)
+            return Reply(msg.request_id, encode_reply(msg.op, msg.request_id, Status.OK, [False] * len(msg.keys)))
+
+    async def _dispatch(self, msg: Message, records: list[Buffer]) -> Reply:
+        keys = msg.keys
+        allowed = [self._serves(k) for k in keys]
+        if msg.op is Op.PING:
+            return Reply(msg.request_id, encode_reply(msg.op, msg.request_id, Status.OK, [True] * len(keys)))
+        if msg.op is Op.PUT:
+            stored = await self._put(keys, records, allowed)
+            return Reply(msg.request_id, encode_reply(msg.op, msg.request_id, Status.OK, stored))
+        wanted = [k for k, ok in zip(keys, allowed) if ok]
+        if msg.op is Op.GET:
+            return await self._get(msg, wanted, allowed)
+        call = self.store.exists if msg.op is Op.EXISTS else self.store.delete
+        answers = iter(await call(wanted) if wanted else [])
+        flags = [ok and next(answers) for ok in allowed]
+        return Reply(msg.request_id, encode_reply(msg.op, msg.request_id, Status.OK, flags))
+
+    def _serves(self, key: ChunkKey) -> bool:
+        return self.options.namespaces is None or key.namespace in self.options.namespaces
+
+    async def _get(self, msg: Message, wanted: list[ChunkKey], allowed: list[bool]) -> Reply:
+        found = iter(await self.store.get(wanted) if wanted else [])
+        budget = self.options.max_reply_bytes
+        flags: list[bool] = []
+        lengths: list[int] = []
+        out: list[Buffer] = []
+        for key, ok in zip(msg.keys, allowed):
+            record = next(found) if ok else None
+            if record is not None and record_matches(key, record) is not None:
+                self.counts["stored_record_bad"] += 1
+                record = None
+            if record is not None and len(record) > budget:
+                self.counts["reply_budget_exceeded"] += 1
+                record = None
+            flags.append(record is not None)
+            lengths.append(0 if record is None else len(record))
+            if record is not None:
+                budget -= len(record)
+                out.append(record)
+        self.counts["get_hits"] += len(out)
+        return Reply(msg.request_id, encode_reply(msg.op, msg.request_id, Status.OK, flags, lengths), out)
+
+    async def _put(self, keys: Sequence[ChunkKey], records: list[Buffer], allowed: list[bool]) -> list[bool]:
+        valid = [ok and await self._verifies(k, r) for k, r, ok in zip(keys, records, allowed)]
+        items = [(k, r) for k, r, ok in zip(keys, records, valid) if ok]
+        stored = iter(await self.store.put(items) if items else [])
+        result = [ok and next(stored) for ok in valid]
+        self.counts["put_stored"] += sum(result)
+        self.counts["put_refused"] += len(result) - sum(result)
+        return result
+
+    async def _verifies(self, key: ChunkKey, record: Buffer) -> bool:
+        reason = record_matches(key, record)
+        if reason is None and self.options.verify_puts:
+            try:
+                view = memoryview(record)
+                if len(view) > _THREAD_BYTES:
+                    await asyncio.to_thread(unpack_record, view, expect_key=key)
+                else:
+                    unpack_record(view, expect_key=key)
+            except IntegrityError as exc:
+                reason = exc.reason
+        if reason is not None:
+            self.counts[f"put_invalid_{reason}"] += 1
+        return reason is None
+
+
+class PeerServer(Protocol):
+    """A wire's server (:class:`ZmqPeerServer`, :class:`UcxPeerServer`)."""
+
+    #: ``host:port`` actually bound, once started.
+    address: str | None
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class ServerThread:
+    """Runs a :class:`PeerServer` on an event loop of its own in a daemon thread.
+
+    For embedding next to the blocking :class:`kvengine.KVEngine` (whose
+    loop is private): ``address = ServerThread(server).start()`` ...
+    ``stop()``. An :class:`EngineStore` may be used from this thread.
+    """
+
+    def __init__(self, server: PeerServer) -> None:
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvengine-peer-server", daemon=True)
+
+    def start(self) -> str:
+        """Start serving; returns the bound ``host:port``. Raises what the server's ``start`` raises."""
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result()
+        except BaseException:
+            self._halt()
+            raise
+        assert self.server.address is not None
+        return self.server.address
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result()
+            self._halt()
+
+    def _halt(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

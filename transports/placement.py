@@ -1,0 +1,180 @@
+"""Which peers own a chunk, who the peers are, and which of them are alive.
+
+Primitives:
+
+* :func:`rendezvous_owners` -- highest-random-weight (rendezvous) hashing:
+  every peer gets the score ``xxh3_64(peer id, key)`` and the ``replicas``
+  highest scores own the key. Stable across processes and machines (xxhash,
+  no seed, no Python ``hash``); adding or removing one peer moves only the
+  keys that peer gains or loses (about ``1/n`` of them).
+* :class:`Membership` -- the peer list, static or read from a file that may
+  change at runtime (re-read when its mtime or size changes, checked at most
+  every ``reload_interval`` seconds; a file that cannot be read or parsed
+  keeps the last good list). Changing the list moves owners, so it costs
+  misses; it never serves wrong data (records are keyed and verified).
+* :class:`PeerHealth` -- a peer that times out or fails is skipped for a
+  cool-down; after it, the next request tries it again.
+
+A peer is named by its address ``host:port`` (IPv6 as ``[::1]:port``); the
+address is the identity that is hashed, so every node must list the same
+addresses for the same peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvengine.errors import ConfigError
+from kvengine.keys import ChunkKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Peer:
+    """One peer server, addressed by host and port."""
+
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not self.host or not 0 < self.port < 65536:
+            raise ConfigError(f"invalid peer address {self.host!r}:{self.port}")
+
+    @property
+    def address(self) -> str:
+        """``host:port`` -- the identity that placement hashes."""
+        return format_address(self.host, self.port)
+
+    @classmethod
+    def parse(cls, text: str) -> Peer:
+        """Parse ``host:port``, ``[v6]:port`` or ``tcp://host:port``."""
+        return cls(*split_host_port(text))
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``(host, port)`` of ``host:port``, ``[v6]:port`` or ``tcp://host:port`` (port 0 allowed)."""
+    raw = text.strip().removeprefix("tcp://")
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"address must be host:port, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _score(peer: Peer, key_bytes: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(peer.address.encode() + b"\0" + key_bytes)
+
+
+def rendezvous_owners(key: ChunkKey, peers: Sequence[Peer], replicas: int) -> list[Peer]:
+    """The ``replicas`` owners of ``key`` among ``peers``, best first (ties broken by address)."""
+    if replicas < 1:
+        raise ConfigError(f"replicas must be >= 1, got {replicas}")
+    key_bytes = key.namespace + key.chunk_hash
+    ranked = sorted(peers, key=lambda p: (_score(p, key_bytes), p.address), reverse=True)
+    return ranked[:replicas]
+
+
+def parse_peer_list(lines: Iterable[str]) -> tuple[Peer, ...]:
+    """Peers from lines of ``host:port``; blank lines and ``#`` comments ignored, duplicates dropped."""
+    peers: dict[str, Peer] = {}
+    for line in lines:
+        text = line.split("#", 1)[0].strip()
+        if text:
+            peer = Peer.parse(text)
+            peers.setdefault(peer.address, peer)
+    return tuple(peers.values())
+
+
+class Membership:
+    """The current peer list: static, or a file re-read when it changes."""
+
+    def __init__(
+        self,
+        peers: Iterable[Peer | str] = (),
+        *,
+        path: str | os.PathLike[str] | None = None,
+        reload_interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._static = parse_peer_list(p.address if isinstance(p, Peer) else p for p in peers)
+        self._path = Path(path) if path is not None else None
+        self._interval = reload_interval
+        self._clock = clock
+        self._stamp: tuple[int, int] | None = None
+        self._next_check = float("-inf")
+        self._peers = self._static
+        self.version = 0  # incremented on every change of the list after construction
+        if self._path is not None:
+            self._check(force=True)
+            self.version = 0
+
+    def peers(self) -> tuple[Peer, ...]:
+        """The current list (re-reads the file first if it changed)."""
+        if self._path is not None:
+            self._check()
+        return self._peers
+
+    def _check(self, *, force: bool = False) -> None:
+        now = self._clock()
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + self._interval
+        assert self._path is not None
+        try:
+            st = self._path.stat()
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp == self._stamp:
+                return
+            peers = parse_peer_list(self._path.read_text().splitlines())
+        except (OSError, ConfigError) as exc:
+            if force:
+                raise ConfigError(f"cannot read peer list {self._path}: {exc}") from None
+            log.warning("kvengine: peer list %s unreadable (%s); keeping %d peers", self._path, exc, len(self._peers))
+            return
+        self._stamp = stamp
+        merged = parse_peer_list(p.address for p in (*self._static, *peers))
+        if merged != self._peers:
+            log.info("kvengine: peer list %s now has %d peers", self._path, len(merged))
+            self._peers = merged
+            self.version += 1
+
+
+class PeerHealth:
+    """Cool-down bookkeeping: a failed peer is skipped until ``cooldown`` seconds pass."""
+
+    def __init__(self, cooldown: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cooldown = cooldown
+        self._clock = clock
+        self._down_until: dict[Peer, float] = {}
+
+    def usable(self, peer: Peer) -> bool:
+        until = self._down_until.get(peer)
+        if until is None:
+            return True
+        if self._clock() >= until:
+            del self._down_until[peer]  # half-open: the next request probes it
+            return True
+        return False
+
+    def failed(self, peer: Peer) -> None:
+        if peer not in self._down_until:
+            log.warning("kvengine: peer %s failed; skipping it for %.1fs", peer.address, self.cooldown)
+        self._down_until[peer] = self._clock() + self.cooldown
+
+    def succeeded(self, peer: Peer) -> None:
+        self._down_until.pop(peer, None)
+
+    def down(self) -> list[Peer]:
+        now = self._clock()
+        return [p for p, until in self._down_until.items() if until > now]

@@ -1,0 +1,402 @@
+"""Peer sharing over ZeroMQ (pyzmq, ``zmq.asyncio``).
+
+* :class:`ZmqConnector` -- the client wire for :class:`PeerTransport`: one
+  DEALER socket per peer, many requests in flight on it, replies matched by
+  request id. ``IMMEDIATE`` (nothing queues for a peer that is not
+  connected), high-water marks on both directions, ``MAXMSGSIZE`` (a peer
+  sending an oversized frame is cut off), ``LINGER 0``. A disconnect seen by
+  the socket monitor fails that peer's requests at once instead of at their
+  deadline.
+* :class:`ZmqPeerServer` -- a ROUTER socket in front of a
+  :class:`PeerService`; at most ``max_concurrent`` requests at once, after
+  which it stops reading (the high-water marks push back to the senders).
+  Runs on any event loop: embedded next to an engine, or standalone
+  (``kvengine serve``).
+
+Records travel as frames of ``Limits.frame_bytes`` (~1 MiB; one 64 MiB frame
+is several times slower through libzmq) sent with ``copy=False``.
+
+CURVE (:class:`CurveConfig`): servers need their key pair; clients need a
+key pair and the servers' public key. With ``allowed_clients`` a server
+admits only those client keys (a ZAP handler on the server's own context);
+without it, any client that knows the server's public key. A client without
+the right keys never completes the handshake: its requests time out (misses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvengine.errors import ConfigError, TransportError
+from kvengine.keys import ChunkKey
+from kvengine.transport import Buffer
+
+from .peer_client import Answer, Connector, PeerTransport, client_from_config
+from .peer_protocol import (
+    TAG_MAGIC, Limits, Message, Op, ProtocolError, RecordAssembler, decode_header, decode_tag, encode_request,
+    gather_records, split_frames, tagged,
+)
+from .peer_service import PeerService, ServerOptions
+from .peer_store import RecordStore
+from .placement import Peer, format_address, split_host_port
+
+log = logging.getLogger(__name__)
+
+#: Receive queue of a client, in messages: a whole streamed reply (max_reply_bytes / frame) fits.
+_STREAM_HWM = 1024
+#: First and longest pause while a reply waits for a client whose queue is full.
+_RETRY_FIRST, _RETRY_MAX = 0.0005, 0.05
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CurveConfig:
+    """CURVE keys, Z85-encoded (40 bytes each), as made by :func:`zmq.curve_keypair`."""
+
+    public_key: bytes
+    secret_key: bytes
+    #: Clients: the public key of the peer servers.
+    server_key: bytes | None = None
+    #: Servers: the client public keys admitted; None admits any client that knows the server key.
+    allowed_clients: frozenset[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        keys = [self.public_key, self.secret_key, *([self.server_key] if self.server_key else []),
+                *(self.allowed_clients or ())]
+        if any(len(k) != 40 for k in keys):
+            raise ConfigError("CURVE keys must be 40-byte Z85 strings (zmq.curve_keypair())")
+        if not zmq.has("curve"):
+            raise ConfigError("this libzmq was built without CURVE support")
+
+    @classmethod
+    def generate(cls, **extra: Any) -> CurveConfig:
+        public, secret = zmq.curve_keypair()
+        return cls(public_key=public, secret_key=secret, **extra)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZmqOptions:
+    #: Messages queued per direction per socket before senders wait.
+    hwm: int = 16
+    curve: CurveConfig | None = None
+
+
+def _socket_options(sock: zmq.Socket[Any], host: str, limits: Limits, options: ZmqOptions) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, options.hwm)
+    sock.setsockopt(zmq.RCVHWM, options.hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+    sock.setsockopt(zmq.IPV6, ":" in host)
+
+
+class _Pending:
+    __slots__ = ("future", "message", "assembler")
+
+    def __init__(self, future: asyncio.Future[Answer | None]) -> None:
+        self.future = future
+        self.message: Message | None = None
+        self.assembler: RecordAssembler | None = None
+
+    def finish(self, answer: Answer | None) -> None:
+        if not self.future.done():
+            self.future.set_result(answer)
+
+
+class _Connection:
+    """One DEALER socket to one peer; requests multiplexed by id."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, peer: Peer, limits: Limits, options: ZmqOptions) -> None:
+        self.limits = limits
+        self.sock = ctx.socket(zmq.DEALER)
+        _socket_options(self.sock, peer.host, limits, options)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.RCVHWM, _STREAM_HWM)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if options.curve is not None:
+            if options.curve.server_key is None:
+                raise ConfigError("a CURVE client needs curve.server_key")
+            self.sock.curve_publickey = options.curve.public_key
+            self.sock.curve_secretkey = options.curve.secret_key
+            self.sock.curve_serverkey = options.curve.server_key
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(f"tcp://{peer.address}")
+        self.pending: dict[int, _Pending] = {}
+        self.ids = itertools.count(1)
+        self.counts: Counter[str] = Counter()
+        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def request(
+        self, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], timeout: float
+    ) -> Answer | None:
+        request_id = next(self.ids)
+        header = encode_request(op, request_id, keys, [len(r) for r in records])
+        frames = [header, *split_frames(records, self.limits.frame_bytes)]
+        pending = self.pending[request_id] = _Pending(asyncio.get_running_loop().create_future())
+        try:
+            async with asyncio.timeout(timeout):
+                await self.sock.send_multipart(frames, copy=False)
+                return await pending.future
+        except TimeoutError:
+            self.counts["timeouts"] += 1
+            return None
+        except zmq.ZMQError as exc:
+            self.counts[f"send_error_{exc.errno}"] += 1
+            return None
+        finally:
+            del self.pending[request_id]
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.sock.recv_multipart(copy=False)
+            try:
+                first = msg[0].buffer
+                if first[:4] == TAG_MAGIC and len(msg) == 2:
+                    self._on_data(first, msg[1].buffer)
+                else:
+                    self._on_header(first, [f.buffer for f in msg[1:]])
+            except ProtocolError as exc:
+                self.counts["bad_replies"] += 1
+                log.debug("kvengine: malformed reply from a peer: %s", exc)
+
+    def _on_header(self, buf: memoryview, inline: list[memoryview]) -> None:
+        head = decode_header(buf, self.limits, reply=True)
+        pending = self.pending.get(head.request_id)
+        if pending is None or pending.message is not None:
+            self.counts["late_replies"] += 1
+            return
+        pending.message = head
+        if inline or head.payload_bytes == 0:
+            try:
+                pending.finish((head, gather_records(inline, head.lengths)))
+            except ProtocolError:
+                pending.finish(None)
+                raise
+        else:
+            pending.assembler = RecordAssembler(head.lengths)
+
+    def _on_data(self, tag: memoryview, frame: memoryview) -> None:
+        request_id, offset = decode_tag(tag)
+        pending = self.pending.get(request_id)
+        if pending is None or pending.assembler is None or pending.future.done():
+            self.counts["late_replies"] += 1
+            return
+        try:
+            done = pending.assembler.feed(offset, frame)
+        except ProtocolError:
+            pending.finish(None)
+            raise
+        if done:
+            assert pending.message is not None
+            pending.finish((pending.message, pending.assembler.records()))
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.counts["disconnects"] += 1
+                for pending in self.pending.values():
+                    pending.finish(None)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for pending in self.pending.values():
+            pending.finish(None)
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class ZmqConnector(Connector):
+    """Client wire: lazily one :class:`_Connection` per peer, on the loop that first uses it."""
+
+    def __init__(self, limits: Limits | None = None, options: ZmqOptions | None = None) -> None:
+        self.limits = limits or Limits()
+        self.options = options or ZmqOptions()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._conns: dict[Peer, _Connection] = {}
+
+    async def request(
+        self, peer: Peer, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], timeout: float
+    ) -> Answer | None:
+        conn = self._conns.get(peer)
+        if conn is None:
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
+            conn = self._conns[peer] = _Connection(self._ctx, peer, self.limits, self.options)
+        return await conn.request(op, keys, records, timeout)
+
+    async def forget(self, peer: Peer) -> None:
+        conn = self._conns.pop(peer, None)
+        if conn is not None:
+            await conn.close()
+
+    async def close(self) -> None:
+        for peer in list(self._conns):
+            await self.forget(peer)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def counts(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for conn in self._conns.values():
+            total.update(conn.counts)
+        return total
+
+
+class _AllowList:
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+class ZmqPeerServer:
+    """Serves a :class:`RecordStore` to peers on ``bind`` (``host:port``; port 0 picks one)."""
+
+    def __init__(
+        self, store: RecordStore, bind: str, options: ServerOptions | None = None,
+        zmq_options: ZmqOptions | None = None,
+    ) -> None:
+        self.service = PeerService(store, options)
+        self.host, self.port = split_host_port(bind)
+        self.zmq_options = zmq_options or ZmqOptions()
+        self.address: str | None = None  # host:port actually bound, once started
+        self._ctx: zmq.asyncio.Context | None = None
+        self._auth: Any = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def counts(self) -> Counter[str]:
+        return self.service.counts
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        sock = self._sock = self._ctx.socket(zmq.ROUTER)
+        _socket_options(sock, self.host, self.service.options.limits, self.zmq_options)
+        sock.setsockopt(zmq.SNDHWM, _STREAM_HWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        curve = self.zmq_options.curve
+        if curve is not None:
+            if curve.allowed_clients is not None:
+                from zmq.auth.asyncio import AsyncioAuthenticator
+
+                self._auth = AsyncioAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback("*", _AllowList(curve.allowed_clients))
+            sock.curve_server = True
+            sock.curve_publickey = curve.public_key
+            sock.curve_secretkey = curve.secret_key
+        endpoint = f"tcp://{format_address(self.host, self.port)}"
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            await self.close()
+            raise TransportError(f"cannot bind {endpoint}: {exc}") from exc
+        _, port = split_host_port(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.address = format_address(self.host, port)
+        self._loop_task = asyncio.create_task(self._serve(sock), name="kvengine-peer-server")
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        slots = asyncio.Semaphore(self.service.options.max_concurrent)
+        while True:
+            await slots.acquire()
+            try:
+                msg = await sock.recv_multipart(copy=False)
+            except BaseException:
+                slots.release()
+                raise
+            task = asyncio.create_task(self._answer(sock, msg))
+            self._tasks.add(task)
+
+            def done(task: asyncio.Task[None]) -> None:
+                self._tasks.discard(task)
+                slots.release()
+
+            task.add_done_callback(done)
+
+    async def _answer(self, sock: zmq.asyncio.Socket, msg: list[zmq.Frame]) -> None:
+        if len(msg) < 2:
+            self.counts["dropped_no_header"] += 1
+            return
+        reply = await self.service.handle(msg[1].buffer, [f.buffer for f in msg[2:]])
+        if reply is None:
+            return
+        ident = msg[0]
+        frame_bytes = self.service.options.limits.frame_bytes
+        deadline = asyncio.get_running_loop().time() + self.service.options.reply_timeout
+        try:
+            if reply.payload_bytes <= frame_bytes:  # small: inline, one message
+                await self._send(sock, [ident, reply.header, *reply.records], deadline)
+                return
+            await self._send(sock, [ident, reply.header], deadline)
+            for tag, frame in tagged(reply.request_id, split_frames(reply.records, frame_bytes)):
+                await self._send(sock, [ident, tag, frame], deadline)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone
+            self.counts[f"reply_abandoned_{errno.errorcode.get(exc.errno or 0, exc.errno)}"] += 1
+        except TimeoutError:
+            self.counts["reply_abandoned_slow_client"] += 1
+
+    async def _send(self, sock: zmq.asyncio.Socket, parts: list[Any], deadline: float) -> None:
+        """Send one message; wait (bounded) while this client's queue is full (ROUTER_MANDATORY)."""
+        pause = _RETRY_FIRST
+        while True:
+            try:
+                await sock.send_multipart(parts, flags=zmq.DONTWAIT, copy=False)
+                return
+            except zmq.Again:
+                if asyncio.get_running_loop().time() + pause > deadline:
+                    raise TimeoutError from None
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _RETRY_MAX)
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._sock = self._ctx = self._auth = None
+
+
+def create_transport(config: Mapping[str, Any]) -> PeerTransport:
+    """Entry-point factory (group ``kvengine.transports``, name ``peers_zmq``).
+
+    Keys: those of :func:`client_from_config`, ``hwm``, and
+    ``curve_public_key`` / ``curve_secret_key`` / ``curve_server_key`` (Z85
+    strings) to turn CURVE on.
+    """
+    cfg = dict(config)
+    membership, options = client_from_config(cfg, "peers_zmq")
+    curve_keys = [cfg.pop(k, None) for k in ("curve_public_key", "curve_secret_key", "curve_server_key")]
+    curve = None
+    if any(curve_keys):
+        if not all(curve_keys):
+            raise ConfigError("CURVE needs curve_public_key, curve_secret_key and curve_server_key")
+        public, secret, server = (k.encode() if isinstance(k, str) else k for k in curve_keys)
+        curve = CurveConfig(public_key=public, secret_key=secret, server_key=server)
+    zmq_options = ZmqOptions(hwm=int(cfg.pop("hwm", ZmqOptions().hwm)), curve=curve)
+    if cfg:
+        raise ConfigError(f"unknown peers_zmq transport config keys: {sorted(cfg)}")
+    return PeerTransport(ZmqConnector(options.limits, zmq_options), membership, options, name="peers_zmq")
