@@ -139,3 +139,46 @@ def test_lossy_disk_codec_needs_a_lossy_namespace(tmp_path):
         assert res.matched_tokens == 2 * CHUNK
         err = max((g - k[:, :, :CHUNK]).abs().max().item() for g, k in zip(got[0], kv.layers))
         assert 0 < err < 0.05  # quantized: close, not exact
+
+
+def test_long_prompt_is_promoted_from_disk_window_by_window(tmp_path):
+    """Scenario: a restarted engine promotes a prompt of 2.5 read windows from disk, exactly and in order.
+
+    Regression (issue 9): promotion read a whole run of records before admitting any, so a
+    32k-token prompt held a second prompt's worth of fresh, page-faulting read buffers.
+    """
+    from kvengine.engine import _READ_WINDOW
+
+    layout = make_layout()
+    n = 2 * _READ_WINDOW + 2
+    kv, toks = FakeKV(n * CHUNK, seed=11), list(range(n * CHUNK))
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        matched, result, exact = load_all(eng, eng.bind(Namespace(model="m"), layout), toks, kv)
+        assert matched == n * CHUNK and result.ok and exact
+        assert eng.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") == n * layout.nbytes()
+        assert eng.core.memory.total_pins() == 0
+
+
+def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
+    """Scenario: the file of a chunk in the second read window vanishes after the index was built:
+    the chunks before it are served, the rest is a miss, and no pin leaks."""
+    from kvengine.engine import _READ_WINDOW
+    from kvengine.hashing import prefix_hashes
+    from kvengine.keys import ChunkKey
+    from kvengine.transports._disk_files import record_name
+
+    layout = make_layout()
+    n, gone = 2 * _READ_WINDOW + 1, _READ_WINDOW + 1
+    kv, toks = FakeKV(n * CHUNK, seed=12), list(range(n * CHUNK))
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        eng.release(eng.lookup(b, "warm", [7] * CHUNK))  # the index rebuild is done
+        key = ChunkKey(b.digest, prefix_hashes(toks, CHUNK, b.digest)[gone])
+        (tmp_path / record_name(key)).unlink()
+        matched, result, exact = load_all(eng, b, toks, kv)
+        assert matched == gone * CHUNK and result.ok and exact
+        assert eng.core.memory.total_pins() == 0

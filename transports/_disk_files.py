@@ -20,7 +20,7 @@ every file holds exactly one record. A filesystem that refuses ``O_DIRECT``
 object; small records always use buffered I/O.
 
 Reads are buffered (kernel readahead measured faster than O_DIRECT reads
-there) into recycled buffers (:mod:`._read_buffers`), and large files are
+there) into recycled buffers (:mod:`kvengine.buffers`), and large files are
 dropped from the page cache afterwards: the memory tier is the cache.
 """
 
@@ -43,7 +43,7 @@ from kvengine.errors import IntegrityError, InvalidRequestError
 from kvengine.keys import ChunkKey, NamespaceDigest
 from kvengine.record import RecordHeader, decode_header, peek_header_length, verify_payload
 
-from ._read_buffers import BufferPool
+from kvengine.buffers import BufferPool
 
 _T = TypeVar("_T")
 FsyncPolicy = Literal["never", "data", "always"]
