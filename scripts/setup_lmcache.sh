@@ -41,7 +41,7 @@ if ! $py -c "import torch, sys; sys.exit('+cpu' not in torch.__version__)" 2>/de
   if [ -f "$wheel" ]; then
     $py -m pip install -q "$wheel"
   else
-    $py -m pip install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+    $py -m pip install -q "torch==2.13.0"
   fi
 fi
 torch_version=$($py -c "import torch; print(torch.__version__)")
