@@ -1,0 +1,191 @@
+"""The vLLM KV connector: ``kv_connector="KVEngineConnector"``.
+
+>>> LLM(model=..., kv_transfer_config={
+...     "kv_connector": "KVEngineConnector",
+...     "kv_connector_module_path": "kvengine.integrations.vllm.connector",
+...     "kv_role": "kv_both",
+...     "kv_load_failure_policy": "recompute",
+...     "kv_connector_extra_config": {"kvengine": {"chunk_size": 256, "disk": {"path": "/var/cache/kv"}}},
+... })
+
+vLLM builds one instance per role: the scheduler half
+(:class:`~.scheduler.SchedulerSide`) in the engine-core process and the
+worker half (:class:`~.worker.WorkerSide`) in the worker process, which owns
+the :class:`~kvengine.KVEngine`. They talk over :mod:`.channel`. Every
+refusal happens in the constructor or in ``register_kv_caches``, before the
+first request, as :class:`~kvengine.errors.UnsupportedModelError` or
+:class:`~kvengine.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvengine.errors import ConfigError, UnsupportedModelError
+
+from .layout import check_chunk_size, plan_groups
+from .metadata import ChannelAddress, StepMetadata
+from .options import ConnectorOptions
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.kvengine")
+
+
+def check_vllm_config(vllm_config: VllmConfig) -> None:
+    """Refuse settings under which reuse is not implemented or not exact."""
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise UnsupportedModelError(
+            f"kvengine vLLM connector: tensor_parallel_size={pc.tensor_parallel_size}, "
+            f"pipeline_parallel_size={pc.pipeline_parallel_size}: only a single worker (1, 1) is supported")
+    if getattr(pc, "decode_context_parallel_size", 1) != 1 or getattr(pc, "prefill_context_parallel_size", 1) != 1:
+        raise UnsupportedModelError("kvengine vLLM connector: context parallelism is not supported")
+    if vllm_config.speculative_config is not None:
+        raise UnsupportedModelError("kvengine vLLM connector: speculative decoding is not supported")
+    if vllm_config.model_config.is_encoder_decoder:
+        raise UnsupportedModelError("kvengine vLLM connector: encoder-decoder models are not supported")
+    kt = vllm_config.kv_transfer_config
+    if kt.kv_role != "kv_both":
+        raise ConfigError(f"kvengine vLLM connector: kv_role must be 'kv_both' (a local cache), got {kt.kv_role!r}")
+    if kt.kv_load_failure_policy != "recompute":
+        raise ConfigError(
+            "kvengine vLLM connector: set kv_transfer_config kv_load_failure_policy='recompute': a cache fault "
+            f"must make vLLM recompute, not fail the request (got {kt.kv_load_failure_policy!r})")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        raise UnsupportedModelError(f"kvengine vLLM connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
+                                    "(quantized KV) has not been validated; use 'auto'")
+
+
+class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvengine as a vLLM v1 KV connector (scheduler and worker halves, see module docs)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_vllm_config(vllm_config)
+        options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        plans = plan_groups(kv_cache_config)
+        check_chunk_size(plans, options.engine.chunk_size)
+        # vLLM maps failed blocks back to requests only for single-group models;
+        # with several groups, loads are asynchronous so failures go per request.
+        asynchronous = len(plans) > 1
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, asynchronous=asynchronous,
+                                            lookup_wait_s=options.lookup_wait_s)
+        else:
+            self._worker = WorkerSide(vllm_config=vllm_config, kv_cache_config=kv_cache_config, options=options,
+                                      plans=plans, asynchronous=asynchronous)
+        logger.info("kvengine: %s half ready (groups %s, %s loads)", role.name.lower(),
+                    [p.kind.value for p in plans], "async" if asynchronous else "sync")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # ============================== worker half ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake() if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete inside start_load_kv (see worker.py)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # pages are stored once the step's forward is done (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._worker.save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        finished, failed = self._worker.take_finished()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    # ============================== scheduler half ==============================
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self._scheduler is None:
+            return
+        addresses = [m for m in metadata.values() if isinstance(m, ChannelAddress)]
+        if len(addresses) != 1:
+            raise UnsupportedModelError(f"kvengine vLLM connector: expected one worker, got {len(addresses)}")
+        self._scheduler.connect(addresses[0])
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None and connector_output.failed_recving:
+            self._scheduler.update_connector_output(set(connector_output.failed_recving))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    # ============================== both ==============================
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+

@@ -1,0 +1,233 @@
+"""What one kvengine chunk holds for a vLLM model, derived from vLLM's own declarations.
+
+Two steps, both fail-closed (:class:`~kvengine.errors.UnsupportedModelError`
+naming the group, layer or setting):
+
+* :func:`plan_groups` (scheduler and worker) -- from ``kv_cache_config``:
+  one :class:`GroupPlan` per KV cache group, by spec class. Only spec
+  classes whose reuse has been validated end to end are accepted.
+* :func:`derive_layout` (worker) -- from the registered per-layer caches, the
+  attention backend each layer declares and the resolved
+  :class:`~vllm.v1.kv_cache_layout.KVCacheLayout`: a :class:`PagedLayout`
+  whose :class:`~kvengine.layout.ChunkLayout` stores, per layer, the whole
+  KV pages of one chunk.
+
+A chunk is stored as whole pages: vLLM hands each layer over as a logical
+``[blocks, heads, block_tokens, content]`` view whatever its physical layout,
+and what the content of a page means (the CPU backend keeps all K rows of a
+head before its V rows, flash-attn splits K|V along the last axis) is the
+backend's business. So the page bytes are copied as they are, and the
+backend name and layout are part of the namespace: pages written by one
+backend are never read by another.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvengine.errors import UnsupportedModelError
+from kvengine.layout import ChunkLayout, KVCategory, TensorSpec
+
+#: One list of block ids per KV cache group, as vLLM's ``KVCacheBlocks.get_block_ids()``.
+BlockIds = tuple[tuple[int, ...], ...]
+
+#: Attention backends whose page format has been validated (vLLM CPU build).
+ATTENTION_BACKENDS = frozenset({"CPU_ATTN"})
+#: Physical layouts the validated backends declare.
+KV_LAYOUTS = frozenset({"LBHNC"})
+
+
+class GroupKind(enum.Enum):
+    FULL = "full_attention"  # every block of the prefix is read
+    SLIDING = "sliding_window"  # only the blocks inside the window are read
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupPlan:
+    """One vLLM KV cache group as the connector treats it."""
+
+    group_id: int
+    kind: GroupKind
+    block_size: int
+    layer_names: tuple[str, ...]
+    sliding_window: int | None = None
+
+    @property
+    def category(self) -> KVCategory:
+        return KVCategory.FULL_ATTENTION if self.kind is GroupKind.FULL else KVCategory.SLIDING_WINDOW
+
+
+#: Why recurrent-state groups (Mamba, GDN linear attention: Qwen3-Next, ...) are refused.
+STATE_REFUSAL = (
+    "recurrent (Mamba / linear-attention) state is reusable only at a position where vLLM materialized it, "
+    "and vLLM materializes it at no chunk boundary (mamba_cache_mode 'none': one running state per request) "
+    "or only at the last block boundary of each prompt ('align'), so a chunk's state cannot be stored with "
+    "its pages and a hit could not be resumed exactly")
+
+
+def _refuse(what: str, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"kvengine vLLM connector: {what}: {why}; refusing to start "
+                                 "(see docs/vllm.md, 'What is reused, and what is refused')")
+
+
+def _plan_one(group_id: int, spec: object, layer_names: Iterable[str]) -> GroupPlan:
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        KVQuantMode,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    name = type(spec).__name__
+    layers = tuple(layer_names)
+    where = f"KV cache group {group_id} ({name}, layers {list(layers)[:3]}{'...' if len(layers) > 3 else ''})"
+    if isinstance(spec, AttentionSpec):
+        if spec.kv_quant_mode != KVQuantMode.NONE:
+            raise _refuse(where, f"quantized KV ({spec.kv_quant_mode.name}) keeps scales outside the pages")
+        if spec.tokens_per_state != 1:
+            raise _refuse(where, f"tokens_per_state={spec.tokens_per_state} (compressed pages) is not supported")
+    if type(spec) is FullAttentionSpec:
+        if spec.non_causal:
+            raise _refuse(where, "non-causal attention: a prefix's KV depends on tokens after it")
+        # A sliding window recorded on a FullAttentionSpec keeps every block (hybrid allocator off).
+        return GroupPlan(group_id=group_id, kind=GroupKind.FULL, block_size=spec.block_size, layer_names=layers)
+    if type(spec) is SlidingWindowSpec:
+        if spec.extra_retained_tokens:
+            raise _refuse(where, "extra_retained_tokens (multi-token speculative prefill) is not supported")
+        return GroupPlan(group_id=group_id, kind=GroupKind.SLIDING, block_size=spec.block_size,
+                         layer_names=layers, sliding_window=spec.sliding_window)
+    if isinstance(spec, MambaSpec):
+        raise _refuse(where, STATE_REFUSAL)
+    raise _refuse(where, f"spec class {name} has not been validated for reuse "
+                         "(supported: FullAttentionSpec, SlidingWindowSpec)")
+
+
+def plan_groups(kv_cache_config: object) -> tuple[GroupPlan, ...]:
+    """Classify every KV cache group; raise for anything that cannot be reused exactly."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        raise _refuse("model", "it has no KV cache groups (encoder-only or pooling model)")
+    plans = []
+    for group_id, group in enumerate(groups):
+        where = f"KV cache group {group_id}"
+        if not getattr(group, "enable_kv_transfer", True) or getattr(group, "host_resident", False):
+            raise _refuse(where, "host-resident or non-transferable groups are not supported")
+        if getattr(group, "is_eagle_group", False):
+            raise _refuse(where, "EAGLE/MTP draft groups are not supported")
+        plans.append(_plan_one(group_id, group.kv_cache_spec, group.layer_names))
+    return tuple(plans)
+
+
+def check_chunk_size(plans: Iterable[GroupPlan], chunk_size: int) -> None:
+    """Chunks must cover whole blocks of every group (the engine's unit is a page)."""
+    sizes = sorted({p.block_size for p in plans})
+    need = math.lcm(*sizes)
+    if chunk_size <= 0 or chunk_size % need:
+        raise _refuse("chunk_size", f"kvengine chunk_size {chunk_size} must be a positive multiple of vLLM's "
+                                    f"block size{'s' if len(sizes) > 1 else ''} {sizes}; set "
+                                    f"kv_connector_extra_config['kvengine']['chunk_size'] to e.g. "
+                                    f"{need * max(1, chunk_size // need)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagedTensor:
+    """One stored tensor of a chunk: a layer's pages."""
+
+    layer: str
+    group_id: int
+    kind: GroupKind
+    #: kernel blocks per vLLM (manager) block; vLLM may split pages for its kernels.
+    kernel_ratio: int
+    #: kernel pages of this tensor per chunk
+    pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class PagedLayout:
+    """A chunk of a vLLM model: the :class:`ChunkLayout` plus where each tensor comes from."""
+
+    chunk: ChunkLayout
+    tensors: tuple[PagedTensor, ...]  # same order as chunk.tensors
+    groups: tuple[GroupPlan, ...]
+    #: backend/layout/page geometry, for the namespace
+    layout_id: str
+    spec_fingerprint: str
+
+
+def spec_fingerprint(kv_cache_config: object) -> str:
+    """Digest of every group's spec (class, geometry, dtype, window) and layer names."""
+    desc = [[type(g.kv_cache_spec).__name__, repr(g.kv_cache_spec), list(g.layer_names)]
+            for g in kv_cache_config.kv_cache_groups]  # type: ignore[attr-defined]
+    return xxhash.xxh3_128_hexdigest(json.dumps(desc, separators=(",", ":")).encode())
+
+
+def derive_layout(
+    plans: tuple[GroupPlan, ...],
+    kv_caches: Mapping[str, torch.Tensor],
+    backends: Mapping[str, str],
+    kv_layout: str,
+    *,
+    num_blocks: int,
+    chunk_size: int,
+    fingerprint: str,
+) -> PagedLayout:
+    """The chunk layout of a model whose caches vLLM registered as ``kv_caches``.
+
+    ``backends`` maps each layer to its declared backend name; ``kv_layout``
+    is the resolved :class:`KVCacheLayout` name.
+    """
+    check_chunk_size(plans, chunk_size)
+    if kv_layout not in KV_LAYOUTS:
+        raise _refuse("KV cache layout", f"{kv_layout!r} has not been validated (supported: {sorted(KV_LAYOUTS)})")
+    specs: list[tuple[TensorSpec, PagedTensor]] = []
+    # Groups overlay one backing allocation (block ids tell them apart), so
+    # only a layer of the *same* group with the same view shares a cache.
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    used_backends: set[str] = set()
+    for plan in plans:
+        for layer in plan.layer_names:
+            backend = backends.get(layer)
+            if backend not in ATTENTION_BACKENDS:
+                raise _refuse(f"layer {layer}", f"attention backend {backend!r} has not been validated "
+                                                f"(supported: {sorted(ATTENTION_BACKENDS)})")
+            used_backends.add(backend)
+            cache = kv_caches.get(layer)
+            if cache is None:
+                raise _refuse(f"layer {layer}", "vLLM registered no KV cache tensor for it")
+            identity = (plan.group_id, cache.data_ptr(), tuple(cache.shape), tuple(cache.stride()))
+            if identity in seen:  # a layer sharing another layer's cache: stored once
+                continue
+            seen.add(identity)
+            specs.append(_paged_tensor(plan, layer, cache, num_blocks=num_blocks, chunk_size=chunk_size))
+    # Typed views need byte offsets aligned to each item size: largest items first.
+    specs.sort(key=lambda s: -s[0].itemsize)
+    chunk = ChunkLayout(chunk_size, tuple(s for s, _ in specs))
+    ratios = sorted({(t.group_id, t.kernel_ratio) for _, t in specs})
+    layout_id = f"vllm:{'+'.join(sorted(used_backends))}:{kv_layout}:kernel{ratios}"
+    return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint)
+
+
+def _paged_tensor(plan: GroupPlan, layer: str, cache: torch.Tensor, *, num_blocks: int,
+                  chunk_size: int) -> tuple[TensorSpec, PagedTensor]:
+    if cache.dim() != 4 or cache.shape[0] % num_blocks:
+        raise _refuse(f"layer {layer}", f"cache view of shape {tuple(cache.shape)} is not [blocks, heads, "
+                                        f"tokens, content] over {num_blocks} blocks")
+    ratio = cache.shape[0] // num_blocks
+    page_shape = tuple(int(d) for d in cache.shape[1:])
+    kernel_tokens = page_shape[1]
+    if kernel_tokens * ratio != plan.block_size:
+        raise _refuse(f"layer {layer}", f"{ratio} kernel pages of {kernel_tokens} tokens do not make a "
+                                        f"block of {plan.block_size}")
+    pages = chunk_size // kernel_tokens
+    # token_dim=None: pages are indivisible, the engine never stores partial chunks here.
+    spec = TensorSpec(name=layer, group=plan.group_id, category=plan.category, dtype=cache.dtype,
+                      shape=(pages, *page_shape), token_dim=None)
+    return spec, PagedTensor(layer=layer, group_id=plan.group_id, kind=plan.kind, kernel_ratio=ratio, pages=pages)

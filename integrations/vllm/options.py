@@ -1,0 +1,52 @@
+"""The connector's settings, read once from ``kv_connector_extra_config``.
+
+Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
+
+* ``kvengine`` -- the :class:`~kvengine.config.EngineConfig` of the worker's
+  cache engine: a dict or a YAML path. ``KVENGINE_*`` environment variables
+  override it, as everywhere in kvengine. ``chunk_size`` must be a multiple
+  of vLLM's block size (of every KV cache group's block size).
+* ``lookup_wait_ms`` -- how long the scheduler waits for a lookup answer from
+  the worker before it tells vLLM "not known yet" (``None``: vLLM asks again
+  next step). Default 200.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvengine.config import EngineConfig, load_config
+from kvengine.errors import ConfigError
+
+_KEYS = ("kvengine", "lookup_wait_ms")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorOptions:
+    engine: EngineConfig
+    lookup_wait_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lookup_wait_s <= 60:
+            raise ConfigError(f"lookup_wait_ms must be in (0, 60000], got {self.lookup_wait_s * 1000:g}")
+        if self.engine.store_partial_chunks:
+            raise ConfigError("kvengine.store_partial_chunks must be false with vLLM: chunks are whole KV blocks")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown} (allowed: {list(_KEYS)})")
+        source = extra.get("kvengine")
+        if source is not None and not isinstance(source, (Mapping, str, os.PathLike)):
+            raise ConfigError("kv_connector_extra_config['kvengine'] must be a mapping or a YAML path")
+        wait_ms = extra.get("lookup_wait_ms", 200)
+        try:
+            wait_s = float(wait_ms) / 1000
+        except (TypeError, ValueError):
+            raise ConfigError(f"lookup_wait_ms must be a number, got {wait_ms!r}") from None
+        return cls(engine=load_config(source), lookup_wait_s=wait_s)

@@ -1,0 +1,111 @@
+"""Copies between vLLM's paged KV caches and kvengine chunks, page by page.
+
+A chunk of ``chunk_size`` tokens covers ``chunk_size / kernel_tokens``
+kernel pages of every attention layer (see :mod:`.layout`). Position ``t``
+of a request lives in vLLM block ``block_ids[group][t // block_size]``,
+kernel page ``block * ratio + (t % block_size) // kernel_tokens``.
+
+Blocks vLLM replaced by its *null block* (sliding-window groups drop blocks
+that fell out of the window) are never written; when storing, they are
+zero-filled for sliding-window layers (no load can need them: a load that
+reaches past a chunk only reads the window before its own end) and make the
+chunk unstorable for full-attention layers (:class:`MissingPage`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvengine.types import ChunkView
+
+from .layout import BlockIds, GroupKind, PagedLayout, PagedTensor
+
+
+class MissingPage(Exception):
+    """A page a chunk needs is not held by the request (freed by vLLM)."""
+
+
+def _as_index(ids: list[int]) -> torch.Tensor | slice:
+    """A slice when ``ids`` are consecutive (a view, no gather), else an index tensor."""
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
+        return slice(ids[0], ids[-1] + 1)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class PagedCopier:
+    """Moves one request's chunks in and out of the registered per-layer caches."""
+
+    def __init__(self, layout: PagedLayout, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self.layout = layout
+        self._caches = [kv_caches[t.layer] for t in layout.tensors]
+        self._block_size = {g.group_id: g.block_size for g in layout.groups}
+        self._chunk = layout.chunk.chunk_size
+
+    # -- pages of one chunk --------------------------------------------------------------
+    def _pages(self, t: PagedTensor, start: int, block_ids: BlockIds,
+               null: int, lo: int, hi: int) -> tuple[list[int], list[int]]:
+        """(chunk page numbers, cache page numbers) of tokens [lo, hi) in the chunk starting at ``start``."""
+        bs = self._block_size[t.group_id]
+        kt = bs // t.kernel_ratio
+        blocks = block_ids[t.group_id]
+        src, dst = [], []
+        for j in range(t.pages):
+            pos = start + j * kt
+            if pos < lo or pos >= hi:
+                continue
+            index = pos // bs
+            if index >= len(blocks):
+                raise MissingPage(f"{t.layer}: no block for position {pos} ({len(blocks)} blocks)")
+            block = blocks[index]
+            if block == null:
+                if t.kind is GroupKind.FULL:
+                    raise MissingPage(f"{t.layer}: block of position {pos} was freed")
+                continue
+            src.append(j)
+            dst.append(block * t.kernel_ratio + (pos % bs) // kt)
+        return src, dst
+
+    def gather(self, start: int, block_ids: BlockIds, null: int) -> list[torch.Tensor]:
+        """The tensors of the full chunk starting at token ``start``, in layout order.
+
+        Views of the caches where the pages are consecutive, else gathered copies.
+        """
+        out = []
+        for t, cache in zip(self.layout.tensors, self._caches):
+            src, dst = self._pages(t, start, block_ids, null, start, start + self._chunk)
+            if len(src) == t.pages:
+                idx = _as_index(dst)
+                out.append(cache[idx] if isinstance(idx, slice) else cache.index_select(0, idx))
+                continue
+            pages = cache.new_zeros((t.pages, *cache.shape[1:]))
+            if src:
+                pages[torch.tensor(src)] = cache.index_select(0, torch.tensor(dst))
+            out.append(pages)
+        return out
+
+    def scatter(self, view: ChunkView, block_ids: BlockIds, null: int, lo: int, hi: int) -> None:
+        """Write the pages of ``view`` that hold tokens in ``[lo, hi)`` into the request's blocks."""
+        start = view.token_range[0]
+        for t, cache, tensor in zip(self.layout.tensors, self._caches, view.tensors):
+            src, dst = self._pages(t, start, block_ids, null, lo, hi)
+            if not src:
+                continue
+            d, s = _as_index(dst), _as_index(src)
+            if isinstance(d, slice):
+                cache[d].copy_(tensor[s] if isinstance(s, slice) else tensor.index_select(0, s))
+            else:
+                cache.index_copy_(0, d, tensor[s] if isinstance(s, slice) else tensor.index_select(0, s))
+
+
+def blocks_in_range(block_ids: BlockIds, block_size: Mapping[int, int], groups: Sequence[int], lo: int,
+                    hi: int, null: int) -> set[int]:
+    """Block ids (of ``groups``) holding tokens ``[lo, hi)``."""
+    out: set[int] = set()
+    for g in groups:
+        bs = block_size[g]
+        for index in range(lo // bs, min(len(block_ids[g]), -(-hi // bs))):
+            if block_ids[g][index] != null:
+                out.add(block_ids[g][index])
+    return out

@@ -1,0 +1,268 @@
+"""Scheduler half of the connector: answers vLLM's "how many tokens can you supply".
+
+Per request, a small state machine (:class:`_Phase`):
+
+* ``get_num_new_matched_tokens`` sends a lookup to the worker's engine over
+  the channel and waits up to ``lookup_wait_ms``. The engine *reserves* the
+  matched chunks (pins them, with a lease); asking again is idempotent and
+  renews the lease. An answer still in flight is reported as ``None`` and
+  vLLM asks again next step. -> RESERVED
+* ``update_state_after_alloc`` with tokens to load commits a load plan
+  (request, token range, block ids) -> COMMITTED; with none, the
+  reservation is released at once -> IDLE.
+* ``build_connector_meta`` hands committed plans to the worker, which
+  consumes the reservation by loading it -> IDLE; and asks the worker to
+  store every prompt chunk the step completes.
+* ``request_finished`` releases whatever is still reserved.
+
+So a request that was looked up but never scheduled (no blocks, aborted,
+rejected) leaves nothing pinned: it is released when vLLM finishes it, or
+reclaimed by the engine's lease if vLLM never speaks of it again.
+
+Loads are synchronous (done before the step's forward; failures reported
+per block) for single-group models, and asynchronous (done after the
+forward; failures reported per request) when the model has several KV
+cache groups, because vLLM only maps failed *blocks* back to requests for
+single-group models.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .channel import ChannelClosed, LookupClient
+from .metadata import LoadSpec, SaveSpec, StepMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from .metadata import ChannelAddress
+
+logger = logging.getLogger("vllm.kvengine")
+
+
+def token_bytes(tokens: Any) -> bytes:
+    """Token ids as little-endian uint32 bytes (the engine's hashing input)."""
+    packed = array.array("I", tokens)
+    if sys.byteorder != "little":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+class _Phase(enum.Enum):
+    IDLE = "idle"
+    RESERVED = "reserved"  # the worker's engine holds a reservation for this request
+    COMMITTED = "committed"  # vLLM allocated blocks for it; the load goes out this step
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    request: Request
+    salt: str
+    can_read: bool
+    can_write: bool
+    phase: _Phase = _Phase.IDLE
+    pending_seq: int = 0  # lookup in flight (0: none)
+    pending_len: int = 0
+    matched: int = 0
+    plan: LoadSpec | None = None
+    stored_until: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters of the scheduler half (its view of what vLLM was told)."""
+
+    lookups: int = 0
+    lookups_in_flight: int = 0  # answers not back within lookup_wait_ms
+    lookup_errors: int = 0
+    hit_requests: int = 0
+    offered_tokens: int = 0  # external tokens offered to vLLM (repeats included)
+    committed_loads: int = 0
+    committed_tokens: int = 0
+    released: int = 0
+    failed_loads: int = 0  # asynchronous loads the worker reported failed
+    save_specs: int = 0
+    skipped_requests: int = 0  # multimodal, LoRA or prompt-embedding requests
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float) -> None:
+        self._chunk = chunk_size
+        self._async = asynchronous
+        self._wait = lookup_wait_s
+        self._client: LookupClient | None = None
+        self._manager: KVCacheManager | None = None
+        self._states: dict[str, _RequestState] = {}
+        self._committed: list[_RequestState] = []
+        self.stats = SchedulerStats()
+
+    # -- wiring ------------------------------------------------------------------
+    def connect(self, address: ChannelAddress) -> None:
+        self._client = LookupClient(address.path, address.authkey)
+        logger.info("kvengine: scheduler half in pid %d, worker half (cache engine) in pid %d: %s", os.getpid(),
+                    address.pid, "same process" if address.pid == os.getpid() else "separate processes")
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+
+    # -- vLLM hooks --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        limit = request.num_tokens - 1  # vLLM computes at least the last token
+        if not st.can_read or self._client is None or limit < self._chunk:
+            return 0, False
+        try:
+            if st.pending_seq == 0 or st.pending_len != limit:
+                if st.pending_seq:
+                    self._client.forget(st.pending_seq)
+                st.pending_seq = self._client.submit(request.request_id, st.salt,
+                                                     token_bytes(request.all_token_ids[:limit]), limit)
+                st.pending_len = limit
+                self.stats.lookups += 1
+            reply = self._client.result(st.pending_seq, self._wait)
+        except ChannelClosed as exc:
+            self._count_error(f"channel: {exc}")
+            return 0, False
+        if reply is None:
+            self.stats.lookups_in_flight += 1
+            return None, False
+        st.pending_seq = 0
+        if reply.error:
+            self._count_error(reply.error)
+        st.matched = reply.matched_tokens
+        st.phase = _Phase.RESERVED if st.matched else _Phase.IDLE
+        external = st.matched - num_computed_tokens
+        if external <= 0:
+            self._release(st)
+            return 0, False
+        self.stats.offered_tokens += external
+        return external, self._async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._states.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens <= 0:
+            if st.phase is _Phase.RESERVED:  # offered but not taken (vLLM trimmed or skipped the hit)
+                self._release(st)
+            return
+        if st.phase is not _Phase.RESERVED or num_external_tokens > st.matched:
+            raise RuntimeError(f"kvengine: vLLM allocated {num_external_tokens} external tokens for "
+                               f"{request.request_id} without a matching reservation ({st.phase.value}, "
+                               f"{st.matched} tokens)")
+        st.plan = LoadSpec(request_id=request.request_id, salt=st.salt, start=st.matched - num_external_tokens,
+                           end=st.matched, block_ids=tuple(tuple(b) for b in blocks.get_block_ids()),
+                           asynchronous=self._async)
+        st.phase = _Phase.COMMITTED
+        st.stored_until = max(st.stored_until, st.matched)
+        self._committed.append(st)
+        self.stats.hit_requests += 1
+        self.stats.committed_loads += 1
+        self.stats.committed_tokens += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMetadata:
+        meta = StepMetadata()
+        if self._manager is not None:
+            meta.null_block_id = self._manager.block_pool.null_block.block_id
+        for st in self._committed:
+            if st.phase is _Phase.COMMITTED and st.plan is not None:
+                meta.loads.append(st.plan)
+                st.plan = None
+                st.phase = _Phase.IDLE  # the worker consumes the reservation by loading it
+        self._committed.clear()
+        scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for request_id, computed_before in scheduled:
+            st = self._states.get(request_id)
+            if st is None or not st.can_write:
+                continue
+            computed = computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0)
+            end = min(computed, st.request.num_prompt_tokens) // self._chunk * self._chunk
+            if end <= st.stored_until or self._manager is None:
+                continue
+            block_ids = self._manager.get_block_ids(request_id)
+            meta.saves.append(SaveSpec(request_id=request_id, salt=st.salt,
+                                       tokens=token_bytes(st.request.all_token_ids[:end]),
+                                       block_ids=tuple(tuple(b) for b in block_ids)))
+            st.stored_until = end
+            self.stats.save_specs += 1
+        return meta
+
+    def update_connector_output(self, failed_recving: set[str]) -> None:
+        """Requests whose asynchronous load failed are recomputed by vLLM; never offer them a hit again
+        (a load that keeps failing would otherwise loop: fail, re-admit, look up, fail)."""
+        for request_id in failed_recving:
+            st = self._states.get(request_id)
+            if st is not None:
+                st.can_read = False
+                self.stats.failed_loads += 1
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        st = self._states.pop(request.request_id, None)
+        if st is not None:
+            if st.pending_seq and self._client is not None:
+                self._client.forget(st.pending_seq)
+                st.pending_seq = 0
+                st.phase = _Phase.RESERVED  # the in-flight lookup may have reserved: release after it
+            self._release(st)
+        return False, None
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        logger.info("kvengine: scheduler stats %s", self.stats)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _state(self, request: Request) -> _RequestState:
+        st = self._states.get(request.request_id)
+        if st is None:
+            reason = _ineligible(request)
+            if reason:
+                self.stats.skipped_requests += 1
+                self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
+            st = _RequestState(request=request, salt=request.cache_salt or "", can_read=not reason and
+                               not request.skip_reading_prefix_cache, can_write=not reason)
+            self._states[request.request_id] = st
+        return st
+
+    def _release(self, st: _RequestState) -> None:
+        if st.phase is _Phase.IDLE:
+            return
+        st.phase = _Phase.IDLE
+        st.plan = None
+        st.matched = 0
+        self.stats.released += 1
+        if self._client is not None and not self._client.closed:
+            try:
+                self._client.release(st.request.request_id)
+            except ChannelClosed:
+                pass  # the worker is gone; so is its engine
+
+    def _count_error(self, error: str) -> None:
+        self.stats.lookup_errors += 1
+        if self.stats.lookup_errors == 1:
+            logger.warning("kvengine: lookup failed (%s); served as a miss", error)
+
+
+def _ineligible(request: Request) -> str:
+    """Why a request's KV cannot be keyed by its token ids alone ('' if it can)."""
+    if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds"
+    if request.mm_features:
+        return "multimodal"
+    if request.lora_request is not None:
+        return "lora"
+    if getattr(request, "pooling_params", None) is not None:
+        return "pooling"
+    return ""

@@ -1,0 +1,286 @@
+"""Worker half of the connector: owns the cache engine, copies pages in and out.
+
+Lifecycle:
+
+* ``register_kv_caches`` derives the chunk layout (:mod:`.layout`), builds
+  the :class:`~kvengine.KVEngine` from the connector options, binds the
+  model's namespace and starts the lookup service (:mod:`.channel`) that
+  answers the scheduler half. ``handshake`` tells vLLM where it listens.
+* Each step: ``load`` copies every planned load from its reservation into
+  the request's blocks, ``save`` stores every chunk the step completed.
+* ``shutdown`` stops the service and closes the engine, flushing queued
+  disk writes.
+
+Loads run to completion inside ``start_load_kv``: on the CPU backend a load
+is a host memcpy (~17 ms for a 44 MB prefix here) and the forward uses every
+core, so overlapping the two layer by layer buys nothing; see docs/vllm.md.
+Saves run in ``wait_for_save``, once the step's forward has written every
+layer.
+
+Load faults (an expired or missing reservation, a failing copy) are never
+raised: they become block ids for ``get_block_ids_with_load_errors`` (sync
+loads) or failed request ids (async loads), and vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from prometheus_client import Counter, Gauge
+
+from kvengine.errors import InvalidRequestError
+from kvengine.facade import KVEngine
+from kvengine.keys import Namespace
+from kvengine.layout import ChunkLayout
+from kvengine.reservations import Reservation
+from kvengine.types import ChunkView, ModelBinding
+
+from .channel import LookupService
+from .layout import GroupPlan, PagedLayout
+from .metadata import ChannelAddress, LoadSpec, SaveSpec, StepMetadata
+from .options import ConnectorOptions
+from .paging import MissingPage, PagedCopier, blocks_in_range
+
+logger = logging.getLogger("vllm.kvengine")
+
+
+def build_engine(options: ConnectorOptions) -> KVEngine:
+    """The worker's cache engine, with the disk tier when ``disk.path`` is set."""
+    config = options.engine
+    if config.disk.path is None:
+        return KVEngine(config, transports=[])
+    from kvengine.tiers import transport_factories
+
+    if "local_disk" in transport_factories():
+        return KVEngine(config)
+    # Source checkouts may lack the entry-point registration; the transport is the same.
+    from kvengine.transports.local_disk import create_transport
+
+    return KVEngine(config, transports=[create_transport(config.disk.model_dump())])
+
+
+class ReservationDesk:
+    """The worker's answers to the scheduler (:class:`~.channel.LookupHandler`), and their reservations.
+
+    Holds, per request id, the reservation its last lookup made in the
+    engine, until the worker's load takes it (:meth:`take`) or the scheduler
+    releases it. One binding per ``cache_salt``: salted requests never share
+    chunks with others. Thread-safe: the service thread answers lookups while
+    the worker's main thread loads.
+    """
+
+    def __init__(self, engine: KVEngine, namespace: Namespace, layout: ChunkLayout) -> None:
+        self.engine = engine
+        self._namespace = namespace
+        self._layout = layout
+        self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout)}
+        self._held: dict[str, Reservation] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def binding(self, salt: str) -> ModelBinding:
+        with self._lock:
+            binding = self._bindings.get(salt)
+        if binding is None:
+            binding = self.engine.bind(self._namespace.with_updates(cache_salt=salt), self._layout)
+            with self._lock:
+                self._bindings[salt] = binding
+        return binding
+
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> int:
+        ids = np.frombuffer(tokens, dtype="<u4")
+        res = self.engine.lookup(self.binding(salt), request_id, ids, max_tokens=max_tokens)
+        if res.matched_tokens == 0:
+            self.engine.release(res)
+            with self._lock:
+                self._held.pop(request_id, None)
+            return 0
+        with self._lock:
+            self._held[request_id] = res  # the same object again when vLLM asks again (idempotent)
+        return res.matched_tokens
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            res = self._held.pop(request_id, None)
+        if res is not None:
+            self.engine.release(res)
+
+    def take(self, request_id: str) -> Reservation | None:
+        """The request's reservation, now the caller's to load (or None: never made, released, replaced)."""
+        with self._lock:
+            return self._held.pop(request_id, None)
+
+    def release_all(self) -> None:
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for res in held:
+            self.engine.release(res)
+
+    def stats(self) -> dict[str, float]:
+        m = self.engine.metrics
+        return {
+            "reservations_held": float(len(self._held)),
+            "reservations_active": m.value("kvengine_reservations_active"),
+            "pinned_chunks": float(self.engine.core.memory.total_pins()),
+            "hit_tokens": m.value("kvengine_hit_tokens_total"),
+            "loaded_tokens": m.value("kvengine_loaded_tokens_total"),
+            "load_failed_tokens": m.value("kvengine_load_failed_tokens_total"),
+        }
+
+
+class WorkerSide:
+    def __init__(self, *, vllm_config: object, kv_cache_config: object, options: ConnectorOptions,
+                 plans: tuple[GroupPlan, ...], asynchronous: bool) -> None:
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._options = options
+        self._plans = plans
+        self._async = asynchronous
+        self.engine: KVEngine | None = None
+        self.layout: PagedLayout | None = None
+        self.desk: ReservationDesk | None = None
+        self._copier: PagedCopier | None = None
+        self._service: LookupService | None = None
+        self._error_blocks: set[int] = set()
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+
+    # -- start-up -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        from .identity import namespace_for
+        from .layout import derive_layout, spec_fingerprint
+
+        vc = self._vllm_config
+        kv_layout = getattr(self._kv_cache_config, "kv_cache_layout", None) or vc.cache_config.kv_cache_layout  # type: ignore[attr-defined]
+        self.layout = derive_layout(
+            self._plans, kv_caches, _layer_backends(vc, self._plans), str(kv_layout),
+            num_blocks=self._kv_cache_config.num_blocks,  # type: ignore[attr-defined]
+            chunk_size=self._options.engine.chunk_size,
+            fingerprint=spec_fingerprint(self._kv_cache_config),
+        )
+        self._copier = PagedCopier(self.layout, kv_caches)
+        namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint)
+        self.engine = build_engine(self._options)
+        try:
+            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk)
+            self._metrics()
+            self._service = LookupService(self.desk)
+            self._service.start()
+        except BaseException:
+            self.engine.close(flush=False)
+            raise
+        logger.info("kvengine: worker cache engine ready (chunk %d tokens, %.1f KiB, %d tensors, layout %s)",
+                    self.layout.chunk.chunk_size, self.layout.chunk.nbytes() / 1024, len(self.layout.tensors),
+                    self.layout.layout_id)
+
+    def handshake(self) -> ChannelAddress | None:
+        if self._service is None:
+            return None
+        return ChannelAddress(self._service.path, self._service.authkey, os.getpid())
+
+    def _metrics(self) -> None:
+        assert self.engine is not None and self.desk is not None
+        r, desk = self.engine.metrics.registry, self.desk
+        Gauge("kvengine_vllm_reservations_held", "Reservations the worker holds for the scheduler",
+              registry=r).set_function(lambda: len(desk))
+        Gauge("kvengine_vllm_pinned_chunks", "Pins on memory-tier chunks (reservations and queued writes)",
+              registry=r).set_function(self.engine.core.memory.total_pins)
+        self._m_loads = Counter("kvengine_vllm_loads", "Loads into vLLM blocks", ["outcome"], registry=r)
+        self._m_error_blocks = Counter("kvengine_vllm_load_error_blocks", "Blocks reported to vLLM for recompute",
+                                       registry=r)
+        self._m_store_skips = Counter("kvengine_vllm_store_skips", "Stores stopped early", ["reason"], registry=r)
+
+    # -- per step ----------------------------------------------------------------------------
+    def load(self, meta: StepMetadata) -> None:
+        for spec in meta.loads:
+            ok = self._load_one(spec, meta.null_block_id)
+            self._m_loads.labels(outcome="ok" if ok else "failed").inc()
+
+    def _load_one(self, spec: LoadSpec, null: int) -> bool:
+        assert self.engine is not None and self.desk is not None
+        res = self.desk.take(spec.request_id)
+        loaded = spec.start
+        if res is not None:
+            result = self.engine.load(res, lambda view: self._sink(view, spec, null))
+            loaded = max(loaded, result.loaded_tokens)
+        else:
+            logger.warning("kvengine: no reservation for %s (lease expired?); it is recomputed", spec.request_id)
+        if loaded >= spec.end:
+            if spec.asynchronous:
+                self._finished.add(spec.request_id)
+            return True
+        if spec.asynchronous:
+            self._failed.add(spec.request_id)
+            self._finished.add(spec.request_id)
+        else:
+            assert self.layout is not None
+            sizes = {g.group_id: g.block_size for g in self.layout.groups}
+            bad = blocks_in_range(spec.block_ids, sizes, [g.group_id for g in self.layout.groups], loaded,
+                                  spec.end, null)
+            self._error_blocks |= bad
+            self._m_error_blocks.inc(len(bad))
+        return False
+
+    def _sink(self, view: ChunkView, spec: LoadSpec, null: int) -> None:
+        assert self._copier is not None
+        lo, hi = view.token_range
+        if hi <= spec.start:
+            return
+        self._copier.scatter(view, spec.block_ids, null, max(lo, spec.start), min(hi, spec.end))
+
+    def save(self, meta: StepMetadata) -> None:
+        for spec in meta.saves:
+            self._save_one(spec, meta.null_block_id)
+
+    def _save_one(self, spec: SaveSpec, null: int) -> None:
+        assert self.engine is not None and self.desk is not None and self._copier is not None
+        copier = self._copier
+        ids = np.frombuffer(spec.tokens, dtype="<u4")
+        try:
+            self.engine.store(self.desk.binding(spec.salt), ids,
+                              lambda _i, start, _end: copier.gather(start, spec.block_ids, null))
+        except MissingPage as exc:  # an earlier chunk was evicted and its pages are gone: later ones are unreachable
+            self._m_store_skips.labels(reason="missing_page").inc()
+            logger.debug("kvengine: store of %s stopped: %s", spec.request_id, exc)
+        except InvalidRequestError as exc:
+            self._m_store_skips.labels(reason="invalid").inc()
+            logger.warning("kvengine: store of %s refused: %s", spec.request_id, exc)
+
+    def take_load_errors(self) -> set[int]:
+        out, self._error_blocks = self._error_blocks, set()
+        return out
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        finished, failed = self._finished, self._failed
+        self._finished, self._failed = set(), set()
+        return finished, failed
+
+    def shutdown(self) -> None:
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+        if self.desk is not None:
+            self.desk.release_all()
+        if self.engine is not None:
+            self.engine.close(flush=True)  # queued disk writes are completed
+            self.engine = None
+            logger.info("kvengine: worker cache engine closed")
+
+
+def _layer_backends(vllm_config: object, plans: tuple) -> dict[str, str]:
+    """Backend name each cached layer declares (from vLLM's static forward context)."""
+    context = vllm_config.compilation_config.static_forward_context  # type: ignore[attr-defined]
+    out = {}
+    for plan in plans:
+        for layer in plan.layer_names:
+            module = context.get(layer)
+            getter = getattr(module, "get_attn_backend", None)
+            out[layer] = getter().get_name() if getter is not None else type(module).__name__
+    return out

@@ -1,0 +1,181 @@
+"""The vLLM connector end to end, on real vLLM CPU engines with tiny local models.
+
+The scenarios run in subprocesses (see ``vllm_scenarios.py``), two of them
+for the whole module (engine start-up dominates: ~20-60 s per engine):
+
+* ``first``: Llama reference outputs without the connector; a connector
+  engine in vLLM's default topology with a disk tier (cold, warm,
+  shared-prefix and stress passes); an in-process engine whose lookups are
+  always in flight at first; one whose loads fail part-way.
+* ``second``: a fresh process on the same disk directory; Gemma2; Qwen3-Next.
+
+Run with the vLLM environment: ``.venv-vllm/bin/python -m pytest tests/integrations/test_vllm_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (use .venv-vllm, see docs/vllm.md)"),
+    pytest.mark.slow,
+]
+
+SCRIPT = Path(__file__).with_name("vllm_scenarios.py")
+CHUNK = 256
+TIMEOUT_S = 900
+
+
+def expected_hit(n: int, stored_prefix: int | None = None) -> int:
+    limit = (n - 1) // CHUNK * CHUNK
+    return limit if stored_prefix is None else min(limit, stored_prefix // CHUNK * CHUNK)
+
+
+def _run(scenario: str, work: Path) -> tuple[dict[str, Any], str]:
+    log = work / f"{scenario}.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    with log.open("w") as out:
+        proc = subprocess.run([sys.executable, str(SCRIPT), scenario, "--workdir", str(work), "--out",
+                               str(work / f"{scenario}.json")], stdout=out, stderr=subprocess.STDOUT, env=env,
+                              timeout=TIMEOUT_S, cwd=Path(__file__).parents[2])
+    text = log.read_text()
+    if proc.returncode != 0:
+        pytest.fail(f"scenario {scenario} failed (exit {proc.returncode}); log tail:\n{text[-6000:]}")
+    return json.loads((work / f"{scenario}.json").read_text()), text
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def first(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("first", workdir)
+
+
+@pytest.fixture(scope="module")
+def second(workdir: Path, first: tuple[dict[str, Any], str]) -> tuple[dict[str, Any], str]:
+    return _run("second", workdir)
+
+
+def tokens(outputs: list[dict[str, Any] | None]) -> list[list[int] | None]:
+    return [None if o is None else o["tokens"] for o in outputs]
+
+
+def test_scheduler_and_worker_halves_live_in_separate_processes_by_default(first):
+    """Scenario: vLLM CPU, tp=1, default settings: the engine core (scheduler half) and the worker
+    are different processes; with VLLM_ENABLE_V1_MULTIPROCESSING=0 both halves share one."""
+    _, log = first
+    lines = re.findall(r"scheduler half in pid (\d+), worker half \(cache engine\) in pid (\d+): ([a-z ]+)", log)
+    assert lines, "the connector did not report where its halves run"
+    default, *in_process = lines
+    assert default[0] != default[1] and default[2] == "separate processes"
+    assert in_process and all(a == b and how == "same process" for a, b, how in in_process)
+
+
+def test_llama_greedy_outputs_with_hits_equal_outputs_without_connector(first):
+    """Cold, warm (full hits) and shared-prefix passes all equal vLLM without the connector."""
+    r, _ = first
+    assert tokens(r["cold"]) == r["ref_base"]
+    assert tokens(r["warm"]) == r["ref_base"]
+    assert tokens(r["shared_out"]) == r["ref_shared"]
+
+
+def test_llama_hits_are_loaded_and_skip_prefill(first):
+    """vLLM counts the connector's tokens as computed (prefill skipped) and the engine loaded exactly those."""
+    r, _ = first
+    assert [o["cached"] for o in r["cold"]] == [0, 0, 0]
+    assert [o["cached"] for o in r["warm"]] == [expected_hit(len(p)) for p in r["base"]]
+    shared_prefix = [600, 300, 1100]
+    assert [o["cached"] for o in r["shared_out"]] == [expected_hit(len(p), k)
+                                                     for p, k in zip(r["shared"], shared_prefix)]
+    vllm_cached = sum(o["cached"] for o in r["warm"] + r["shared_out"])
+    assert vllm_cached > 0 and r["loaded_warm"] == vllm_cached
+    assert r["metrics_warm"]["kvengine_load_failed_tokens_total"] == 0
+
+
+def test_second_engine_process_gets_hits_from_the_disk_tier(first, second):
+    """Scenario: a later, fresh engine process on the same disk directory loads the first one's chunks."""
+    f, _ = first
+    s, _ = second
+    prompts = f["base"] + f["shared"]
+    assert [o["cached"] for o in s["cross"]] == [expected_hit(len(p)) for p in prompts]
+    assert tokens(s["cross"]) == f["ref_base"] + f["ref_shared"]
+    m = s["cross_metrics"]
+    assert m['kvengine_loaded_bytes_total{tier="local_disk"}'] > 0
+    assert m["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in s["cross"])
+
+
+def test_stress_with_preemption_and_aborts_leaves_nothing_reserved(first):
+    """Scenario: 20 requests, max_num_seqs=4, too few KV blocks (preemption), aborts of running and
+    waiting requests. Afterwards no reservation or pin remains, nothing was reclaimed by lease (every
+    reservation was loaded or released), and the tokens the engine loaded equal vLLM's own count of
+    connector hits (first admissions plus re-admissions after preemption)."""
+    r, _ = first
+    out = r["stress"]
+    finished = [i for i, o in enumerate(out) if o is not None]
+    assert len(finished) >= len(out) - len(r["stress_aborted"])
+    assert [out[i]["tokens"] for i in finished] == [r["ref_stress"][i] for i in finished]
+    vllm = r["vllm_stats_delta"]
+    assert vllm.get("preemptions", 0) > 0, "the scenario did not preempt; make the KV cache smaller"
+    after = r["metrics_after_stress"]
+    assert after["kvengine_reservations_active"] == 0
+    assert after["kvengine_vllm_reservations_held"] == 0
+    assert after["kvengine_vllm_pinned_chunks"] == 0
+    d = r["stress_delta"]
+    assert d.get("kvengine_reservations_reclaimed_total", 0) == 0
+    assert d.get("kvengine_load_failed_tokens_total", 0) == 0
+    assert d["kvengine_loaded_tokens_total"] > 0
+    assert d["kvengine_loaded_tokens_total"] == vllm["hits"] + vllm["preempted_hits"]
+
+
+def test_lookup_still_in_flight_is_answered_later(first):
+    """Scenario: lookup_wait_ms so short that every first answer is "not yet" (None): vLLM asks again
+    and the hits are still taken and exact."""
+    r, log = first
+    x = r["inflight"]
+    assert tokens(x["warm"]) == r["ref_base"]
+    assert [o["cached"] for o in x["warm"]] == [expected_hit(len(p)) for p in r["base"]]
+    in_flight = [int(n) for n in re.findall(r"lookups_in_flight=(\d+)", log)]
+    assert any(n > 0 for n in in_flight)
+
+
+def test_failed_loads_are_reported_and_recomputed(first):
+    """Scenario: the copy of every second chunk fails: the blocks go back to vLLM through
+    get_block_ids_with_load_errors, vLLM recomputes them and the outputs stay exact."""
+    r, _ = first
+    x = r["faults"]
+    assert tokens(x["warm"]) == r["ref_base"]
+    m = x["metrics"]
+    assert m["kvengine_load_failed_tokens_total"] > 0
+    assert m["kvengine_vllm_load_error_blocks_total"] > 0
+
+
+def test_gemma2_sliding_window_and_full_groups_exact_with_hits(second):
+    """Gemma2 (a sliding-window group and a full-attention group, loads asynchronous): exact, hits used."""
+    s, _ = second
+    assert tokens(s["gemma_cold"]) == s["gemma_ref"][:3]
+    assert tokens(s["gemma_warm"]) == s["gemma_ref"]
+    expected = [expected_hit(len(p)) for p in s["gemma_base"]]
+    expected += [expected_hit(len(p), k) for p, k in zip(s["gemma_shared"], [650, 1030])]
+    assert [o["cached"] for o in s["gemma_warm"]] == expected
+    assert s["gemma_metrics"]["kvengine_loaded_tokens_total"] == sum(expected)
+
+
+def test_qwen3_next_hybrid_model_is_refused(second):
+    """Qwen3-Next (linear-attention state + full attention) cannot be resumed exactly from chunks: refused."""
+    s, _ = second
+    refusal = s["qwen_refusal"]
+    assert refusal is not None, "Qwen3-Next started with the connector"
+    assert "UnsupportedModelError" in refusal and "MambaSpec" in refusal and "refusing to start" in refusal

@@ -1,0 +1,256 @@
+"""The connector's halves against vLLM's own classes, without starting an engine.
+
+* refusals: spec classes, quantized KV, chunk sizes, backends, layouts, vLLM settings;
+* the scheduler half driving a real :class:`~kvengine.KVEngine` over the real
+  channel: repeated asks, release of hits vLLM does not take, requests that
+  finish before being scheduled, load plans handed to the worker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (use .venv-vllm, see docs/vllm.md)")
+
+BS = 32
+
+
+def spec(cls_name: str, **kw):
+    import vllm.v1.kv_cache_interface as kvi
+
+    base = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    if cls_name == "MambaSpec":
+        return kvi.MambaSpec(block_size=BS, shapes=((3, 8),), dtypes=(torch.float32,))
+    return getattr(kvi, cls_name)(**{**base, **kw})
+
+
+def config_of(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec(layer_names=[f"l{i}"], kv_cache_spec=s) for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+# ------------------------------------------------------------------ refusals --
+def test_full_and_sliding_window_groups_are_planned():
+    from kvengine.integrations.vllm.layout import GroupKind, plan_groups
+
+    plans = plan_groups(config_of(spec("SlidingWindowSpec", sliding_window=64), spec("FullAttentionSpec")))
+    assert [p.kind for p in plans] == [GroupKind.SLIDING, GroupKind.FULL]
+    assert plans[0].sliding_window == 64 and plans[1].layer_names == ("l1",)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: spec("MambaSpec"), "recurrent"),
+    (lambda: spec("MLAAttentionSpec"), "MLAAttentionSpec has not been validated"),
+    (lambda: spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), "has not been validated"),
+    (lambda: spec("FullAttentionSpec", non_causal=True), "non-causal"),
+])
+def test_unvalidated_or_inexact_groups_are_refused(make, match):
+    """Whatever cannot be reused exactly is refused at start-up, naming the group and why."""
+    from kvengine.errors import UnsupportedModelError
+    from kvengine.integrations.vllm.layout import plan_groups
+
+    with pytest.raises(UnsupportedModelError, match=match) as err:
+        plan_groups(config_of(spec("FullAttentionSpec"), make()))
+    assert "KV cache group 1" in str(err.value) and "refusing to start" in str(err.value)
+
+
+def test_quantized_kv_is_refused():
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    from kvengine.errors import UnsupportedModelError
+    from kvengine.integrations.vllm.layout import plan_groups
+
+    with pytest.raises(UnsupportedModelError, match="quantized KV"):
+        plan_groups(config_of(spec("FullAttentionSpec", kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)))
+
+
+def test_chunk_size_must_be_a_multiple_of_every_block_size():
+    from kvengine.errors import UnsupportedModelError
+    from kvengine.integrations.vllm.layout import check_chunk_size, plan_groups
+
+    plans = plan_groups(config_of(spec("FullAttentionSpec", block_size=128)))
+    check_chunk_size(plans, 256)
+    with pytest.raises(UnsupportedModelError, match=r"chunk_size 192 must be a positive multiple of vLLM's block "
+                                                    r"size \[128\].*e\.g\. 128"):
+        check_chunk_size(plans, 192)
+
+
+def _derive(backend: str = "CPU_ATTN", layout: str = "LBHNC", chunk: int = 2 * BS, caches=None):
+    from kvengine.integrations.vllm.layout import derive_layout, plan_groups
+
+    plans = plan_groups(config_of(spec("SlidingWindowSpec", sliding_window=64), spec("FullAttentionSpec")))
+    if caches is None:
+        backing = torch.zeros(16, 2, BS, 64)
+        caches = {"l0": backing, "l1": backing}  # groups overlay one allocation, as vLLM does
+    return derive_layout(plans, caches, {"l0": backend, "l1": backend}, layout, num_blocks=16, chunk_size=chunk,
+                         fingerprint="fp")
+
+
+def test_overlaid_groups_are_stored_separately():
+    """Regression: two groups whose layers view the same backing tensor are two tensors of the chunk
+    (only a layer sharing a cache within one group is stored once)."""
+    layout = _derive()
+    assert [t.layer for t in layout.tensors] == ["l0", "l1"]
+    assert layout.chunk.tensors[0].shape == (2, 2, BS, 64) and layout.layout_id.startswith("vllm:CPU_ATTN:LBHNC")
+
+
+def test_kernel_pages_smaller_than_blocks():
+    """vLLM may split a block into kernel pages: a chunk holds chunk/kernel_tokens pages per layer."""
+    backing = torch.zeros(32, 2, BS // 2, 64)
+    layout = _derive(caches={"l0": backing, "l1": backing})
+    assert layout.tensors[0].kernel_ratio == 2 and layout.chunk.tensors[0].shape == (4, 2, BS // 2, 64)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"backend": "FLASH_ATTN"}, "attention backend 'FLASH_ATTN' has not been validated"),
+    ({"layout": "LBNHC"}, "KV cache layout"),
+    ({"chunk": 48}, "chunk_size 48"),
+])
+def test_unknown_backend_layout_or_chunk_is_refused(kw, match):
+    from kvengine.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=match):
+        _derive(**kw)
+
+
+def vllm_config(**over):
+    cfg = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        speculative_config=None, model_config=SimpleNamespace(is_encoder_decoder=False),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_both", kv_load_failure_policy="recompute"),
+        cache_config=SimpleNamespace(cache_dtype="auto"))
+    for path, value in over.items():
+        obj = cfg
+        *parents, leaf = path.split(".")
+        for p in parents:
+            obj = getattr(obj, p)
+        setattr(obj, leaf, value)
+    return cfg
+
+
+@pytest.mark.parametrize("over, error, match", [
+    ({"kv_transfer_config.kv_load_failure_policy": "fail"}, "ConfigError", "kv_load_failure_policy='recompute'"),
+    ({"kv_transfer_config.kv_role": "kv_producer"}, "ConfigError", "kv_both"),
+    ({"parallel_config.tensor_parallel_size": 2}, "UnsupportedModelError", "tensor_parallel_size=2"),
+    ({"cache_config.cache_dtype": "fp8"}, "UnsupportedModelError", "kv_cache_dtype"),
+    ({"speculative_config": object()}, "UnsupportedModelError", "speculative"),
+])
+def test_vllm_settings_the_connector_refuses(over, error, match):
+    import kvengine.errors as errors
+    from kvengine.integrations.vllm.connector import check_vllm_config
+
+    check_vllm_config(vllm_config())  # the defaults pass
+    with pytest.raises(getattr(errors, error), match=match):
+        check_vllm_config(vllm_config(**over))
+
+
+# ------------------------------------------------------------------ scheduler half --
+CHUNK = 2 * BS
+
+
+@pytest.fixture
+def halves():
+    """The scheduler half wired to a real engine through the real channel (no vLLM engine)."""
+    from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+    from kvengine.integrations.vllm.channel import LookupService
+    from kvengine.integrations.vllm.metadata import ChannelAddress
+    from kvengine.integrations.vllm.scheduler import SchedulerSide
+    from kvengine.integrations.vllm.worker import ReservationDesk
+
+    layout = ChunkLayout(CHUNK, (TensorSpec(name="l0", group=0, category=KVCategory.FULL_ATTENTION,
+                                            dtype=torch.float32, shape=(2, 2, BS, 8), token_dim=None),))
+    engine = KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"}}, transports=[])
+    desk = ReservationDesk(engine, Namespace(model="halves-test"), layout)
+    service = LookupService(desk)
+    path, key = service.start()
+    sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0)
+    sched.connect(ChannelAddress(path, key, 0))
+    sched.bind_kv_cache_manager(SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)),
+                                                get_block_ids=lambda rid: ([1, 2, 3, 4, 5],)))
+    tokens = list(range(10, 10 + 4 * CHUNK))
+    engine.store(desk.binding(""), tokens[:3 * CHUNK], lambda i, s, e: [torch.full((2, 2, BS, 8), float(i))])
+    yield SimpleNamespace(engine=engine, desk=desk, sched=sched, tokens=tokens)
+    sched.shutdown()
+    service.close()
+    engine.close()
+
+
+def request(rid: str, tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, num_tokens=len(tokens), all_token_ids=tokens, prompt_token_ids=tokens,
+                           num_prompt_tokens=len(tokens), mm_features=[], lora_request=None, cache_salt=None,
+                           skip_reading_prefix_cache=False, pooling_params=None, prompt_embeds=None)
+
+
+def settle(h, active: int) -> None:
+    """Releases are fire-and-forget: wait until the worker side has handled them."""
+    deadline = time.monotonic() + 5
+    while h.engine.metrics.value("kvengine_reservations_active") != active and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def blocks(*ids: int) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def test_repeated_asks_return_the_same_reservation(halves):
+    """vLLM asks again while a request waits for blocks: same answer, no new pins or lookups counted."""
+    req = request("a", halves.tokens)
+    assert halves.sched.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+    pins = halves.engine.core.memory.total_pins()
+    assert pins == 3
+    assert halves.sched.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+    assert halves.engine.core.memory.total_pins() == pins
+    assert halves.engine.metrics.value("kvengine_lookups_total") == 1
+
+
+def test_hit_not_taken_by_vllm_is_released_at_once(halves):
+    """Scenario: vLLM allocates the request without the external tokens (it trimmed the hit)."""
+    req = request("a", halves.tokens)
+    halves.sched.get_num_new_matched_tokens(req, 0)
+    halves.sched.update_state_after_alloc(req, blocks(1, 2, 3), 0)
+    settle(halves, 0)
+    assert halves.engine.core.memory.total_pins() == 0 and len(halves.desk) == 0
+
+
+def test_request_finished_before_being_scheduled_leaves_nothing_pinned(halves):
+    """Scenario: looked up, never scheduled (no free blocks), then aborted."""
+    req = request("a", halves.tokens)
+    halves.sched.get_num_new_matched_tokens(req, 0)
+    assert halves.sched.request_finished(req) == (False, None)
+    settle(halves, 0)
+    assert halves.engine.core.memory.total_pins() == 0 and len(halves.desk) == 0
+
+
+def test_local_hit_covering_the_match_releases(halves):
+    """vLLM's own prefix cache already covers what the engine holds: nothing to load, nothing kept."""
+    req = request("a", halves.tokens)
+    assert halves.sched.get_num_new_matched_tokens(req, 3 * CHUNK) == (0, False)
+    settle(halves, 0)
+    assert halves.engine.core.memory.total_pins() == 0
+
+
+def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follow(halves):
+    """update_state_after_alloc commits; build_connector_meta emits the load (tokens [local, matched)) once,
+    and the prompt chunks the step completes beyond the hit as a store."""
+    req = request("a", halves.tokens)
+    assert halves.sched.get_num_new_matched_tokens(req, CHUNK) == (2 * CHUNK, False)
+    halves.sched.update_state_after_alloc(req, blocks(1, 2, 3, 4, 5), 2 * CHUNK)
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=3 * CHUNK)],
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                          num_scheduled_tokens={"a": CHUNK})
+    meta = halves.sched.build_connector_meta(out)
+    (load,) = meta.loads
+    assert (load.request_id, load.start, load.end, load.block_ids) == ("a", CHUNK, 3 * CHUNK, ((1, 2, 3, 4, 5),))
+    (save,) = meta.saves
+    assert len(save.tokens) == 4 * 4 * CHUNK  # the whole prompt (4 chunks) as uint32
+    assert halves.desk.take("a") is not None  # the reservation waits for the worker's load
+    assert halves.sched.build_connector_meta(out).loads == []

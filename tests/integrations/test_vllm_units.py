@@ -1,0 +1,215 @@
+"""Parts of the vLLM connector that need no vLLM: the channel, page copies, options.
+
+These run in the main environment too (no vLLM installed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvengine.errors import ConfigError
+from kvengine.integrations.vllm.channel import ChannelClosed, LookupClient, LookupService
+from kvengine.integrations.vllm.layout import GroupKind, GroupPlan, PagedLayout, PagedTensor
+from kvengine.integrations.vllm.options import ConnectorOptions
+from kvengine.integrations.vllm.paging import MissingPage, PagedCopier, blocks_in_range
+from kvengine.layout import ChunkLayout, KVCategory, TensorSpec
+from kvengine.types import ChunkView
+
+
+# ------------------------------------------------------------------ channel --
+class FakeHandler:
+    """Matches the first 8 tokens of anything; records calls; can be slowed or broken."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.delay = 0.0
+        self.fail = False
+        self.released = threading.Event()
+
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> int:
+        time.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("boom")
+        self.calls.append(("lookup", request_id))
+        return min(8, len(tokens) // 4, max_tokens)
+
+    def release(self, request_id: str) -> None:
+        self.calls.append(("release", request_id))
+        self.released.set()
+
+    def stats(self) -> dict[str, float]:
+        return {"calls": float(len(self.calls))}
+
+
+@pytest.fixture
+def channel():
+    handler = FakeHandler()
+    service = LookupService(handler)
+    path, key = service.start()
+    client = LookupClient(path, key)
+    yield handler, service, client
+    client.close()
+    service.close()
+
+
+def test_lookup_round_trip(channel):
+    """A lookup is answered with the handler's matched tokens; stats come back too."""
+    handler, _, client = channel
+    seq = client.submit("r1", "", bytes(4 * 20), 19)
+    reply = client.result(seq, 5.0)
+    assert reply is not None and reply.matched_tokens == 8 and not reply.error
+    assert client.stats()["calls"] == 1.0
+
+
+def test_answer_not_back_in_time_is_none_then_arrives(channel):
+    """Scenario: the worker is slow; ``result`` says "not yet" (None), a later call gets the answer."""
+    handler, _, client = channel
+    handler.delay = 0.3
+    seq = client.submit("r1", "", bytes(40), 9)
+    assert client.result(seq, 0.01) is None
+    reply = client.result(seq, 5.0)
+    assert reply is not None and reply.matched_tokens == 8
+
+
+def test_abandoned_answer_is_dropped_and_later_calls_still_match(channel):
+    """Regression: an answer to a forgotten call must not be taken for a later call's answer."""
+    handler, _, client = channel
+    handler.delay = 0.2
+    old = client.submit("r1", "", bytes(40), 9)
+    assert client.result(old, 0.0) is None
+    client.forget(old)
+    handler.delay = 0.0
+    new = client.submit("r2", "", bytes(12), 3)
+    reply = client.result(new, 5.0)
+    assert reply is not None and reply.seq == new and reply.matched_tokens == 3
+
+
+def test_release_is_handled_after_the_lookup_it_follows(channel):
+    """Calls are handled in order: a release sent after a lookup ends what that lookup reserved."""
+    handler, _, client = channel
+    handler.delay = 0.1
+    client.submit("r1", "", bytes(40), 9)
+    client.release("r1")
+    assert handler.released.wait(5.0)
+    assert handler.calls == [("lookup", "r1"), ("release", "r1")]
+
+
+def test_handler_error_is_a_reply_not_a_dead_service(channel):
+    """A failing lookup answers 0 tokens with the error; the service keeps serving."""
+    handler, _, client = channel
+    handler.fail = True
+    reply = client.result(client.submit("r1", "", bytes(40), 9), 5.0)
+    assert reply is not None and reply.matched_tokens == 0 and "boom" in reply.error
+    handler.fail = False
+    reply = client.result(client.submit("r2", "", bytes(40), 9), 5.0)
+    assert reply is not None and reply.matched_tokens == 8
+
+
+def test_wrong_authkey_is_refused(channel):
+    _, service, _ = channel
+    with pytest.raises(Exception):
+        LookupClient(service.path, b"x" * 32)
+
+
+def test_closed_service_makes_calls_fail_as_channel_closed(channel):
+    """Scenario: the worker went away; the scheduler sees ChannelClosed (served as a miss)."""
+    _, service, client = channel
+    service.close()
+    with pytest.raises(ChannelClosed):
+        for _ in range(50):
+            client.result(client.submit("r", "", bytes(40), 9), 0.1)
+    assert client.closed
+
+
+# ------------------------------------------------------------------ paging --
+BS, RATIO, CHUNK = 8, 2, 16  # block of 8 tokens split into 2 kernel pages of 4; chunks of 2 blocks
+
+
+def make_layout() -> tuple[PagedLayout, dict[str, torch.Tensor]]:
+    """Two groups overlaying one allocation, like vLLM: full attention (group 0), sliding window (group 1)."""
+    groups = (GroupPlan(group_id=0, kind=GroupKind.FULL, block_size=BS, layer_names=("full",)),
+              GroupPlan(group_id=1, kind=GroupKind.SLIDING, block_size=BS, layer_names=("swa",), sliding_window=4))
+    backing = torch.zeros(16 * RATIO, 2, BS // RATIO, 6)
+    caches = {"full": backing, "swa": backing}
+    pages = CHUNK // (BS // RATIO)
+    specs, tensors = [], []
+    for g in groups:
+        name = g.layer_names[0]
+        specs.append(TensorSpec(name=name, group=g.group_id, category=g.category, dtype=torch.float32,
+                                shape=(pages, 2, BS // RATIO, 6), token_dim=None))
+        tensors.append(PagedTensor(layer=name, group_id=g.group_id, kind=g.kind, kernel_ratio=RATIO, pages=pages))
+    return PagedLayout(ChunkLayout(CHUNK, tuple(specs)), tuple(tensors), groups, "test", "fp"), caches
+
+
+def fill(cache: torch.Tensor) -> None:
+    cache.copy_(torch.arange(cache.numel(), dtype=cache.dtype).view_as(cache))
+
+
+def test_gather_then_scatter_moves_pages_between_different_blocks():
+    """A chunk gathered from one request's blocks and scattered into another's lands page for page."""
+    layout, caches = make_layout()
+    fill(caches["full"])
+    copier = PagedCopier(layout, caches)
+    src = ((1, 2, 3, 4), (5, 9, 7, 8))  # group 1 blocks not consecutive: gathered, not viewed
+    chunk = [t.clone() for t in copier.gather(CHUNK, src, null=0)]  # chunk 1: blocks at index 2, 3
+    assert torch.equal(chunk[0], caches["full"][3 * RATIO:5 * RATIO])
+    assert torch.equal(chunk[1], caches["swa"][torch.tensor([14, 15, 16, 17])])
+    dst = ((10, 11, 12, 13), (0, 0, 14, 15))  # out-of-window blocks of the sliding group are null
+    view = ChunkView(1, None, (CHUNK, 2 * CHUNK), tuple(chunk), layout.chunk)  # type: ignore[arg-type]
+    copier.scatter(view, dst, 0, CHUNK, 2 * CHUNK)
+    assert torch.equal(caches["full"][12 * RATIO:14 * RATIO], chunk[0])
+    assert torch.equal(caches["swa"][14 * RATIO:16 * RATIO], chunk[1])
+
+
+def test_scatter_writes_only_the_requested_token_range():
+    """Blocks before ``lo`` belong to vLLM's own cache hit and are left alone."""
+    layout, caches = make_layout()
+    copier = PagedCopier(layout, caches)
+    chunk = tuple(torch.ones(t.shape) for t in layout.chunk.tensors)
+    view = ChunkView(0, None, (0, CHUNK), chunk, layout.chunk)  # type: ignore[arg-type]
+    copier.scatter(view, ((1, 2), (3, 4)), 0, BS, CHUNK)
+    assert caches["full"][1 * RATIO:2 * RATIO].abs().sum() == 0
+    assert caches["full"][2 * RATIO:3 * RATIO].eq(1).all()
+
+
+def test_freed_block_zero_fills_sliding_window_but_stops_full_attention():
+    """A null block of a sliding-window group is zero-filled (no load past the chunk reads it); a null
+    block of a full-attention group makes the chunk unstorable."""
+    layout, caches = make_layout()
+    fill(caches["full"])
+    copier = PagedCopier(layout, caches)
+    chunk = copier.gather(0, ((1, 2), (0, 5)), null=0)
+    assert chunk[1][:RATIO].abs().sum() == 0 and torch.equal(chunk[1][RATIO:], caches["swa"][10:12])
+    with pytest.raises(MissingPage):
+        copier.gather(0, ((0, 2), (3, 5)), null=0)
+
+
+def test_blocks_in_range_skips_null_blocks():
+    assert blocks_in_range(((4, 5, 6), (0, 8, 9)), {0: BS, 1: BS}, [0, 1], BS, 3 * BS, 0) == {5, 6, 8, 9}
+
+
+# ------------------------------------------------------------------ options --
+def test_options_defaults_and_engine_config():
+    opts = ConnectorOptions.from_extra_config({"kvengine": {"chunk_size": 512}, "lookup_wait_ms": 50})
+    assert opts.engine.chunk_size == 512 and opts.lookup_wait_s == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"chunksize": 256}, "unknown kv_connector_extra_config keys"),
+    ({"kvengine": {"chunk_sise": 256}}, "unknown key"),
+    ({"kvengine": {"store_partial_chunks": True}}, "store_partial_chunks"),
+    ({"lookup_wait_ms": "soon"}, "lookup_wait_ms"),
+    ({"kvengine": 7}, "mapping or a YAML path"),
+])
+def test_options_refuse_mistakes(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        ConnectorOptions.from_extra_config(extra)
+
+
+def test_category_follows_group_kind():
+    assert GroupPlan(group_id=0, kind=GroupKind.SLIDING, block_size=8, layer_names=()).category \
+        is KVCategory.SLIDING_WINDOW
