@@ -54,7 +54,7 @@ class KVEngine:
 
                 transports = build_transports(self.config)
             self.core = CacheEngine(self.config, transports=transports, codecs=codecs)
-            self._call(self.core.start())
+            self.run(self.core.start())
             if self.config.metrics_port is not None:
                 self.core.metrics.serve_http(self.config.metrics_port)
         except BaseException:
@@ -65,9 +65,6 @@ class KVEngine:
     # -- plumbing -------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of ``self.core`` (or of an extension such as :mod:`kvengine.keyed`) and wait."""
-        return self._call(coro)
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
             raise KVEngineError("KVEngine's blocking API was called from its own event loop; use .core")
@@ -84,7 +81,7 @@ class KVEngine:
             return
         self._closed = True
         try:
-            self._call(self.core.close(flush=flush))
+            self.run(self.core.close(flush=flush))
         finally:
             self._stop_loop()
 
@@ -105,23 +102,23 @@ class KVEngine:
     def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
     ) -> Reservation:
-        return self._call(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens))
+        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens))
 
     def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
-        return self._call(self.core.load(reservation, sink))
+        return self.run(self.core.load(reservation, sink))
 
     def release(self, reservation: Reservation) -> None:
-        self._call(self.core.release(reservation))
+        self.run(self.core.release(reservation))
 
     def release_request(self, binding: ModelBinding, request_id: str) -> None:
-        self._call(self.core.release_request(binding, request_id))
+        self.run(self.core.release_request(binding, request_id))
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
-        return self._call(self.core.store(binding, tokens, source))
+        return self.run(self.core.store(binding, tokens, source))
 
     def flush(self) -> None:
         """Wait until queued tier writes are done."""
-        self._call(self.core.flush())
+        self.run(self.core.flush())
 
     def reclaim_expired(self) -> int:
-        return self._call(self.core.reclaim_expired())
+        return self.run(self.core.reclaim_expired())
