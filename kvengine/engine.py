@@ -31,7 +31,7 @@ import torch
 from .codecs import CodecRegistry, RawCodec
 from .compression import codec_family, default_codecs
 from .config import EngineConfig
-from .errors import CapacityError, ConfigError, IntegrityError, InvalidRequestError
+from .errors import ConfigError, IntegrityError, InvalidRequestError
 from .eviction import make_policy
 from .allocator import SlabAllocator
 from .hashing import TokenInput, prefix_hashes
@@ -536,4 +536,4 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-__all__ = ["CacheEngine", "CapacityError"]
+__all__ = ["AdmitRejected", "CacheEngine", "copy_all"]

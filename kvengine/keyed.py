@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -48,7 +48,6 @@ from .types import ModelBinding
 if TYPE_CHECKING:
     from .facade import KVEngine
 
-T = TypeVar("T")
 
 KEYED_PREFIX = "keyed:"
 
