@@ -1,11 +1,13 @@
-"""Effective disk-tier throughput with each lossless codec (issue 8), side by side in one run.
+"""Effective disk- and peer-tier throughput with each lossless codec (issue 8), side by side in one run.
 
-Run: .venv/bin/python benchmarks/bench_tier_codecs.py [--tokens 4096] [--repeats 3]
+Run: .venv/bin/python benchmarks/bench_tier_codecs.py [--tokens 4096] [--repeats 3] [--tiers disk,peer]
 
-Per codec: a write-through store of one prompt's KV (encode + persist), then a
-fresh engine's lookup + load of it from disk with the page cache dropped
-(read + verify + decode + copy). GB/s are of *raw* KV bytes, so a codec that
-compresses well can beat raw on a disk-bound machine.
+Per tier and codec: a write-through store of one prompt's KV (encode + write),
+then a fresh engine's lookup + load of it (read + verify + decode + copy). The
+disk tier reads with the page cache dropped; the peer tier is a ``kvengine
+serve`` process (memory store, ZeroMQ) on loopback, so its wire costs CPU on
+the same two cores. GB/s are of *raw* KV bytes, so a codec that compresses
+well can beat raw where the disk or the network is the bottleneck.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -44,30 +49,63 @@ def drop_caches() -> None:
         pass
 
 
-def run(codec: str, kv: torch.Tensor, toks: torch.Tensor, root: str, layout: ChunkLayout) -> tuple[float, float, int]:
+def run_disk(codec: str, kv: torch.Tensor, toks: torch.Tensor, root: str, layout: ChunkLayout,
+             namespace: Namespace) -> tuple[float, float, int]:
     path = tempfile.mkdtemp(dir=root)
-    cfg = {"chunk_size": CHUNK, "write_mode": "write_through",
-           "memory": {"capacity_bytes": layout.nbytes() * (len(toks) // CHUNK) + (256 << 20)},
-           "disk": {"path": path, "codec": codec, "capacity_bytes": "16GiB"}}
-    with KVEngine(cfg) as eng:
-        b = eng.bind(Namespace(model="bench"), layout)
-        t0 = time.perf_counter()
-        eng.store(b, toks, lambda i, s, e: [kv[:, :, s:e]])
-        store = time.perf_counter() - t0
+    cfg = {"disk": {"path": path, "codec": codec, "capacity_bytes": "16GiB"}}
+    store, load = store_then_load(cfg, kv, toks, layout, namespace, before_load=drop_caches)
     disk_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    drop_caches()
-    out = torch.empty_like(kv)
-    with KVEngine(cfg) as eng:
-        b = eng.bind(Namespace(model="bench"), layout)
-        t0 = time.perf_counter()
-        res = eng.lookup(b, "r", toks)
-        result = eng.load(res, lambda v: out[:, :, v.token_range[0]:v.token_range[1]].copy_(v.tensors[0]))
-        load = time.perf_counter() - t0
-    assert result.loaded_tokens == len(toks) and torch.equal(out, kv), codec
     for f in os.listdir(path):
         os.unlink(os.path.join(path, f))
     os.rmdir(path)
     return store, load, disk_bytes
+
+
+def run_peer(codec: str, kv: torch.Tensor, toks: torch.Tensor, address: str, layout: ChunkLayout,
+             namespace: Namespace) -> tuple[float, float, int]:
+    cfg = {"peers": {"peers": [address], "replicas": 1, "codec": codec, "request_timeout": 30,
+                     "read_deadline": 60, "write_timeout": 60, "max_inflight_write_bytes": "2GiB"}}
+    sent: list[float] = []
+    store, load = store_then_load(cfg, kv, toks, layout, namespace, sent=sent)
+    return store, load, int(sent[0])
+
+
+def store_then_load(tier: dict, kv: torch.Tensor, toks: torch.Tensor, layout: ChunkLayout, namespace: Namespace, *,
+                    before_load=None, sent: list[float] | None = None) -> tuple[float, float]:
+    """Seconds of a write-through store, then of a fresh engine's lookup + load (checked exact)."""
+    cfg = {"chunk_size": CHUNK, "write_mode": "write_through",
+           "memory": {"capacity_bytes": layout.nbytes() * (len(toks) // CHUNK) + (256 << 20)}, **tier}
+    with KVEngine(cfg) as eng:
+        b = eng.bind(namespace, layout)
+        t0 = time.perf_counter()
+        eng.store(b, toks, lambda i, s, e: [kv[:, :, s:e]])
+        store = time.perf_counter() - t0
+        if sent is not None:
+            sent.append(sum(eng.metrics.value("kvengine_stored_bytes_total", tier=t.name) for t in eng.core.transports))
+    if before_load is not None:
+        before_load()
+    out = torch.empty_like(kv)
+    with KVEngine(cfg) as eng:
+        b = eng.bind(namespace, layout)
+        t0 = time.perf_counter()
+        res = eng.lookup(b, "r", toks)
+        result = eng.load(res, lambda v: out[:, :, v.token_range[0]:v.token_range[1]].copy_(v.tensors[0]))
+        load = time.perf_counter() - t0
+    assert result.loaded_tokens == len(toks) and torch.equal(out, kv), tier
+    return store, load
+
+
+@contextmanager
+def peer_server(capacity: str) -> Iterator[str]:
+    """A ``kvengine serve`` process on 127.0.0.2 (memory store); yields its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvengine.cli", "serve", "--bind", "127.0.0.2:0",
+                             "--capacity", capacity], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # "kvengine serve: zmq on HOST:PORT, store ..."
+        yield line.split(" on ")[1].split(",")[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def main() -> int:
@@ -75,6 +113,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/work")
+    ap.add_argument("--tiers", default="disk,peer")
     args = ap.parse_args()
     torch.set_num_threads(2)
     layout = ChunkLayout(CHUNK, (TensorSpec(name="kv", group=0, category=KVCategory.FULL_ATTENTION,
@@ -82,22 +121,34 @@ def main() -> int:
     kv = kv_like(args.tokens)
     toks = torch.randint(0, 150_000, (args.tokens,))
     gb = kv.numel() * 2 / 1e9
-    samples: dict[str, list[tuple[float, float, int]]] = {c: [] for c in CODECS}
-    for _ in range(args.repeats):  # interleave codecs in every round
+    tiers = args.tiers.split(",")
+    results: dict[str, dict] = {"gb": gb}
+    with peer_server(f"{int(3 * gb * 1e9)}B") as address:
+        runners = {"disk": lambda c, ns: run_disk(c, kv, toks, args.dir, layout, ns),
+                   "peer": lambda c, ns: run_peer(c, kv, toks, address, layout, ns)}
+        samples = {(t, c): [] for t in tiers for c in CODECS}
+        for r in range(args.repeats):  # interleave tiers and codecs in every round
+            for tier in tiers:
+                for codec in CODECS:
+                    # A namespace per run: the peer keeps earlier runs' records.
+                    namespace = Namespace(model=f"bench-{tier}-{codec}-{r}")
+                    samples[tier, codec].append(runners[tier](codec, namespace))
+    for tier in tiers:
+        raw_store = statistics.median(s[0] for s in samples[tier, "raw"])
+        raw_load = statistics.median(s[1] for s in samples[tier, "raw"])
+        rows, data = [], {}
         for codec in CODECS:
-            samples[codec].append(run(codec, kv, toks, args.dir, layout))
-    rows, data = [], {}
-    raw_store = statistics.median(s[0] for s in samples["raw"])
-    raw_load = statistics.median(s[1] for s in samples["raw"])
-    for codec in CODECS:
-        store = statistics.median(s[0] for s in samples[codec])
-        load = statistics.median(s[1] for s in samples[codec])
-        ratio = gb * 1e9 / samples[codec][0][2]
-        rows.append([codec, ratio, gb / store, gb / load, raw_store / store, raw_load / load])
-        data[codec] = {"ratio": ratio, "store_gbps": gb / store, "load_gbps": gb / load}
-    print_table(f"disk tier with compression, {gb:.2f} GB of bf16 KV, write-through + cold read, medians",
-                ["codec", "ratio", "store GB/s", "load GB/s", "store vs raw", "load vs raw"], rows)
-    print(f"\nwrote {write_json('tier_codecs.json', {'gb': gb, 'codecs': data})}")
+            store = statistics.median(s[0] for s in samples[tier, codec])
+            load = statistics.median(s[1] for s in samples[tier, codec])
+            ratio = gb * 1e9 / samples[tier, codec][0][2]
+            rows.append([codec, ratio, gb / store, gb / load, raw_store / store, raw_load / load])
+            data[codec] = {"ratio": ratio, "store_gbps": gb / store, "load_gbps": gb / load,
+                           "store_vs_raw": raw_store / store, "load_vs_raw": raw_load / load}
+        results[tier] = data
+        print_table(f"{tier} tier with compression, {gb:.2f} GB of bf16 KV, write-through store + cold load, medians",
+                    ["codec", "ratio", "store GB/s", "load GB/s", "store vs raw", "load vs raw"], rows)
+    results["load_average"] = os.getloadavg()[0]
+    print(f"\nwrote {write_json('tier_codecs.json', results)}")
     return 0
 
 

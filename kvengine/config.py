@@ -49,6 +49,8 @@ class DiskConfig(_Section):
     path: Path | None = None
     capacity_bytes: ByteSize = Field(default=ByteSize(64 * 2**30), gt=0)
     fsync: Literal["never", "data", "always"] = "data"
+    #: Codec of the records written to disk (see kvengine.compression); also
+    #: the codec of transports handed to the engine without a Tier.
     codec: str = "raw"
 
 
@@ -56,6 +58,8 @@ class PeersConfig(_Section):
     """Peer sharing tier (off unless ``peers`` or ``peers_file`` is set)."""
 
     transport: Literal["zmq", "ucx"] = "zmq"
+    #: Codec of the records sent to peers. Must be of the disk codec's family.
+    codec: str = "raw"
     #: Static peer list, "host:port" each.
     peers: tuple[str, ...] = ()
     #: A file with one "host:port" a line, reloaded when it changes.

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .codecs import CodecRegistry, RawCodec
+from .codecs import Codec, CodecRegistry, RawCodec
 from .compression import codec_family, default_codecs
 from .config import EngineConfig
 from .errors import ConfigError, IntegrityError, InvalidRequestError
@@ -41,6 +41,7 @@ from .memory_tier import MemoryEntry, MemoryTier, Prepared
 from .metrics import EngineMetrics, TierStatsCollector
 from .record import RecordFlag, descriptors_for, encode_header, unpack_record
 from .reservations import Reservation, ReservationState, ReservationTable
+from .tiers import Tier
 from .transport import Buffer, ChunkTransport
 from .buffers import BufferPool
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
@@ -68,7 +69,7 @@ class CacheEngine:
         self,
         config: EngineConfig,
         *,
-        transports: Sequence[ChunkTransport] = (),
+        transports: Sequence[ChunkTransport | Tier] = (),
         codecs: CodecRegistry | None = None,
         metrics: EngineMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -76,13 +77,21 @@ class CacheEngine:
         self.config = config
         self.metrics = metrics or EngineMetrics()
         self.codecs = codecs or default_codecs()
-        self.transports = tuple(transports)
+        #: (transport, codec) per lower tier; a bare transport writes with disk.codec.
+        self._tiers = tuple(self._tier_codec(t, config) for t in transports)
+        self.transports = tuple(t for t, _ in self._tiers)
         if self.transports:
             self.metrics.registry.register(TierStatsCollector(self.transports))
-        try:
-            self._tier_codec = self.codecs.by_name(config.disk.codec)
-        except ValueError as exc:
-            raise ConfigError(f"disk.codec: {exc}") from None
+        families = {codec_family(c) for _, c in self._tiers}
+        if len(families) > 1:
+            # One namespace is served by every tier, so the tiers must decode to the same KV.
+            raise ConfigError(
+                "the lower tiers' codecs decode to different KV (families "
+                f"{sorted(families)}); use one lossy codec everywhere or lossless codecs only"
+            )
+        self._lower_family = families.pop() if families else None
+        #: The codec of records this engine serves to peers from memory (see EngineStore).
+        self.peer_codec = self._codec(config.peers.codec, "peers.codec")
         self._clock = clock
         self._raw_codec = RawCodec()
         #: Page-aligned, already-faulted record buffers for tier writes, recycled (O_DIRECT writes them as is).
@@ -102,6 +111,17 @@ class CacheEngine:
         self._memory_stored_chunks = self.metrics.stored_chunks.labels(tier="memory")
         self._memory_loaded_bytes = self.metrics.loaded_bytes.labels(tier="memory")
         self._memory_evictions = self.metrics.evictions.labels(tier="memory")
+
+    def _tier_codec(self, tier: ChunkTransport | Tier, config: EngineConfig) -> tuple[ChunkTransport, Codec]:
+        if isinstance(tier, Tier):
+            return tier.transport, self._codec(tier.codec, tier.setting)
+        return tier, self._codec(config.disk.codec, "disk.codec")
+
+    def _codec(self, name: str, setting: str) -> Codec:
+        try:
+            return self.codecs.by_name(name)
+        except ValueError as exc:
+            raise ConfigError(f"{setting}: {exc}") from None
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -151,14 +171,15 @@ class CacheEngine:
                 f"{self.config.chunk_size}"
             )
         self.memory.check_fits(layout.nbytes())
-        family = codec_family(self._tier_codec)
-        if self.transports and namespace.codec_family != family:
+        family = self._lower_family
+        if family is not None and namespace.codec_family != family:
             # Lower tiers hold what the codec decodes to: a lossy tier must never answer a
             # reader that asked for exact KV, so the namespace has to say what it gets.
+            names = sorted({c.name for _, c in self._tiers})
             raise InvalidRequestError(
-                f"the lower tiers store chunks with codec {self._tier_codec.name!r} (family {family!r}) "
+                f"the lower tiers store chunks with codec {', '.join(names)} (family {family!r}) "
                 f"but the namespace asks for codec_family={namespace.codec_family!r}; bind with "
-                f"Namespace(..., codec_family={family!r}) or configure a lossless disk.codec"
+                f"Namespace(..., codec_family={family!r}) or configure lossless tier codecs"
             )
         if not namespace.verified:
             logger.warning(
@@ -463,9 +484,20 @@ class CacheEngine:
         ones are written, so at most ``2 * _ENCODE_BATCH`` record buffers exist at once.
         """
         parts = [batch[i : i + _ENCODE_BATCH] for i in range(0, len(batch), _ENCODE_BATCH)]
+        by_codec: dict[Codec, list[ChunkTransport]] = {}
+        for transport, codec in self._tiers:  # encode once per codec, not once per tier
+            by_codec.setdefault(codec, []).append(transport)
+        try:
+            for codec, transports in by_codec.items():
+                await self._write_parts(parts, codec, transports)
+        finally:
+            self.memory.unpin([e for _, e in batch])
 
+    async def _write_parts(
+        self, parts: list[list[tuple[ModelBinding, MemoryEntry]]], codec: Codec, transports: list[ChunkTransport]
+    ) -> None:
         def encode(part: list[tuple[ModelBinding, MemoryEntry]]) -> list[tuple[ChunkKey, memoryview]]:
-            return [(e.key, self._encode_into_buffer(b, e)) for b, e in part]
+            return [(e.key, self._encode_into_buffer(b, e, codec)) for b, e in part]
 
         pending: asyncio.Future[list[tuple[ChunkKey, memoryview]]] | None = None
         try:
@@ -473,7 +505,7 @@ class CacheEngine:
             for k in range(len(parts)):
                 records = await pending
                 pending = asyncio.ensure_future(asyncio.to_thread(encode, parts[k + 1])) if k + 1 < len(parts) else None
-                for transport in self.transports:
+                for transport in transports:
                     ok = await transport.put(records)
                     for (_, blob), done in zip(records, ok):
                         if done:
@@ -486,28 +518,28 @@ class CacheEngine:
             if pending is not None:
                 with contextlib.suppress(Exception):
                     await pending  # never unpin entries a worker thread is still reading
-            self.memory.unpin([e for _, e in batch])
 
     def encode_record(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
-        """The chunk record of a pinned entry, encoded with the tier codec (blocking)."""
-        header, payload = self._record_parts(binding, entry)
+        """The chunk record of a pinned entry as sent to peers, in :attr:`peer_codec` (blocking)."""
+        header, payload = self._record_parts(binding, entry, self.peer_codec)
         return b"".join((header, payload))  # one copy
 
-    def _encode_into_buffer(self, binding: ModelBinding, entry: MemoryEntry) -> memoryview:
+    def _encode_into_buffer(self, binding: ModelBinding, entry: MemoryEntry, codec: Codec) -> memoryview:
         """Like :meth:`encode_record`, into a recycled page-aligned buffer: one copy, no page
         faults, and O_DIRECT writes it without staging (a ``bytes`` object is not aligned)."""
-        header, payload = self._record_parts(binding, entry)
+        header, payload = self._record_parts(binding, entry, codec)
         body = memoryview(payload).cast("B")
         record = self._record_buffers.take(len(header) + body.nbytes)
         record[: len(header)] = header
         record[len(header) :] = body
         return record
 
-    def _record_parts(self, binding: ModelBinding, entry: MemoryEntry) -> tuple[bytes, bytes | memoryview]:
-        """Header and encoded payload of a pinned entry's record (blocking)."""
+    def _record_parts(
+        self, binding: ModelBinding, entry: MemoryEntry, codec: Codec
+    ) -> tuple[bytes, bytes | memoryview]:
+        """Header and ``codec``-encoded payload of a pinned entry's record (blocking)."""
         raw = memoryview(self.memory.raw(entry).numpy())
         tensors = descriptors_for(binding.layout, entry.num_tokens)
-        codec = self._tier_codec
         try:
             payload = codec.encode(raw, tensors)
         except InvalidRequestError as exc:  # e.g. NaN/inf under a quantizing codec

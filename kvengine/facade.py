@@ -23,6 +23,7 @@ from .keys import Namespace
 from .layout import ChunkLayout
 from .metrics import EngineMetrics
 from .reservations import Reservation
+from .tiers import Tier, build_tiers
 from .transport import ChunkTransport
 from .types import ChunkSink, ChunkSource, LoadResult, ModelBinding, StoreResult
 
@@ -34,14 +35,15 @@ class KVEngine:
 
     ``config`` may be an :class:`EngineConfig`, a dict, a YAML path or None
     (defaults); ``KVENGINE_*`` environment variables override it.
-    ``transports`` replaces the tiers the configuration would build.
+    ``transports`` replaces the tiers the configuration would build (a bare
+    transport writes records with ``disk.codec``).
     """
 
     def __init__(
         self,
         config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
         *,
-        transports: Sequence[ChunkTransport] | None = None,
+        transports: Sequence[ChunkTransport | Tier] | None = None,
         codecs: CodecRegistry | None = None,
     ) -> None:
         self.config = load_config(config)
@@ -50,9 +52,7 @@ class KVEngine:
         self._thread.start()
         try:
             if transports is None:
-                from .tiers import build_transports
-
-                transports = build_transports(self.config)
+                transports = build_tiers(self.config)
             self.core = CacheEngine(self.config, transports=transports, codecs=codecs)
             self.run(self.core.start())
             if self.config.metrics_port is not None:

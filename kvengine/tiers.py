@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from .config import EngineConfig
@@ -9,6 +10,16 @@ from .errors import ConfigError
 from .transport import ChunkTransport
 
 ENTRY_POINT_GROUP = "kvengine.transports"
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """A tier below memory: its transport and the name of the codec its records are written with."""
+
+    transport: ChunkTransport
+    codec: str
+    #: The configuration key that chose ``codec``, for error messages.
+    setting: str = "codec"
 
 
 def transport_factories() -> dict[str, object]:
@@ -23,15 +34,15 @@ def _load(name: str, why: str) -> object:
     return factories[name].load()  # type: ignore[attr-defined]
 
 
-def build_transports(config: EngineConfig) -> list[ChunkTransport]:
-    """The transports the configuration asks for, in lookup order (disk, then peers)."""
-    transports: list[ChunkTransport] = []
+def build_tiers(config: EngineConfig) -> list[Tier]:
+    """The tiers the configuration asks for, in lookup order (disk, then peers)."""
+    tiers: list[Tier] = []
     if config.disk.path is not None:
         factory = _load("local_disk", "disk.path is set")
-        transports.append(factory(config.disk.model_dump()))  # type: ignore[operator]
+        tiers.append(Tier(factory(config.disk.model_dump()), config.disk.codec, "disk.codec"))  # type: ignore[operator]
     peers = config.peers
     if peers.peers or peers.peers_file is not None:
         factory = _load(f"peers_{peers.transport}", f"peers.transport={peers.transport!r}")
-        options = peers.model_dump(exclude={"transport"}, exclude_none=True)
-        transports.append(factory(options))  # type: ignore[operator]
-    return transports
+        options = peers.model_dump(exclude={"transport", "codec"}, exclude_none=True)
+        tiers.append(Tier(factory(options), peers.codec, "peers.codec"))  # type: ignore[operator]
+    return tiers

@@ -21,7 +21,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
+from kvengine.compression import codec_family
 from kvengine.engine import CacheEngine
+from kvengine.errors import InvalidRequestError
 from kvengine.keys import ChunkKey, NamespaceDigest
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
@@ -136,7 +138,18 @@ class EngineStore:
             self.share(binding)
 
     def share(self, binding: ModelBinding) -> None:
-        """Serve this binding's chunks from the engine's memory tier."""
+        """Serve this binding's chunks from the engine's memory tier.
+
+        :raises InvalidRequestError: if the engine's ``peers.codec`` would
+            serve this namespace KV of another codec family (e.g. lossy KV
+            to exact readers).
+        """
+        family = codec_family(self.engine.peer_codec)
+        if binding.namespace.codec_family != family:
+            raise InvalidRequestError(
+                f"peers.codec {self.engine.peer_codec.name!r} is of family {family!r} but the namespace "
+                f"of model {binding.namespace.model!r} asks for {binding.namespace.codec_family!r}"
+            )
         self._bindings[binding.digest] = binding
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
