@@ -21,6 +21,7 @@ from .facade import KVEngine
 from .keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
 from .layout import ChunkLayout, KVCategory, TensorSpec
 from .reservations import Reservation, ReservationState
+from .staging import StagedStore
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 __version__ = "0.1.0"
@@ -29,6 +30,6 @@ __all__ = [
     "AttachError", "CacheEngine", "CapacityError", "ChunkHash", "ChunkKey", "ChunkLayout", "ChunkSink",
     "ChunkSource", "ChunkView", "ConfigError", "DiskConfig", "EngineConfig", "IntegrityError",
     "InvalidRequestError", "KVCategory", "KVEngine", "KVEngineError", "LoadResult", "MemoryConfig",
-    "ModelBinding", "Namespace", "NamespaceDigest", "Reservation", "ReservationState", "StoreResult",
+    "ModelBinding", "Namespace", "NamespaceDigest", "Reservation", "ReservationState", "StagedStore", "StoreResult",
     "TensorSpec", "TransportError", "UnsupportedModelError", "load_config",
 ]

@@ -41,6 +41,7 @@ from .memory_tier import MemoryEntry, MemoryTier, Prepared
 from .metrics import EngineMetrics, TierStatsCollector
 from .record import RecordFlag, descriptors_for, encode_header, unpack_record
 from .reservations import Reservation, ReservationState, ReservationTable
+from .staging import StagedStore
 from .tiers import Tier
 from .transport import Buffer, ChunkTransport
 from .buffers import BufferPool
@@ -319,35 +320,54 @@ class CacheEngine:
         later ones are reported failed so the caller recomputes them. An
         expired or already ended reservation loads nothing.
         """
-        if not self.reservations.begin_load(res, self._clock()):
-            result = LoadResult(res.matched_tokens, 0, tuple(range(res.num_chunks)))
-            self.metrics.load_failed_tokens.inc(res.matched_tokens)
-            return result
+        views = await self.begin_load(res)
+        loaded = 0
         try:
-            loaded = await asyncio.to_thread(self._run_sink, res, sink)
+            if views:
+                loaded = await asyncio.to_thread(self._run_sink, views, sink)
         finally:
-            self._end(res)
-        tokens = res.entries[loaded - 1].token_range[1] if loaded else 0
-        self.metrics.loaded_tokens.inc(tokens)
-        self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
-        return LoadResult(res.matched_tokens, tokens, tuple(range(loaded, res.num_chunks)))
+            result = await self.finish_load(res, loaded)
+        return result
 
-    def _run_sink(self, res: Reservation, sink: ChunkSink) -> int:
-        nbytes = 0
-        for i, entry in enumerate(res.entries):
-            view = ChunkView(i, entry.key, entry.token_range, self.memory.tensors(entry), entry.layout)
+    async def begin_load(self, res: Reservation) -> tuple[ChunkView, ...]:
+        """Start a load the caller copies itself (e.g. layer by layer): views of every reserved chunk.
+
+        The views stay valid, and the chunks pinned, until :meth:`finish_load`,
+        which must follow. Empty when the reservation expired or ended (the
+        load then fails whole).
+        """
+        if not self.reservations.begin_load(res, self._clock()):
+            self.metrics.load_failed_tokens.inc(res.matched_tokens)
+            return ()
+        return tuple(ChunkView(i, e.key, e.token_range, self.memory.tensors(e), e.layout)
+                     for i, e in enumerate(res.entries))
+
+    async def finish_load(self, res: Reservation, loaded_chunks: int) -> LoadResult:
+        """End a load: the first ``loaded_chunks`` chunks reached the caller, the rest failed (recompute).
+
+        Counted once; a reservation that was not loading (its ``begin_load``
+        failed, or it was finished before) reports nothing loaded.
+        """
+        loading = res.state is ReservationState.LOADING
+        loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
+        tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else 0
+        if loading and self._end(res):
+            self.metrics.loaded_tokens.inc(tokens)
+            self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
+            self._memory_loaded_bytes.inc(sum(e.nbytes for e in res.entries[:loaded_chunks]))
+        return LoadResult(res.matched_tokens, tokens, tuple(range(loaded_chunks, res.num_chunks)))
+
+    def _run_sink(self, views: Sequence[ChunkView], sink: ChunkSink) -> int:
+        for view in views:
             try:
                 sink(view)
             except Exception as exc:
                 self.metrics.log_once(
                     "sink_error", "kvengine: load sink failed on chunk %d (%s: %s); the rest is recomputed",
-                    i, type(exc).__name__, exc,
+                    view.index, type(exc).__name__, exc,
                 )
-                self._memory_loaded_bytes.inc(nbytes)
-                return i
-            nbytes += entry.nbytes
-        self._memory_loaded_bytes.inc(nbytes)
-        return len(res.entries)
+                return view.index
+        return len(views)
 
     async def release(self, res: Reservation) -> None:
         """End a reservation without loading (request not scheduled, aborted, finished)."""
@@ -358,10 +378,12 @@ class CacheEngine:
         if res is not None and res.state is ReservationState.RESERVED:
             self._end(res)
 
-    def _end(self, res: Reservation) -> None:
-        if self.reservations.end(res):
-            self.memory.unpin(res.entries)
-            self.metrics.reservations_active.set(len(self.reservations))
+    def _end(self, res: Reservation) -> bool:
+        if not self.reservations.end(res):
+            return False
+        self.memory.unpin(res.entries)
+        self.metrics.reservations_active.set(len(self.reservations))
+        return True
 
     async def reclaim_expired(self) -> int:
         """End reservations whose lease ran out; returns how many (counted in metrics)."""
@@ -391,59 +413,96 @@ class CacheEngine:
         without it).
         """
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
-        total = len(tokens)
-        result, committed = await asyncio.to_thread(self._copy_in, binding, hashes, total, source)
-        if committed and self.transports:
-            await self.write_lower_tiers(binding, committed)
+        result, held = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
+        if held:
+            await self.write_lower_tiers(binding, held)
+        return result
+
+    async def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:
+        """Prepare slots for the chunks of ``tokens`` not cached yet, for the caller to fill.
+
+        Like :meth:`store`, but the caller writes the returned views itself (in
+        any order, e.g. layer by layer) and then calls :meth:`commit_store`,
+        which must follow. Preparing stops at the first chunk that finds no room.
+        """
+        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
+        return self._prepare_slots(binding, hashes, len(tokens))
+
+    async def commit_store(self, staged: StagedStore, filled_chunks: int) -> StoreResult:
+        """Publish the first ``filled_chunks`` staged chunks (fully written) and drop the rest.
+
+        :raises InvalidRequestError: if ``staged`` was already committed.
+        """
+        result, held = self._commit_slots(staged, filled_chunks)
+        if held:
+            await self.write_lower_tiers(staged.binding, held)
         return result
 
     def _copy_in(
         self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource
     ) -> tuple[StoreResult, list[MemoryEntry]]:
-        """Copy new chunks into memory; return the result and the new entries, pinned.
+        """Copy new chunks into memory; return the result and the new entries (pinned for the lower tiers)."""
+        staged = self._prepare_slots(binding, hashes, total)
+        filled = 0
+        try:
+            for view in staged.chunks:
+                tensors = source(view.index, *view.token_range)
+                binding.layout.check(tensors, view.token_range[1] - view.token_range[0])
+                copy_all(view.tensors, tensors)
+                filled += 1
+        except BaseException:
+            _, held = self._commit_slots(staged, filled)
+            self.memory.unpin(held)  # what was copied stays in memory; the caller sees the error
+            raise
+        return self._commit_slots(staged, filled)
 
-        New entries stay pinned until the call ends so that a prompt larger
-        than memory never evicts its own head (which would make every later
-        chunk unreachable); the tail that does not fit is rejected instead.
+    def _prepare_slots(self, binding: ModelBinding, hashes: list, total: int) -> StagedStore:
+        """Slots for the new chunks, pinned for the writer.
+
+        The new entries stay pinned until committed and handed on, so that a
+        prompt larger than memory never evicts its own head (which would make
+        every later chunk unreachable); the tail that does not fit is rejected instead.
         """
         layout, size = binding.layout, binding.chunk_size
-        stored = present = rejected = nbytes = 0
-        held: list[MemoryEntry] = []
-        try:
-            for i, h in enumerate(hashes):
-                start, end = i * size, min((i + 1) * size, total)
-                key = ChunkKey(binding.digest, h)
-                entry = self.memory.prepare(key, layout, (start, end))
-                if entry is Prepared.PRESENT:
-                    present += 1
-                    continue
-                if entry is Prepared.NO_ROOM:
-                    rejected = len(hashes) - i
-                    self.metrics.store_rejected.labels(reason="no_room").inc(rejected)
-                    self.metrics.log_once("no_room", "kvengine: no room in memory (pinned or in use); "
-                                          "the rest of a store is skipped")
-                    break
-                try:
-                    tensors = source(i, start, end)
-                    layout.check(tensors, end - start)
-                    copy_all(self.memory.tensors(entry), tensors)
-                except BaseException:
-                    self.memory.abort(entry)
-                    raise
-                self.memory.commit(entry, keep_pin=True)
-                held.append(entry)
-                stored += 1
-                nbytes += entry.nbytes
-        except BaseException:
-            self.memory.unpin(held)
-            raise
-        finally:
-            self._memory_stored_bytes.inc(nbytes)
-            self._memory_stored_chunks.inc(stored)
+        present = rejected = 0
+        entries: list[MemoryEntry] = []
+        views: list[ChunkView] = []
+        for i, h in enumerate(hashes):
+            token_range = (i * size, min((i + 1) * size, total))
+            key = ChunkKey(binding.digest, h)
+            entry = self.memory.prepare(key, layout, token_range)
+            if entry is Prepared.PRESENT:
+                present += 1
+                continue
+            if entry is Prepared.NO_ROOM:
+                rejected = len(hashes) - i
+                self.metrics.store_rejected.labels(reason="no_room").inc(rejected)
+                self.metrics.log_once("no_room", "kvengine: no room in memory (pinned or in use); "
+                                      "the rest of a store is skipped")
+                break
+            entries.append(entry)
+            views.append(ChunkView(i, key, token_range, self.memory.tensors(entry), layout))
+        return StagedStore(binding, tuple(views), present, rejected, tuple(entries))
+
+    def _commit_slots(self, staged: StagedStore, filled: int) -> tuple[StoreResult, list[MemoryEntry]]:
+        """Commit the filled prefix (pins kept when lower tiers will take them), abort the rest."""
+        if staged.committed:
+            raise InvalidRequestError("this staged store was already committed")
+        staged.committed = True
+        filled = max(0, min(filled, len(staged.entries)))
+        held = list(staged.entries[:filled])
+        for entry in held:
+            self.memory.commit(entry, keep_pin=True)
+        for entry in staged.entries[filled:]:
+            self.memory.abort(entry)
+        self._memory_stored_bytes.inc(sum(e.nbytes for e in held))
+        self._memory_stored_chunks.inc(len(held))
+        unused = len(staged.entries) - filled
+        result = StoreResult(filled, staged.present_chunks, staged.rejected_chunks + unused)
         if not self.transports:  # otherwise the pins pass to the tier writer
             self.memory.unpin(held)
             held = []
-        return StoreResult(stored, present, rejected), held
+        return result, held
 
     # -- lower tiers ------------------------------------------------------------------
     async def write_lower_tiers(self, binding: ModelBinding, entries: list[MemoryEntry]) -> None:

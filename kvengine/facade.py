@@ -25,7 +25,8 @@ from .metrics import EngineMetrics
 from .reservations import Reservation
 from .tiers import Tier, build_tiers
 from .transport import ChunkTransport
-from .types import ChunkSink, ChunkSource, LoadResult, ModelBinding, StoreResult
+from .staging import StagedStore
+from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T = TypeVar("T")
 
@@ -107,6 +108,13 @@ class KVEngine:
     def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
         return self.run(self.core.load(reservation, sink))
 
+    def begin_load(self, reservation: Reservation) -> tuple[ChunkView, ...]:
+        """Views of every reserved chunk for a caller-driven load; :meth:`finish_load` must follow."""
+        return self.run(self.core.begin_load(reservation))
+
+    def finish_load(self, reservation: Reservation, loaded_chunks: int) -> LoadResult:
+        return self.run(self.core.finish_load(reservation, loaded_chunks))
+
     def release(self, reservation: Reservation) -> None:
         self.run(self.core.release(reservation))
 
@@ -115,6 +123,13 @@ class KVEngine:
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         return self.run(self.core.store(binding, tokens, source))
+
+    def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:
+        """Slots for the new chunks of ``tokens``, for the caller to fill; :meth:`commit_store` must follow."""
+        return self.run(self.core.begin_store(binding, tokens))
+
+    def commit_store(self, staged: StagedStore, filled_chunks: int) -> StoreResult:
+        return self.run(self.core.commit_store(staged, filled_chunks))
 
     def flush(self) -> None:
         """Wait until queued tier writes are done."""

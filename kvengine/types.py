@@ -92,6 +92,8 @@ class LoadResult:
 
 @dataclass(frozen=True, slots=True)
 class StoreResult:
+    """Chunks of a store: newly stored, already cached, and not stored (no room, or left unfilled)."""
+
     stored_chunks: int
     present_chunks: int
     rejected_chunks: int

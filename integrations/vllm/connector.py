@@ -122,11 +122,15 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete inside start_load_kv (see worker.py)
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return  # pages are stored once the step's forward is done (wait_for_save)
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata)
+        self._worker.save_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

@@ -27,7 +27,7 @@ import enum
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -160,6 +160,13 @@ class PagedLayout:
     #: backend/layout/page geometry, for the namespace
     layout_id: str
     spec_fingerprint: str
+    #: layers that share another layer's cache (stored once), to that layer
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def tensor_index(self, layer: str) -> int | None:
+        """Index in :attr:`tensors` of the pages that hold ``layer``'s KV (None: not a cached layer)."""
+        owner = self.aliases.get(layer, layer)
+        return next((i for i, t in enumerate(self.tensors) if t.layer == owner), None)
 
 
 def spec_fingerprint(kv_cache_config: object) -> str:
@@ -190,7 +197,8 @@ def derive_layout(
     specs: list[tuple[TensorSpec, PagedTensor]] = []
     # Groups overlay one backing allocation (block ids tell them apart), so
     # only a layer of the *same* group with the same view shares a cache.
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    owners: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+    aliases: dict[str, str] = {}
     used_backends: set[str] = set()
     for plan in plans:
         for layer in plan.layer_names:
@@ -203,16 +211,17 @@ def derive_layout(
             if cache is None:
                 raise _refuse(f"layer {layer}", "vLLM registered no KV cache tensor for it")
             identity = (plan.group_id, cache.data_ptr(), tuple(cache.shape), tuple(cache.stride()))
-            if identity in seen:  # a layer sharing another layer's cache: stored once
+            if identity in owners:  # a layer sharing another layer's cache: stored once
+                aliases[layer] = owners[identity]
                 continue
-            seen.add(identity)
+            owners[identity] = layer
             specs.append(_paged_tensor(plan, layer, cache, num_blocks=num_blocks, chunk_size=chunk_size))
     # Typed views need byte offsets aligned to each item size: largest items first.
     specs.sort(key=lambda s: -s[0].itemsize)
     chunk = ChunkLayout(chunk_size, tuple(s for s, _ in specs))
     ratios = sorted({(t.group_id, t.kernel_ratio) for _, t in specs})
     layout_id = f"vllm:{'+'.join(sorted(used_backends))}:{kv_layout}:kernel{ratios}"
-    return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint)
+    return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint, aliases)
 
 
 def _paged_tensor(plan: GroupPlan, layer: str, cache: torch.Tensor, *, num_blocks: int,

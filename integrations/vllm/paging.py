@@ -67,36 +67,51 @@ class PagedCopier:
             dst.append(block * t.kernel_ratio + (pos % bs) // kt)
         return src, dst
 
-    def gather(self, start: int, block_ids: BlockIds, null: int) -> list[torch.Tensor]:
-        """The tensors of the full chunk starting at token ``start``, in layout order.
+    def usable_chunks(self, starts: Sequence[int], block_ids: BlockIds, null: int) -> int:
+        """How many of the chunks starting at ``starts`` (in order) hold every page a store needs.
 
-        Views of the caches where the pages are consecutive, else gathered copies.
+        The first chunk that lacks one ends the count: a later chunk is
+        unreachable without it.
         """
-        out = []
-        for t, cache in zip(self.layout.tensors, self._caches):
-            src, dst = self._pages(t, start, block_ids, null, start, start + self._chunk)
-            if len(src) == t.pages:
-                idx = _as_index(dst)
-                out.append(cache[idx] if isinstance(idx, slice) else cache.index_select(0, idx))
-                continue
-            pages = cache.new_zeros((t.pages, *cache.shape[1:]))
-            if src:
-                pages[torch.tensor(src)] = cache.index_select(0, torch.tensor(dst))
-            out.append(pages)
-        return out
+        for n, start in enumerate(starts):
+            try:
+                for t in self.layout.tensors:
+                    self._pages(t, start, block_ids, null, start, start + self._chunk)
+            except MissingPage:
+                return n
+        return len(starts)
 
-    def scatter(self, view: ChunkView, block_ids: BlockIds, null: int, lo: int, hi: int) -> None:
-        """Write the pages of ``view`` that hold tokens in ``[lo, hi)`` into the request's blocks."""
-        start = view.token_range[0]
-        for t, cache, tensor in zip(self.layout.tensors, self._caches, view.tensors):
-            src, dst = self._pages(t, start, block_ids, null, lo, hi)
-            if not src:
-                continue
-            d, s = _as_index(dst), _as_index(src)
-            if isinstance(d, slice):
-                cache[d].copy_(tensor[s] if isinstance(s, slice) else tensor.index_select(0, s))
+    def gather_into(self, i: int, start: int, block_ids: BlockIds, null: int, out: torch.Tensor) -> None:
+        """Copy tensor ``i``'s pages of the chunk starting at token ``start`` into ``out``.
+
+        Pages of freed sliding-window blocks are zero-filled.
+
+        :raises MissingPage: if a full-attention page is gone (see :meth:`usable_chunks`).
+        """
+        t, cache = self.layout.tensors[i], self._caches[i]
+        src, dst = self._pages(t, start, block_ids, null, start, start + self._chunk)
+        if len(src) == t.pages:
+            idx = _as_index(dst)
+            if isinstance(idx, slice):
+                out.copy_(cache[idx])
             else:
-                cache.index_copy_(0, d, tensor[s] if isinstance(s, slice) else tensor.index_select(0, s))
+                torch.index_select(cache, 0, idx, out=out)
+            return
+        out.zero_()
+        if src:
+            out[torch.tensor(src)] = cache.index_select(0, torch.tensor(dst))
+
+    def scatter_from(self, i: int, view: ChunkView, block_ids: BlockIds, null: int, lo: int, hi: int) -> None:
+        """Write tensor ``i``'s pages of ``view`` that hold tokens in ``[lo, hi)`` into the request's blocks."""
+        t, cache, tensor = self.layout.tensors[i], self._caches[i], view.tensors[i]
+        src, dst = self._pages(t, view.token_range[0], block_ids, null, lo, hi)
+        if not src:
+            return
+        d, s = _as_index(dst), _as_index(src)
+        if isinstance(d, slice):
+            cache[d].copy_(tensor[s] if isinstance(s, slice) else tensor.index_select(0, s))
+        else:
+            cache.index_copy_(0, d, tensor[s] if isinstance(s, slice) else tensor.index_select(0, s))
 
 
 def blocks_in_range(block_ids: BlockIds, block_size: Mapping[int, int], groups: Sequence[int], lo: int,

@@ -6,16 +6,15 @@ Lifecycle:
   the :class:`~kvengine.KVEngine` from the connector options, binds the
   model's namespace and starts the lookup service (:mod:`.channel`) that
   answers the scheduler half. ``handshake`` tells vLLM where it listens.
-* Each step: ``load`` copies every planned load from its reservation into
-  the request's blocks, ``save`` stores every chunk the step completed.
+* Each step: ``load`` (``start_load_kv``) begins the loads of the step's
+  reservations and queues their copies layer by layer on the
+  :class:`~.pipeline.LayerPipeline`; ``wait_layer`` (``wait_for_layer_load``)
+  blocks until the layer about to run is in; ``save_layer``
+  (``save_kv_layer``) stages the step's complete chunks in the engine and
+  queues the finished layer's copy; ``save`` (``wait_for_save``) waits for
+  every copy, ends the loads and commits the staged chunks.
 * ``shutdown`` stops the service and closes the engine, flushing queued
   disk writes.
-
-Loads run to completion inside ``start_load_kv``: on the CPU backend a load
-is a host memcpy (~17 ms for a 44 MB prefix here) and the forward uses every
-core, so overlapping the two layer by layer buys nothing; see docs/vllm.md.
-Saves run in ``wait_for_save``, once the step's forward has written every
-layer.
 
 Load faults (an expired or missing reservation, a failing copy) are never
 raised: they become block ids for ``get_block_ids_with_load_errors`` (sync
@@ -38,13 +37,14 @@ from kvengine.facade import KVEngine
 from kvengine.keys import Namespace
 from kvengine.layout import ChunkLayout
 from kvengine.reservations import Reservation
-from kvengine.types import ChunkView, ModelBinding
+from kvengine.types import ModelBinding
 
 from .channel import LookupService
 from .layout import GroupPlan, PagedLayout
-from .metadata import ChannelAddress, LoadSpec, SaveSpec, StepMetadata
+from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
-from .paging import MissingPage, PagedCopier, blocks_in_range
+from .paging import PagedCopier, blocks_in_range
+from .pipeline import LayerPipeline, LoadJob, SaveJob
 
 logger = logging.getLogger("vllm.kvengine")
 
@@ -147,6 +147,8 @@ class WorkerSide:
         self.layout: PagedLayout | None = None
         self.desk: ReservationDesk | None = None
         self._copier: PagedCopier | None = None
+        self._pipeline: LayerPipeline | None = None
+        self._stage_of: dict[str, int] = {}
         self._service: LookupService | None = None
         self._error_blocks: set[int] = set()
         self._finished: set[str] = set()
@@ -166,6 +168,10 @@ class WorkerSide:
             fingerprint=spec_fingerprint(self._kv_cache_config),
         )
         self._copier = PagedCopier(self.layout, kv_caches)
+        self._stage_of = {name: i for name in kv_caches if (i := self.layout.tensor_index(name)) is not None}
+        forward_order = list(dict.fromkeys(self._stage_of.values()))  # kv_caches lists layers in forward order
+        forward_order += [i for i in range(len(self.layout.tensors)) if i not in forward_order]
+        self._pipeline = LayerPipeline(self._copier, forward_order)
         namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint)
         self.engine = build_engine(self._options)
         try:
@@ -196,22 +202,87 @@ class WorkerSide:
         self._m_error_blocks = Counter("kvengine_vllm_load_error_blocks", "Blocks reported to vLLM for recompute",
                                        registry=r)
         self._m_store_skips = Counter("kvengine_vllm_store_skips", "Stores stopped early", ["reason"], registry=r)
+        self._m_layer_waits = Counter("kvengine_vllm_layer_load_waits",
+                                      "wait_for_layer_load calls that met a layer being loaded", registry=r)
+        self._m_save_stages = Counter("kvengine_vllm_save_stages",
+                                      "Layer copies into staged chunks, queued by save_kv_layer (layer) or "
+                                      "left for wait_for_save (step_end)", ["via"], registry=r)
 
     # -- per step ----------------------------------------------------------------------------
     def load(self, meta: StepMetadata) -> None:
+        """Begin the step's loads; the pipeline copies them in layer by layer."""
+        assert self.engine is not None and self.desk is not None and self._pipeline is not None
+        jobs = []
         for spec in meta.loads:
-            ok = self._load_one(spec, meta.null_block_id)
+            res = self.desk.take(spec.request_id)
+            if res is None:
+                logger.warning("kvengine: no reservation for %s (lease expired?); it is recomputed", spec.request_id)
+            views = self.engine.begin_load(res) if res is not None else ()
+            jobs.append(LoadJob(spec, res, views, meta.null_block_id))
+        if jobs:
+            self._pipeline.begin_loads(jobs)
+
+    def wait_layer(self, layer_name: str) -> None:
+        assert self._pipeline is not None
+        if self._pipeline.wait_layer(self._stage_of.get(layer_name)):
+            self._m_layer_waits.inc()
+
+    def save_layer(self, layer_name: str, meta: StepMetadata) -> None:
+        """The forward finished ``layer_name``: queue its copy into the step's staged chunks."""
+        assert self._pipeline is not None
+        if meta.saves:
+            self._begin_saves(meta)
+            if self._pipeline.save_layer(self._stage_of.get(layer_name)):
+                self._m_save_stages.labels(via="layer").inc()
+
+    def save(self, meta: StepMetadata) -> None:
+        """End of the step's forward: finish loads, copy what is left of the saves, commit them."""
+        assert self.engine is not None and self._pipeline is not None
+        self._end_loads()
+        if meta.saves:
+            self._begin_saves(meta)
+        jobs, late = self._pipeline.end_saves()
+        self._m_save_stages.labels(via="step_end").inc(late)
+        for job in jobs:
+            try:
+                self.engine.commit_store(job.staged, job.filled)
+            except Exception as exc:  # e.g. the engine is closing: the chunks are simply not cached
+                logger.warning("kvengine: store of %s not committed: %s", job.spec.request_id, exc)
+
+    def _begin_saves(self, meta: StepMetadata) -> None:
+        """Stage the step's complete chunks in the engine, once per step."""
+        assert self.engine is not None and self.desk is not None and self._pipeline is not None
+        assert self._copier is not None
+        if self._pipeline.saves_begun:
+            return
+        jobs = []
+        for spec in meta.saves:
+            try:
+                staged = self.engine.begin_store(self.desk.binding(spec.salt), np.frombuffer(spec.tokens, dtype="<u4"))
+            except InvalidRequestError as exc:
+                self._m_store_skips.labels(reason="invalid").inc()
+                logger.warning("kvengine: store of %s refused: %s", spec.request_id, exc)
+                continue
+            starts = [view.token_range[0] for view in staged.chunks]
+            usable = self._copier.usable_chunks(starts, spec.block_ids, meta.null_block_id)
+            if usable < len(starts):  # an earlier chunk's pages were freed: later ones are unreachable
+                self._m_store_skips.labels(reason="missing_page").inc()
+            jobs.append(SaveJob(spec, staged, usable))
+        self._pipeline.begin_saves(jobs, meta.null_block_id)
+
+    def _end_loads(self) -> None:
+        """Wait for the step's load copies, end the reservations, record what must be recomputed."""
+        assert self._pipeline is not None
+        for job in self._pipeline.end_loads():
+            ok = self._finish_load(job)
             self._m_loads.labels(outcome="ok" if ok else "failed").inc()
 
-    def _load_one(self, spec: LoadSpec, null: int) -> bool:
-        assert self.engine is not None and self.desk is not None
-        res = self.desk.take(spec.request_id)
+    def _finish_load(self, job: LoadJob) -> bool:
+        assert self.engine is not None and self.layout is not None
+        spec = job.spec
         loaded = spec.start
-        if res is not None:
-            result = self.engine.load(res, lambda view: self._sink(view, spec, null))
-            loaded = max(loaded, result.loaded_tokens)
-        else:
-            logger.warning("kvengine: no reservation for %s (lease expired?); it is recomputed", spec.request_id)
+        if job.reservation is not None:
+            loaded = max(loaded, self.engine.finish_load(job.reservation, job.loaded).loaded_tokens)
         if loaded >= spec.end:
             if spec.asynchronous:
                 self._finished.add(spec.request_id)
@@ -220,49 +291,33 @@ class WorkerSide:
             self._failed.add(spec.request_id)
             self._finished.add(spec.request_id)
         else:
-            assert self.layout is not None
             sizes = {g.group_id: g.block_size for g in self.layout.groups}
             bad = blocks_in_range(spec.block_ids, sizes, [g.group_id for g in self.layout.groups], loaded,
-                                  spec.end, null)
+                                  spec.end, job.null_block_id)
             self._error_blocks |= bad
             self._m_error_blocks.inc(len(bad))
         return False
 
-    def _sink(self, view: ChunkView, spec: LoadSpec, null: int) -> None:
-        assert self._copier is not None
-        lo, hi = view.token_range
-        if hi <= spec.start:
-            return
-        self._copier.scatter(view, spec.block_ids, null, max(lo, spec.start), min(hi, spec.end))
-
-    def save(self, meta: StepMetadata) -> None:
-        for spec in meta.saves:
-            self._save_one(spec, meta.null_block_id)
-
-    def _save_one(self, spec: SaveSpec, null: int) -> None:
-        assert self.engine is not None and self.desk is not None and self._copier is not None
-        copier = self._copier
-        ids = np.frombuffer(spec.tokens, dtype="<u4")
-        try:
-            self.engine.store(self.desk.binding(spec.salt), ids,
-                              lambda _i, start, _end: copier.gather(start, spec.block_ids, null))
-        except MissingPage as exc:  # an earlier chunk was evicted and its pages are gone: later ones are unreachable
-            self._m_store_skips.labels(reason="missing_page").inc()
-            logger.debug("kvengine: store of %s stopped: %s", spec.request_id, exc)
-        except InvalidRequestError as exc:
-            self._m_store_skips.labels(reason="invalid").inc()
-            logger.warning("kvengine: store of %s refused: %s", spec.request_id, exc)
-
     def take_load_errors(self) -> set[int]:
+        if self._pipeline is not None:
+            self._end_loads()  # vLLM may ask before wait_for_save (deferred finalize)
         out, self._error_blocks = self._error_blocks, set()
         return out
 
     def take_finished(self) -> tuple[set[str], set[str]]:
+        if self._pipeline is not None:
+            self._end_loads()
         finished, failed = self._finished, self._failed
         self._finished, self._failed = set(), set()
         return finished, failed
 
     def shutdown(self) -> None:
+        if self._pipeline is not None:
+            self._end_loads()
+            for job in self._pipeline.end_saves()[0]:
+                self.engine.commit_store(job.staged, 0)  # type: ignore[union-attr]
+            self._pipeline.close()
+            self._pipeline = None
         if self._service is not None:
             self._service.close()
             self._service = None

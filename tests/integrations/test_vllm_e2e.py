@@ -105,6 +105,15 @@ def test_llama_hits_are_loaded_and_skip_prefill(first):
     assert r["metrics_warm"]["kvengine_load_failed_tokens_total"] == 0
 
 
+def test_loads_and_saves_run_layer_by_layer_through_vllms_hooks(first):
+    """The forward waited on layers being loaded (wait_for_layer_load), and every layer's save was
+    queued by save_kv_layer as the forward finished it, none left for the end of the step."""
+    m = first[0]["metrics_warm"]
+    assert m["kvengine_vllm_layer_load_waits_total"] > 0
+    assert m['kvengine_vllm_save_stages_total{via="layer"}'] > 0
+    assert m['kvengine_vllm_save_stages_total{via="step_end"}'] == 0
+
+
 def test_second_engine_process_gets_hits_from_the_disk_tier(first, second):
     """Scenario: a later, fresh engine process on the same disk directory loads the first one's chunks."""
     f, _ = first

@@ -149,18 +149,30 @@ def fill(cache: torch.Tensor) -> None:
     cache.copy_(torch.arange(cache.numel(), dtype=cache.dtype).view_as(cache))
 
 
+def gather(copier: PagedCopier, layout: PagedLayout, start: int, block_ids, null: int = 0) -> list[torch.Tensor]:
+    out = [torch.full(t.shape, -1.0) for t in layout.chunk.tensors]
+    for i, tensor in enumerate(out):
+        copier.gather_into(i, start, block_ids, null, tensor)
+    return out
+
+
+def scatter(copier: PagedCopier, view: ChunkView, block_ids, lo: int, hi: int, null: int = 0) -> None:
+    for i in range(len(view.tensors)):
+        copier.scatter_from(i, view, block_ids, null, lo, hi)
+
+
 def test_gather_then_scatter_moves_pages_between_different_blocks():
     """A chunk gathered from one request's blocks and scattered into another's lands page for page."""
     layout, caches = make_layout()
     fill(caches["full"])
     copier = PagedCopier(layout, caches)
     src = ((1, 2, 3, 4), (5, 9, 7, 8))  # group 1 blocks not consecutive: gathered, not viewed
-    chunk = [t.clone() for t in copier.gather(CHUNK, src, null=0)]  # chunk 1: blocks at index 2, 3
+    chunk = gather(copier, layout, CHUNK, src)  # chunk 1: blocks at index 2, 3
     assert torch.equal(chunk[0], caches["full"][3 * RATIO:5 * RATIO])
     assert torch.equal(chunk[1], caches["swa"][torch.tensor([14, 15, 16, 17])])
     dst = ((10, 11, 12, 13), (0, 0, 14, 15))  # out-of-window blocks of the sliding group are null
     view = ChunkView(1, None, (CHUNK, 2 * CHUNK), tuple(chunk), layout.chunk)  # type: ignore[arg-type]
-    copier.scatter(view, dst, 0, CHUNK, 2 * CHUNK)
+    scatter(copier, view, dst, CHUNK, 2 * CHUNK)
     assert torch.equal(caches["full"][12 * RATIO:14 * RATIO], chunk[0])
     assert torch.equal(caches["swa"][14 * RATIO:16 * RATIO], chunk[1])
 
@@ -171,21 +183,24 @@ def test_scatter_writes_only_the_requested_token_range():
     copier = PagedCopier(layout, caches)
     chunk = tuple(torch.ones(t.shape) for t in layout.chunk.tensors)
     view = ChunkView(0, None, (0, CHUNK), chunk, layout.chunk)  # type: ignore[arg-type]
-    copier.scatter(view, ((1, 2), (3, 4)), 0, BS, CHUNK)
+    scatter(copier, view, ((1, 2), (3, 4)), BS, CHUNK)
     assert caches["full"][1 * RATIO:2 * RATIO].abs().sum() == 0
     assert caches["full"][2 * RATIO:3 * RATIO].eq(1).all()
 
 
 def test_freed_block_zero_fills_sliding_window_but_stops_full_attention():
     """A null block of a sliding-window group is zero-filled (no load past the chunk reads it); a null
-    block of a full-attention group makes the chunk unstorable."""
+    block of a full-attention group makes the chunk, and every later one, unstorable."""
     layout, caches = make_layout()
     fill(caches["full"])
     copier = PagedCopier(layout, caches)
-    chunk = copier.gather(0, ((1, 2), (0, 5)), null=0)
+    chunk = gather(copier, layout, 0, ((1, 2), (0, 5)))
     assert chunk[1][:RATIO].abs().sum() == 0 and torch.equal(chunk[1][RATIO:], caches["swa"][10:12])
+    assert copier.usable_chunks([0, CHUNK], ((1, 2, 3, 4), (0, 5, 6, 7)), null=0) == 2
+    assert copier.usable_chunks([0, CHUNK], ((1, 2, 0, 4), (5, 6, 7, 8)), null=0) == 1
+    assert copier.usable_chunks([0, CHUNK], ((0, 2, 3, 4), (5, 6, 7, 8)), null=0) == 0
     with pytest.raises(MissingPage):
-        copier.gather(0, ((0, 2), (3, 5)), null=0)
+        gather(copier, layout, 0, ((0, 2), (3, 5)))
 
 
 def test_blocks_in_range_skips_null_blocks():

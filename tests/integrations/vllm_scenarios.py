@@ -256,20 +256,20 @@ def scenario_first(work: Path) -> dict[str, Any]:
         ReservationDesk.lookup = lookup  # type: ignore[method-assign]
         shutdown(engine)
     # Loads that fail part-way (the copy of every second chunk raises): vLLM recomputes from there.
-    scatter = PagedCopier.scatter
+    scatter = PagedCopier.scatter_from
 
-    def failing_scatter(self: Any, view: Any, *args: Any) -> None:
+    def failing_scatter(self: Any, i: int, view: Any, *args: Any) -> None:
         if view.index % 2 == 1:
             raise OSError("injected copy fault")
-        scatter(self, view, *args)
+        scatter(self, i, view, *args)
 
     port = free_port()
     engine = start(engine_args(model, connector={"kvengine": {"chunk_size": CHUNK, "metrics_port": port}}))
-    PagedCopier.scatter = failing_scatter  # type: ignore[method-assign]
+    PagedCopier.scatter_from = failing_scatter  # type: ignore[method-assign]
     try:
         report["faults"] = {"cold": run(engine, base), "warm": run(engine, base), "metrics": scrape(port)}
     finally:
-        PagedCopier.scatter = scatter  # type: ignore[method-assign]
+        PagedCopier.scatter_from = scatter  # type: ignore[method-assign]
         shutdown(engine)
     return report
 

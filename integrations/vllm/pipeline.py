@@ -1,0 +1,148 @@
+"""Layer-by-layer copies between vLLM's paged caches and kvengine chunks, beside the forward pass.
+
+One background thread runs a step's copies in the order they were queued.
+A *stage* is one cached tensor of the chunk layout: one layer's pages (or
+several layers' when they share a cache). Every load stage is queued when
+the step starts, in forward order, so the forward computes layer ``l``
+while layer ``l + 1`` is copied in; ``wait_layer`` blocks only until the
+layer about to run is in. Save stages are queued as the forward finishes
+each layer (``save_kv_layer``) and copy that layer's pages of the step's
+complete chunks into staged engine slots. Since loads are queued first, a
+save never reads a block a load of the same step is still writing.
+
+``end_loads`` and ``end_saves`` wait for everything queued, so no copy
+outlives its step (vLLM may hand the blocks to another request next step).
+A failing copy never raises into the forward: it marks that chunk and every
+later chunk of the request failed, whatever the layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvengine.reservations import Reservation
+from kvengine.staging import StagedStore
+from kvengine.types import ChunkView
+
+from .paging import PagedCopier
+
+if TYPE_CHECKING:  # importable without vLLM (unit tests in the main environment)
+    from .metadata import LoadSpec, SaveSpec
+
+logger = logging.getLogger("vllm.kvengine")
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """One request's load this step: the reservation's views, and how many chunks every stage copied."""
+
+    spec: LoadSpec
+    reservation: Reservation | None
+    views: tuple[ChunkView, ...]
+    null_block_id: int
+    loaded: int = 0
+
+    def __post_init__(self) -> None:
+        self.loaded = len(self.views)
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """One request's save this step: staged slots, of which the first ``filled`` get every stage."""
+
+    spec: SaveSpec
+    staged: StagedStore
+    filled: int
+
+
+class LayerPipeline:
+    """Runs the copies of one step at a time on a background thread (see the module docs)."""
+
+    def __init__(self, copier: PagedCopier, forward_order: Sequence[int]) -> None:
+        self._copier = copier
+        self._order = tuple(forward_order)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvengine-layers")
+        self._loads: dict[int, Future[None]] = {}
+        self._load_jobs: list[LoadJob] = []
+        self._saves: dict[int, Future[None]] = {}
+        self._save_jobs: list[SaveJob] | None = None
+        self._null = 0  # of the step whose saves are begun
+
+    # -- loads -------------------------------------------------------------------------
+    def begin_loads(self, jobs: list[LoadJob]) -> None:
+        """Queue every stage of ``jobs``, in forward order."""
+        self._load_jobs = jobs
+        self._loads = {i: self._executor.submit(self._load_stage, i, jobs) for i in self._order}
+
+    def wait_layer(self, stage: int | None) -> bool:
+        """Block until ``stage`` is loaded (None: every stage); whether there was a load to wait for."""
+        futures = list(self._loads.values()) if stage is None else [self._loads[stage]] if stage in self._loads else []
+        for future in futures:
+            future.result()
+        return bool(futures)
+
+    def end_loads(self) -> list[LoadJob]:
+        """Wait for the step's loads; their jobs, with final counts (and forget them)."""
+        self.wait_layer(None)
+        jobs, self._load_jobs, self._loads = self._load_jobs, [], {}
+        return jobs
+
+    def _load_stage(self, i: int, jobs: list[LoadJob]) -> None:
+        for job in jobs:
+            spec = job.spec
+            for view in job.views[: job.loaded]:
+                lo, hi = view.token_range
+                if hi <= spec.start:
+                    continue
+                try:
+                    self._copier.scatter_from(i, view, spec.block_ids, job.null_block_id, max(lo, spec.start),
+                                              min(hi, spec.end))
+                except Exception as exc:  # a fault is a recompute, never an error in the forward
+                    logger.warning("kvengine: load of %s failed at chunk %d (%s: %s); recomputed from there",
+                                   spec.request_id, view.index, type(exc).__name__, exc)
+                    job.loaded = min(job.loaded, view.index)
+                    break
+
+    # -- saves -------------------------------------------------------------------------
+    @property
+    def saves_begun(self) -> bool:
+        """Whether this step's save jobs are set (:meth:`begin_saves`), until :meth:`end_saves`."""
+        return self._save_jobs is not None
+
+    def begin_saves(self, jobs: list[SaveJob], null_block_id: int) -> None:
+        self._save_jobs, self._null = jobs, null_block_id
+
+    def save_layer(self, stage: int | None) -> bool:
+        """Queue the copy of ``stage`` (the layer the forward just finished) into the staged slots;
+        whether it was queued now (not before, and there are saves)."""
+        if stage is None or stage in self._saves or not self._save_jobs:
+            return False
+        self._saves[stage] = self._executor.submit(self._save_stage, stage, self._save_jobs, self._null)
+        return True
+
+    def end_saves(self) -> tuple[list[SaveJob], int]:
+        """Queue the stages no ``save_layer`` asked for, wait for all; the jobs (now forgotten) and
+        how many stages were left for this call."""
+        late = sum(self.save_layer(stage) for stage in self._order)
+        for future in self._saves.values():
+            future.result()
+        jobs, self._save_jobs, self._saves = self._save_jobs or [], None, {}
+        return jobs, late
+
+    def _save_stage(self, i: int, jobs: list[SaveJob], null: int) -> None:
+        for job in jobs:
+            for n, view in enumerate(job.staged.chunks[: job.filled]):
+                try:
+                    self._copier.gather_into(i, view.token_range[0], job.spec.block_ids, null, view.tensors[i])
+                except Exception as exc:
+                    logger.warning("kvengine: save of %s stopped at chunk %d (%s: %s)",
+                                   job.spec.request_id, view.index, type(exc).__name__, exc)
+                    job.filled = n
+                    break
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

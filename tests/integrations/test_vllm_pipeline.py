@@ -1,0 +1,126 @@
+"""LayerPipeline: layer-by-layer loads and saves between paged caches and engine chunks (no engine process)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvengine import KVEngine, Namespace
+from kvengine.integrations.vllm.paging import PagedCopier
+from kvengine.integrations.vllm.pipeline import LayerPipeline, LoadJob, SaveJob
+
+from .test_vllm_units import CHUNK, RATIO, fill, make_layout
+
+metadata = pytest.importorskip("kvengine.integrations.vllm.metadata", reason="needs vLLM (.venv-vllm)")
+
+TOKENS = list(range(2 * CHUNK))
+SRC = ((1, 2, 3, 4), (5, 6, 7, 8))
+DST = ((10, 11, 12, 13), (0, 0, 14, 15))  # out-of-window sliding blocks are null (0)
+
+
+@pytest.fixture
+def setup():
+    layout, caches = make_layout()
+    fill(caches["full"])
+    copier = PagedCopier(layout, caches)
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}}, transports=[]) as eng:
+        yield layout, caches["full"], copier, eng, eng.bind(Namespace(model="pipeline"), layout.chunk)
+
+
+def save(eng, binding, pipe: LayerPipeline, copier: PagedCopier, layers_done=()) -> SaveJob:
+    staged = eng.begin_store(binding, TOKENS)
+    usable = copier.usable_chunks([v.token_range[0] for v in staged.chunks], SRC, 0)
+    spec = metadata.SaveSpec(request_id="s", salt="", tokens=np.array(TOKENS, dtype="<u4").tobytes(), block_ids=SRC)
+    pipe.begin_saves([SaveJob(spec, staged, usable)], 0)
+    for stage in layers_done:
+        assert pipe.save_layer(stage)
+    (job,), late = pipe.end_saves()
+    assert late == 2 - len(layers_done)  # make_layout has two stages
+    eng.commit_store(job.staged, job.filled)
+    return job
+
+
+def load(eng, binding, pipe: LayerPipeline) -> LoadJob:
+    res = eng.lookup(binding, "l", TOKENS)
+    spec = metadata.LoadSpec(request_id="l", salt="", start=0, end=res.matched_tokens, block_ids=DST,
+                             asynchronous=False)
+    pipe.begin_loads([LoadJob(spec, res, eng.begin_load(res), 0)])
+    assert pipe.wait_layer(0)
+    (job,) = pipe.end_loads()
+    eng.finish_load(res, job.loaded)
+    return job
+
+
+def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup):
+    layout, backing, copier, eng, binding = setup
+    order: list[int] = []
+    scatter_from = copier.scatter_from
+
+    def recording(i, *args):
+        order.append(i)
+        scatter_from(i, *args)
+
+    copier.scatter_from = recording  # type: ignore[method-assign]
+    pipe = LayerPipeline(copier, forward_order=[1, 0])
+    try:
+        job = save(eng, binding, pipe, copier, layers_done=[1])
+        assert job.filled == 2
+        job = load(eng, binding, pipe)
+        assert not pipe.wait_layer(0)  # nothing left to wait for once the step's loads ended
+    finally:
+        pipe.close()
+    assert job.loaded == 2
+    assert order == [1, 1, 0, 0]  # stage by stage, in forward order
+    assert torch.equal(backing[10 * RATIO:14 * RATIO], backing[1 * RATIO:5 * RATIO])  # full attention
+    assert torch.equal(backing[14 * RATIO:16 * RATIO], backing[7 * RATIO:9 * RATIO])  # window of chunk 1
+    assert eng.core.memory.total_pins() == 0
+
+
+def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(setup):
+    layout, backing, copier, eng, binding = setup
+    pipe = LayerPipeline(copier, forward_order=[0, 1])
+    try:
+        save(eng, binding, pipe, copier)
+        scatter_from = copier.scatter_from
+
+        def failing(i, view, *args):
+            if i == 1 and view.index == 1:
+                raise OSError("injected")
+            scatter_from(i, view, *args)
+
+        copier.scatter_from = failing  # type: ignore[method-assign]
+        job = load(eng, binding, pipe)
+    finally:
+        pipe.close()
+    assert job.loaded == 1
+    assert eng.metrics.value("kvengine_loaded_tokens_total") == CHUNK
+    assert eng.core.memory.total_pins() == 0
+
+
+def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup):
+    layout, backing, copier, eng, binding = setup
+    gather_into = copier.gather_into
+
+    def failing(i, start, *args):
+        if start == CHUNK:
+            raise RuntimeError("injected")
+        gather_into(i, start, *args)
+
+    copier.gather_into = failing  # type: ignore[method-assign]
+    pipe = LayerPipeline(copier, forward_order=[0, 1])
+    try:
+        assert save(eng, binding, pipe, copier).filled == 1
+    finally:
+        pipe.close()
+    res = eng.lookup(binding, "check", TOKENS)
+    assert res.matched_tokens == CHUNK  # the unfilled chunk was never published
+    eng.release(res)
+
+
+def test_saves_of_a_chunk_whose_pages_were_freed_stop_there(setup):
+    layout, backing, copier, eng, binding = setup
+    staged = eng.begin_store(binding, TOKENS)
+    holes = ((1, 2, 0, 4), (5, 6, 7, 8))  # full-attention block of chunk 1 freed
+    assert copier.usable_chunks([v.token_range[0] for v in staged.chunks], holes, 0) == 1
+    eng.commit_store(staged, 0)
