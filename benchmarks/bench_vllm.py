@@ -46,9 +46,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from kvengine.metrics import scrape
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm.json"
 PREFIX, TAIL, CHUNK = 3584, 512, 256
@@ -78,12 +79,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {n: float(v) for n, v in (line.rsplit(" ", 1) for line in text.splitlines()
-                                     if line.startswith("kvengine") and not line.startswith("#"))}
 
 
 # ------------------------------------------------------------ one engine process --

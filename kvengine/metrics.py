@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-
+import urllib.request
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -56,6 +56,14 @@ class EngineMetrics:
 
     def serve_http(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
+
+
+def scrape(port: int, host: str = "127.0.0.1", *, timeout: float = 10.0) -> dict[str, float]:
+    """The kvengine samples an engine serves on ``metrics_port`` (e.g. inside a vLLM worker
+    process), keyed as exposed: ``'kvengine_loaded_bytes_total{tier="local_disk"}'``."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout).read().decode()
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kvengine"))
+    return {name: float(value) for name, value in samples}
 
 
 class TierStatsCollector(Collector):

@@ -9,6 +9,7 @@ import torch
 
 from kvengine import KVEngine, Namespace
 from kvengine.cli import main as cli_main
+from kvengine.metrics import scrape
 
 from .conftest import CHUNK, FakeKV, copier, make_layout
 
@@ -67,8 +68,10 @@ def test_metrics_http_exporter(unused_tcp_port):
         eng.store(b, list(range(CHUNK)), FakeKV(CHUNK).source)
         eng.release(eng.lookup(b, "r", list(range(CHUNK))))
         body = urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}/metrics", timeout=5).read().decode()
+        samples = scrape(unused_tcp_port)
     assert "kvengine_hit_tokens_total 16.0" in body
-    assert 'kvengine_stored_bytes_total{tier="memory"}' in body
+    assert samples["kvengine_hit_tokens_total"] == 16
+    assert samples['kvengine_stored_bytes_total{tier="memory"}'] == layout.nbytes()
 
 
 def test_cli_quickstart(capsys):

@@ -304,12 +304,16 @@ class Restorer:
     def install_state(self, layer: Any, index: int, st: StatePart) -> None:
         for j, (conv, rec) in enumerate(zip(st.conv_shapes, st.recurrent_shapes)):
             if conv is not None:
-                c = self._state[(index, j, "conv")][None]
-                layer.lazy_initialization(conv_states=c, state_idx=j, conv_kernel_size=c.shape[-1])
-                layer.conv_states[j].copy_(c)
+                self.install_conv(layer, index, j)
             if rec is not None:
                 r = self._state[(index, j, "rec")][None]
                 layer.lazy_initialization(recurrent_states=r, state_idx=j)
                 layer.recurrent_states[j].copy_(r)
             layer.has_previous_state[j] = True
+
+    def install_conv(self, layer: Any, index: int, j: int) -> None:
+        """The conv window of state part ``j`` of cache layer ``index``."""
+        c = self._state[(index, j, "conv")][None]
+        layer.lazy_initialization(conv_states=c, state_idx=j, conv_kernel_size=c.shape[-1])
+        layer.conv_states[j].copy_(c)
 

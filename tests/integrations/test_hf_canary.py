@@ -63,9 +63,7 @@ def _drop_recurrent_state(self, layer, index, st):
     """Fault: restore the conv window but forget the recurrent state."""
     for j, conv in enumerate(st.conv_shapes):
         if conv is not None:
-            c = self._state[(index, j, "conv")][None]
-            layer.lazy_initialization(conv_states=c, state_idx=j, conv_kernel_size=c.shape[-1])
-            layer.conv_states[j].copy_(c)
+            self.install_conv(layer, index, j)
         layer.has_previous_state[j] = True
 
 
@@ -73,9 +71,7 @@ def _zero_recurrent_state(self, layer, index, st):
     """Fault: allocate the recurrent state but never copy the snapshot into it (zeros)."""
     for j, (conv, rec) in enumerate(zip(st.conv_shapes, st.recurrent_shapes)):
         if conv is not None:
-            c = self._state[(index, j, "conv")][None]
-            layer.lazy_initialization(conv_states=c, state_idx=j, conv_kernel_size=c.shape[-1])
-            layer.conv_states[j].copy_(c)
+            self.install_conv(layer, index, j)
         if rec is not None:
             layer.lazy_initialization(recurrent_states=self._state[(index, j, "rec")][None], state_idx=j)
         layer.has_previous_state[j] = True

@@ -33,9 +33,10 @@ import socket
 import sys
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from kvengine.metrics import scrape
 
 CHUNK = 256
 STRESS_TOKENS = 96
@@ -46,16 +47,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("kvengine") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
