@@ -33,7 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvengine.errors import ConfigError, UnsupportedModelError
 
-from .layout import check_chunk_size, plan_groups
+from .layout import GroupKind, check_chunk_size, plan_groups
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
@@ -96,7 +96,8 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, asynchronous=asynchronous,
-                                            lookup_wait_s=options.lookup_wait_s)
+                                            lookup_wait_s=options.lookup_wait_s,
+                                            has_state=any(p.kind is GroupKind.STATE for p in plans))
         else:
             self._worker = WorkerSide(vllm_config=vllm_config, kv_cache_config=kv_cache_config, options=options,
                                       plans=plans, asynchronous=asynchronous)

@@ -40,6 +40,8 @@ BlockIds = tuple[tuple[int, ...], ...]
 
 #: Attention backends whose page format has been validated (vLLM CPU build).
 ATTENTION_BACKENDS = frozenset({"CPU_ATTN"})
+#: Recurrent-state backends whose state blocks have been validated (Qwen3-Next's gated delta net).
+STATE_BACKENDS = frozenset({"GDN_ATTN"})
 #: Physical layouts the validated backends declare.
 KV_LAYOUTS = frozenset({"LBHNC"})
 
@@ -47,6 +49,7 @@ KV_LAYOUTS = frozenset({"LBHNC"})
 class GroupKind(enum.Enum):
     FULL = "full_attention"  # every block of the prefix is read
     SLIDING = "sliding_window"  # only the blocks inside the window are read
+    STATE = "recurrent_state"  # one state per block boundary vLLM materialized (mamba_cache_mode 'align')
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,18 +61,20 @@ class GroupPlan:
     block_size: int
     layer_names: tuple[str, ...]
     sliding_window: int | None = None
+    #: bytes of one layer's state (conv + recurrent) in a block of a STATE group
+    state_bytes: int = 0
 
     @property
     def category(self) -> KVCategory:
-        return KVCategory.FULL_ATTENTION if self.kind is GroupKind.FULL else KVCategory.SLIDING_WINDOW
+        return {GroupKind.FULL: KVCategory.FULL_ATTENTION, GroupKind.SLIDING: KVCategory.SLIDING_WINDOW,
+                GroupKind.STATE: KVCategory.LINEAR_STATE}[self.kind]
 
 
-#: Why recurrent-state groups (Mamba, GDN linear attention: Qwen3-Next, ...) are refused.
+#: Why recurrent-state groups (Mamba, GDN linear attention: Qwen3-Next, ...) need mamba_cache_mode 'align'.
 STATE_REFUSAL = (
-    "recurrent (Mamba / linear-attention) state is reusable only at a position where vLLM materialized it, "
-    "and vLLM materializes it at no chunk boundary (mamba_cache_mode 'none': one running state per request) "
-    "or only at the last block boundary of each prompt ('align'), so a chunk's state cannot be stored with "
-    "its pages and a hit could not be resumed exactly")
+    "recurrent (Mamba / linear-attention) state is reusable only at a position where vLLM materialized it; "
+    "with mamba_cache_mode 'none' vLLM keeps one running state per request and materializes none. Enable "
+    "prefix caching (vLLM then uses mamba_cache_mode 'align': a state at block-aligned chunk ends)")
 
 
 def _refuse(what: str, why: str) -> UnsupportedModelError:
@@ -104,10 +109,16 @@ def _plan_one(group_id: int, spec: object, layer_names: Iterable[str]) -> GroupP
             raise _refuse(where, "extra_retained_tokens (multi-token speculative prefill) is not supported")
         return GroupPlan(group_id=group_id, kind=GroupKind.SLIDING, block_size=spec.block_size,
                          layer_names=layers, sliding_window=spec.sliding_window)
-    if isinstance(spec, MambaSpec):
-        raise _refuse(where, STATE_REFUSAL)
+    if type(spec) is MambaSpec:
+        if spec.mamba_cache_mode != "align":
+            raise _refuse(where, f"mamba_cache_mode={spec.mamba_cache_mode!r}: {STATE_REFUSAL}")
+        if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+            raise _refuse(where, "speculative or prefill-checkpoint state blocks move the state of a position "
+                                 "to another block; not validated")
+        return GroupPlan(group_id=group_id, kind=GroupKind.STATE, block_size=spec.block_size, layer_names=layers,
+                         state_bytes=spec.state_content_size_bytes)
     raise _refuse(where, f"spec class {name} has not been validated for reuse "
-                         "(supported: FullAttentionSpec, SlidingWindowSpec)")
+                         "(supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode)")
 
 
 def plan_groups(kv_cache_config: object) -> tuple[GroupPlan, ...]:
@@ -150,6 +161,15 @@ class PagedTensor:
     pages: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateTensor:
+    """One layer's recurrent state: the first ``nbytes`` of each block of its cache (conv, then SSM state)."""
+
+    layer: str
+    group_id: int
+    nbytes: int
+
+
 @dataclass(frozen=True, slots=True)
 class PagedLayout:
     """A chunk of a vLLM model: the :class:`ChunkLayout` plus where each tensor comes from."""
@@ -162,6 +182,13 @@ class PagedLayout:
     spec_fingerprint: str
     #: layers that share another layer's cache (stored once), to that layer
     aliases: Mapping[str, str] = field(default_factory=dict)
+    #: recurrent-state layers (stored per block boundary, apart from the chunks), in layer order
+    states: tuple[StateTensor, ...] = ()
+
+    @property
+    def state_group(self) -> GroupPlan | None:
+        """The recurrent-state group, if the model has one."""
+        return next((g for g in self.groups if g.kind is GroupKind.STATE), None)
 
     def tensor_index(self, layer: str) -> int | None:
         """Index in :attr:`tensors` of the pages that hold ``layer``'s KV (None: not a cached layer)."""
@@ -200,7 +227,12 @@ def derive_layout(
     owners: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
     aliases: dict[str, str] = {}
     used_backends: set[str] = set()
+    states: list[StateTensor] = []
     for plan in plans:
+        if plan.kind is GroupKind.STATE:
+            states += [_state_tensor(plan, layer, kv_caches, backends, num_blocks) for layer in plan.layer_names]
+            used_backends |= {backends[layer] for layer in plan.layer_names}
+            continue
         for layer in plan.layer_names:
             backend = backends.get(layer)
             if backend not in ATTENTION_BACKENDS:
@@ -221,7 +253,25 @@ def derive_layout(
     chunk = ChunkLayout(chunk_size, tuple(s for s, _ in specs))
     ratios = sorted({(t.group_id, t.kernel_ratio) for _, t in specs})
     layout_id = f"vllm:{'+'.join(sorted(used_backends))}:{kv_layout}:kernel{ratios}"
-    return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint, aliases)
+    if states:
+        layout_id += f":state{sorted({t.nbytes for t in states})}"
+    return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint, aliases, tuple(states))
+
+
+def _state_tensor(plan: GroupPlan, layer: str, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str],
+                  num_blocks: int) -> StateTensor:
+    backend = backends.get(layer)
+    if backend not in STATE_BACKENDS:
+        raise _refuse(f"layer {layer}", f"recurrent-state backend {backend!r} has not been validated "
+                                        f"(supported: {sorted(STATE_BACKENDS)})")
+    cache = kv_caches.get(layer)
+    if cache is None:
+        raise _refuse(f"layer {layer}", "vLLM registered no state tensor for it")
+    if cache.dtype not in (torch.int8, torch.uint8) or cache.shape[0] != num_blocks or \
+            cache[0].numel() < plan.state_bytes:
+        raise _refuse(f"layer {layer}", f"state cache of shape {tuple(cache.shape)} / {cache.dtype} is not "
+                                        f"[{num_blocks} blocks, ...] of bytes holding {plan.state_bytes} B each")
+    return StateTensor(layer=layer, group_id=plan.group_id, nbytes=plan.state_bytes)
 
 
 def _paged_tensor(plan: GroupPlan, layer: str, cache: torch.Tensor, *, num_blocks: int,

@@ -44,6 +44,9 @@ class SaveSpec:
     salt: str
     tokens: bytes
     block_ids: BlockIds
+    #: the step's computed prefix ends exactly at ``tokens``' end, so a hybrid model's recurrent
+    #: state at that boundary is in its state group (see :mod:`.state`)
+    state_at_end: bool = False
 
 
 @dataclass(slots=True)

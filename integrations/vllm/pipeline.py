@@ -24,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvengine.reservations import Reservation
 from kvengine.staging import StagedStore
 from kvengine.types import ChunkView
@@ -44,6 +46,8 @@ class LoadJob:
     reservation: Reservation | None
     views: tuple[ChunkView, ...]
     null_block_id: int
+    #: hybrid models: the recurrent state at the hit's end (installed by the worker once all pages are in)
+    state: tuple[torch.Tensor, ...] | None = None
     loaded: int = 0
 
     def __post_init__(self) -> None:

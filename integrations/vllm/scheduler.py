@@ -96,9 +96,10 @@ class SchedulerStats:
 
 
 class SchedulerSide:
-    def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float) -> None:
+    def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float, has_state: bool = False) -> None:
         self._chunk = chunk_size
         self._async = asynchronous
+        self._has_state = has_state
         self._wait = lookup_wait_s
         self._client: LookupClient | None = None
         self._manager: KVCacheManager | None = None
@@ -194,7 +195,8 @@ class SchedulerSide:
             block_ids = self._manager.get_block_ids(request_id)
             meta.saves.append(SaveSpec(request_id=request_id, salt=st.salt,
                                        tokens=token_bytes(st.request.all_token_ids[:end]),
-                                       block_ids=tuple(tuple(b) for b in block_ids)))
+                                       block_ids=tuple(tuple(b) for b in block_ids),
+                                       state_at_end=self._has_state and computed == end))
             st.stored_until = end
             self.stats.save_specs += 1
         return meta

@@ -13,6 +13,10 @@ Lifecycle:
   (``save_kv_layer``) stages the step's complete chunks in the engine and
   queues the finished layer's copy; ``save`` (``wait_for_save``) waits for
   every copy, ends the loads and commits the staged chunks.
+* Hybrid models (a recurrent-state group, e.g. Qwen3-Next): lookups are cut
+  back to the last chunk boundary whose state is stored, loads install that
+  state, and a step that ends on a chunk boundary stores the state it
+  materialized (:mod:`.state`).
 * ``shutdown`` stops the service and closes the engine, flushing queued
   disk writes.
 
@@ -41,10 +45,11 @@ from kvengine.types import ModelBinding
 
 from .channel import LookupService
 from .layout import GroupPlan, PagedLayout
-from .metadata import ChannelAddress, StepMetadata
+from .metadata import ChannelAddress, SaveSpec, StepMetadata
 from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
 from .pipeline import LayerPipeline, LoadJob, SaveJob
+from .state import BoundaryState, BoundaryStates
 
 logger = logging.getLogger("vllm.kvengine")
 
@@ -74,12 +79,16 @@ class ReservationDesk:
     the worker's main thread loads.
     """
 
-    def __init__(self, engine: KVEngine, namespace: Namespace, layout: ChunkLayout) -> None:
+    def __init__(self, engine: KVEngine, namespace: Namespace, layout: ChunkLayout,
+                 states: BoundaryStates | None = None) -> None:
         self.engine = engine
+        self.states = states
         self._namespace = namespace
         self._layout = layout
         self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout)}
         self._held: dict[str, Reservation] = {}
+        #: hybrid models: the recurrent state at each held reservation's end (a copy)
+        self._held_states: dict[str, BoundaryState] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -96,30 +105,59 @@ class ReservationDesk:
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> int:
         ids = np.frombuffer(tokens, dtype="<u4")
-        res = self.engine.lookup(self.binding(salt), request_id, ids, max_tokens=max_tokens)
-        if res.matched_tokens == 0:
-            self.engine.release(res)
+        binding = self.binding(salt)
+        res = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens)
+        state = None
+        if self.states is not None and res.matched_tokens:
+            res, state = self._resumable(binding, request_id, ids, res)
+        if res is None or res.matched_tokens == 0:
+            if res is not None:
+                self.engine.release(res)
             with self._lock:
                 self._held.pop(request_id, None)
+                self._held_states.pop(request_id, None)
             return 0
         with self._lock:
             self._held[request_id] = res  # the same object again when vLLM asks again (idempotent)
+            if state is not None:
+                self._held_states[request_id] = state
         return res.matched_tokens
+
+    def _resumable(self, binding: ModelBinding, request_id: str, ids: np.ndarray,
+                   res: Reservation) -> tuple[Reservation | None, BoundaryState | None]:
+        """Cut a hybrid model's hit back to the last boundary whose recurrent state is stored
+        (None: no such boundary, ``res`` released)."""
+        assert self.states is not None
+        while True:
+            n, state = self.states.find(binding, ids, res.matched_tokens)
+            if n == res.matched_tokens:
+                return res, state
+            self.engine.release(res)
+            if n == 0:
+                return None, None
+            res = self.engine.lookup(binding, request_id, ids, max_tokens=n)
+            if res.matched_tokens == n:
+                return res, state
+            # chunks were evicted meanwhile: look again below what is still there
 
     def release(self, request_id: str) -> None:
         with self._lock:
             res = self._held.pop(request_id, None)
+            self._held_states.pop(request_id, None)
         if res is not None:
             self.engine.release(res)
 
-    def take(self, request_id: str) -> Reservation | None:
-        """The request's reservation, now the caller's to load (or None: never made, released, replaced)."""
+    def take(self, request_id: str) -> tuple[Reservation, BoundaryState | None] | None:
+        """The request's reservation (and recurrent state), now the caller's to load (or None: never
+        made, released, replaced)."""
         with self._lock:
-            return self._held.pop(request_id, None)
+            res = self._held.pop(request_id, None)
+            state = self._held_states.pop(request_id, None)
+        return None if res is None else (res, state)
 
     def release_all(self) -> None:
         with self._lock:
-            held, self._held = list(self._held.values()), {}
+            held, self._held, self._held_states = list(self._held.values()), {}, {}
         for res in held:
             self.engine.release(res)
 
@@ -175,7 +213,8 @@ class WorkerSide:
         namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint)
         self.engine = build_engine(self._options)
         try:
-            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk)
+            states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
+            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states)
             self._metrics()
             self._service = LookupService(self.desk)
             self._service.start()
@@ -214,11 +253,11 @@ class WorkerSide:
         assert self.engine is not None and self.desk is not None and self._pipeline is not None
         jobs = []
         for spec in meta.loads:
-            res = self.desk.take(spec.request_id)
+            res, state = self.desk.take(spec.request_id) or (None, None)
             if res is None:
                 logger.warning("kvengine: no reservation for %s (lease expired?); it is recomputed", spec.request_id)
             views = self.engine.begin_load(res) if res is not None else ()
-            jobs.append(LoadJob(spec, res, views, meta.null_block_id))
+            jobs.append(LoadJob(spec, res, views, meta.null_block_id, state))
         if jobs:
             self._pipeline.begin_loads(jobs)
 
@@ -248,6 +287,26 @@ class WorkerSide:
                 self.engine.commit_store(job.staged, job.filled)
             except Exception as exc:  # e.g. the engine is closing: the chunks are simply not cached
                 logger.warning("kvengine: store of %s not committed: %s", job.spec.request_id, exc)
+        for spec in meta.saves:
+            if spec.state_at_end:
+                self._save_state(spec, meta.null_block_id)
+
+    def _save_state(self, spec: SaveSpec, null: int) -> None:
+        """Store the recurrent state this step materialized at the end of ``spec``'s chunks."""
+        assert self.layout is not None and self.desk is not None
+        group, states = self.layout.state_group, self.desk.states
+        if group is None or states is None:
+            return
+        ids = np.frombuffer(spec.tokens, dtype="<u4")
+        blocks = spec.block_ids[group.group_id]
+        index = len(ids) // group.block_size - 1
+        if index >= len(blocks) or blocks[index] == null:
+            self._m_store_skips.labels(reason="no_state").inc()
+            return
+        try:
+            states.save(self.desk.binding(spec.salt), ids, blocks[index])
+        except Exception as exc:
+            logger.warning("kvengine: state of %s at %d not stored: %s", spec.request_id, len(ids), exc)
 
     def _begin_saves(self, meta: StepMetadata) -> None:
         """Stage the step's complete chunks in the engine, once per step."""
@@ -270,6 +329,22 @@ class WorkerSide:
             jobs.append(SaveJob(spec, staged, usable))
         self._pipeline.begin_saves(jobs, meta.null_block_id)
 
+    def _install_state(self, job: LoadJob) -> bool:
+        """A hybrid model's recurrent state at the hit's end, into the block vLLM resumes from."""
+        group = self.layout.state_group if self.layout is not None else None
+        if group is None:
+            return True
+        blocks = job.spec.block_ids[group.group_id]
+        index = job.spec.end // group.block_size - 1
+        if job.state is None or not job.spec.asynchronous or index >= len(blocks) or \
+                blocks[index] == job.null_block_id:
+            logger.warning("kvengine: no recurrent state to resume %s at %d; recomputed",
+                           job.spec.request_id, job.spec.end)
+            return False
+        assert self.desk is not None and self.desk.states is not None
+        self.desk.states.install(job.state, blocks[index])
+        return True
+
     def _end_loads(self) -> None:
         """Wait for the step's load copies, end the reservations, record what must be recomputed."""
         assert self._pipeline is not None
@@ -283,6 +358,8 @@ class WorkerSide:
         loaded = spec.start
         if job.reservation is not None:
             loaded = max(loaded, self.engine.finish_load(job.reservation, job.loaded).loaded_tokens)
+        if loaded >= spec.end and not self._install_state(job):
+            loaded = spec.start  # the pages without their state are no hit: recompute it all
         if loaded >= spec.end:
             if spec.asynchronous:
                 self._finished.add(spec.request_id)

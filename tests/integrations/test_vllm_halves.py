@@ -26,7 +26,7 @@ def spec(cls_name: str, **kw):
 
     base = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     if cls_name == "MambaSpec":
-        return kvi.MambaSpec(block_size=BS, shapes=((3, 8),), dtypes=(torch.float32,))
+        return kvi.MambaSpec(block_size=BS, shapes=((3, 8),), dtypes=(torch.float32,), **kw)
     return getattr(kvi, cls_name)(**{**base, **kw})
 
 
@@ -46,8 +46,17 @@ def test_full_and_sliding_window_groups_are_planned():
     assert plans[0].sliding_window == 64 and plans[1].layer_names == ("l1",)
 
 
+def test_recurrent_state_group_is_planned_in_align_mode():
+    from kvengine.integrations.vllm.layout import GroupKind, plan_groups
+
+    plans = plan_groups(config_of(spec("MambaSpec", mamba_cache_mode="align"), spec("FullAttentionSpec")))
+    assert [p.kind for p in plans] == [GroupKind.STATE, GroupKind.FULL]
+    assert plans[0].state_bytes == 3 * 8 * 4
+
+
 @pytest.mark.parametrize("make, match", [
-    (lambda: spec("MambaSpec"), "recurrent"),
+    (lambda: spec("MambaSpec"), "mamba_cache_mode='none'.*Enable prefix caching"),
+    (lambda: spec("MambaSpec", mamba_cache_mode="align", num_speculative_blocks=1), "speculative"),
     (lambda: spec("MLAAttentionSpec"), "MLAAttentionSpec has not been validated"),
     (lambda: spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), "has not been validated"),
     (lambda: spec("FullAttentionSpec", non_causal=True), "non-causal"),
@@ -254,3 +263,62 @@ def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follo
     assert len(save.tokens) == 4 * 4 * CHUNK  # the whole prompt (4 chunks) as uint32
     assert halves.desk.take("a") is not None  # the reservation waits for the worker's load
     assert halves.sched.build_connector_meta(out).loads == []
+
+
+# ------------------------------------------------------------- recurrent state --
+STATE_BYTES = 40
+
+
+@pytest.fixture
+def state_desk():
+    """A desk for a hybrid model: attention chunks plus recurrent states at chunk boundaries."""
+    from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+    from kvengine.integrations.vllm.layout import GroupKind, GroupPlan, PagedLayout, StateTensor
+    from kvengine.integrations.vllm.state import BoundaryStates
+    from kvengine.integrations.vllm.worker import ReservationDesk
+
+    chunk = ChunkLayout(CHUNK, (TensorSpec(name="attn", group=1, category=KVCategory.FULL_ATTENTION,
+                                           dtype=torch.float32, shape=(2, 2, BS, 8), token_dim=None),))
+    groups = (GroupPlan(group_id=0, kind=GroupKind.STATE, block_size=BS, layer_names=("lin",),
+                        state_bytes=STATE_BYTES),
+              GroupPlan(group_id=1, kind=GroupKind.FULL, block_size=BS, layer_names=("attn",)))
+    paged = PagedLayout(chunk, (), groups, "test", "fp", {}, (StateTensor(layer="lin", group_id=0,
+                                                                          nbytes=STATE_BYTES),))
+    caches = {"lin": torch.zeros(8, 1, 1, STATE_BYTES, dtype=torch.int8)}
+    engine = KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"}}, transports=[])
+    states = BoundaryStates(engine, paged, caches)
+    desk = ReservationDesk(engine, Namespace(model="hybrid-test"), chunk, states)
+    tokens = list(range(10, 10 + 4 * CHUNK))
+    engine.store(desk.binding(""), tokens[:3 * CHUNK], lambda i, s, e: [torch.full((2, 2, BS, 8), float(i))])
+    yield SimpleNamespace(engine=engine, desk=desk, states=states, cache=caches["lin"], tokens=tokens)
+    engine.close()
+
+
+def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
+    """Chunks cover 3 chunks but only the state at 2 chunks is stored: the hit is 2 chunks, stable when
+    asked again, and carries that state; the third chunk's pin is dropped."""
+    import numpy as np
+
+    from kvengine.integrations.vllm.scheduler import token_bytes
+
+    h = state_desk
+    ids = np.array(h.tokens, dtype="<u4")
+    h.cache[5].fill_(7)
+    assert h.states.save(h.desk.binding(""), ids[:2 * CHUNK], block_id=5)
+    for _ in range(2):
+        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1) == 2 * CHUNK
+        assert h.engine.core.memory.total_pins() == 2
+    res, state = h.desk.take("r")
+    assert res.matched_tokens == 2 * CHUNK and state[0].eq(7).all()
+    h.states.install(state, 3)
+    assert torch.equal(h.cache[3], h.cache[5])
+    h.engine.release(res)
+    assert h.engine.core.memory.total_pins() == 0
+
+
+def test_hybrid_hit_without_any_stored_state_is_a_miss(state_desk):
+    from kvengine.integrations.vllm.scheduler import token_bytes
+
+    h = state_desk
+    assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1) == 0
+    assert h.engine.core.memory.total_pins() == 0 and h.desk.take("r") is None

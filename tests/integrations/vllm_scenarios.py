@@ -93,12 +93,14 @@ def start(args: dict[str, Any], *, stat_loggers: list[Any] | None = None) -> Any
 
 
 def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: str = "r",
-        abort_at_step: int = -1, abort: frozenset[int] = frozenset()) -> list[dict[str, Any] | None]:
-    """Greedy outputs (None for aborted requests) and vLLM's ``num_cached_tokens`` per prompt."""
+        abort_at_step: int = -1, abort: frozenset[int] = frozenset(),
+        logprobs: bool = False) -> list[dict[str, Any] | None]:
+    """Greedy outputs (None for aborted requests), vLLM's ``num_cached_tokens`` per prompt and, with
+    ``logprobs``, the log-probability of each generated token."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0 if logprobs else None)
     run.counter = getattr(run, "counter", 0) + 1  # type: ignore[attr-defined]
     ids = [f"{prefix}{run.counter}-{i}" for i in range(len(prompts))]  # type: ignore[attr-defined]
     for rid, p in zip(ids, prompts):
@@ -108,8 +110,10 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: 
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished and out.outputs[0].finish_reason != "abort":
-                done[out.request_id] = {"tokens": list(out.outputs[0].token_ids),
-                                        "cached": int(out.num_cached_tokens or 0)}
+                c = out.outputs[0]
+                done[out.request_id] = {"tokens": list(c.token_ids), "cached": int(out.num_cached_tokens or 0)}
+                if logprobs:
+                    done[out.request_id]["logprobs"] = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         steps += 1
         if steps == abort_at_step:
             engine.abort_request([ids[i] for i in sorted(abort) if ids[i] not in done])
@@ -303,8 +307,31 @@ def scenario_second(work: Path) -> dict[str, Any]:
     finally:
         shutdown(engine)
 
-    # -- Qwen3-Next: hybrid linear-attention + full attention: refused at start-up --
+    # -- Qwen3-Next: linear-attention state + full attention. With prefix caching on (vLLM's
+    # mamba_cache_mode 'align') the state at block-aligned prefill ends is stored with the chunks;
+    # a fresh engine on the same disk resumes from it. Without prefix caching: refused. --
     qwen = str(build_model_dir(work / "qwen3_next", "qwen3_next", dtype="bfloat16"))
+    base = [prompt(41, 700), prompt(42, 1100)]
+    turn2 = [base[0] + prompt(43, 300), base[1][:900] + prompt(44, 200)]
+    report["qwen_base"], report["qwen_turn2"] = base, turn2
+    qargs = dict(dtype="bfloat16", enable_prefix_caching=True)
+    set_topology(in_process=True)
+    engine = start(engine_args(qwen, **qargs))
+    try:
+        report["qwen_ref"] = run(engine, base, logprobs=True) + run(engine, turn2, logprobs=True)
+    finally:
+        shutdown(engine)
+    disk = str(work / "qwen_disk")
+    for phase in ("qwen_first", "qwen_fresh"):
+        port = free_port()
+        engine = start(engine_args(qwen, **qargs, connector={"kvengine": {
+            "chunk_size": CHUNK, "metrics_port": port, "write_mode": "write_through",
+            "memory": {"capacity_bytes": "64MiB"}, "disk": {"path": disk}}}))
+        try:
+            report[phase] = {"base": run(engine, base, logprobs=True), "turn2": run(engine, turn2, logprobs=True),
+                             "metrics": scrape(port)}
+        finally:
+            shutdown(engine)
     try:
         shutdown(start(engine_args(qwen, dtype="bfloat16", connector={"kvengine": {"chunk_size": CHUNK}})))
         report["qwen_refusal"] = None
