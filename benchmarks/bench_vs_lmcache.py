@@ -100,58 +100,75 @@ class _KVEngine:
 class _KVDisk:
     """Persist through a memory+disk engine; read back through a NEW engine on the same directory.
 
-    The reopened engine starts with an empty memory tier, so every chunk is
-    promoted from disk (what a restart sees). Opening (pool prefault, index
-    rebuild) is untimed.
+    The writer engine is opened once per mode and persists every round, as
+    LMCache's engine does (it is never reopened between rounds); with
+    ``fresh_writer`` it is reopened before every persist instead, so each
+    persist starts with cold record buffers. The reader is reopened before
+    every read: its memory tier is empty, so every chunk is promoted from
+    disk (what a restart sees). Opening (pool prefault, index rebuild) is
+    untimed.
     """
 
     def __init__(self, shape: driver.KVShape, pool_bytes: int, disk_bytes: int, path: Path, direct: bool,
-                 buf: torch.Tensor) -> None:
+                 buf: torch.Tensor, fresh_writer: bool = False) -> None:
         self.args = (shape, pool_bytes, buf)
         self.options = LocalDiskOptions(path=path, capacity_bytes=disk_bytes, fsync="data",
                                         direct_io=None if direct else False)
+        self.fresh_writer = fresh_writer
+        self.writer: _KVEngine | None = None
         self.current: _KVEngine | None = None
 
-    def _reopen(self) -> _KVEngine:
-        self.close()
-        self.current = _KVEngine(*self.args, transports=[LocalDiskTransport(self.options)])
+    def _open(self) -> _KVEngine:
+        eng = _KVEngine(*self.args, transports=[LocalDiskTransport(self.options)])
         warm = driver.prompt(self.args[0].chunk, 999_999)  # waits for the index rebuild; a miss
-        self.current.engine.release(self.current.engine.lookup(self.current.binding, "warm", warm))
-        return self.current
+        eng.engine.release(eng.engine.lookup(eng.binding, "warm", warm))
+        return eng
 
     def prepare_write(self) -> None:
-        self._reopen()
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+        if self.writer is not None and self.fresh_writer:
+            self.writer.close()
+            self.writer = None
+        if self.writer is None:
+            self.writer = self._open()
 
     def persist(self, tokens: torch.Tensor) -> tuple[float, float]:
-        assert self.current is not None
+        assert self.writer is not None
         t0 = time.perf_counter()
-        stored = self.current.store(tokens)
+        stored = self.writer.store(tokens)
         returned = time.perf_counter() - t0
-        self.current.engine.flush()  # write-behind: durable (fsync="data") once flushed
+        self.writer.engine.flush()  # write-behind: durable (fsync="data") once flushed
         durable = time.perf_counter() - t0
         assert stored == len(tokens) // self.args[0].chunk, stored
-        stats = self.current.engine.core.transports[0].stats()
-        assert stats.puts_failed == 0 and self.current.engine.metrics is not None, stats
+        stats = self.writer.engine.core.transports[0].stats()
+        assert stats.puts_failed == 0 and self.writer.engine.metrics is not None, stats
         return returned, durable
 
     def prepare_read(self) -> None:
-        self._reopen()
+        if self.current is not None:
+            self.current.close()
+        self.current = self._open()
 
     def retrieve(self, tokens: torch.Tensor, request_id: str) -> int:
         assert self.current is not None
         return self.current.retrieve(tokens, request_id)
 
     def close(self) -> None:
-        if self.current is not None:
-            self.current.close()
-            self.current = None
+        for eng in (self.current, self.writer):
+            if eng is not None:
+                eng.close()
+        self.current = self.writer = None
 
 
 class KVEngineSide:
     name = "kvengine"
 
-    def __init__(self) -> None:
+    def __init__(self, fresh_writer: bool = False) -> None:
         import kvengine
+
+        self.fresh_writer = fresh_writer
 
         self.version = kvengine.__version__
         self.notes = {
@@ -162,6 +179,8 @@ class KVEngineSide:
             "disk_write": "buffered mode: direct_io=False; O_DIRECT mode: direct_io=None (auto, O_DIRECT writes)",
             "disk_read": "always buffered reads (page cache dropped per file afterwards), into a reopened engine "
                          "whose memory tier is empty",
+            "disk_writer": ("a new engine before every persist (--fresh-writer)" if fresh_writer else
+                            "one writer engine per mode, kept across rounds (like LMCache's engine)"),
         }
 
     def hasher(self, shape: driver.KVShape) -> Callable[[Any], int]:
@@ -173,7 +192,7 @@ class KVEngineSide:
 
     def open_disk(self, shape: driver.KVShape, pool_bytes: int, disk_bytes: int, path: Path, direct: bool,
                   buf: torch.Tensor) -> _KVDisk:
-        return _KVDisk(shape, pool_bytes, disk_bytes, path, direct, buf)
+        return _KVDisk(shape, pool_bytes, disk_bytes, path, direct, buf, fresh_writer=self.fresh_writer)
 
 
 # -- the harness -----------------------------------------------------------------------------------------------------
@@ -185,7 +204,8 @@ def _side_cmd(system: str, args: argparse.Namespace, out: Path) -> list[str]:
               "--parts", args.parts,
               "--out", str(out)]
     if system == "kvengine":
-        return [sys.executable, str(Path(__file__).resolve()), "--side", "kvengine", *common]
+        extra = ["--fresh-writer"] if args.fresh_writer else []
+        return [sys.executable, str(Path(__file__).resolve()), "--side", "kvengine", *common, *extra]
     return [str(args.lmcache_python), str(HERE / "lmcache_side.py"), *common]
 
 
@@ -273,18 +293,27 @@ def build_rows(kv: dict[str, Any], lm: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(row)
 
     mb = 1e6
-    add("hashing, tensor input", "M tok/s", True, lambda r: r["hashing"]["tensor_mtok_s"])
-    add("hashing, list[int] input", "M tok/s", True, lambda r: r["hashing"]["list_mtok_s"])
-    add("control path per chunk: store", "us", False, lambda r: r["control"]["store_us_per_chunk"])
-    add("control path per chunk: lookup + retrieve", "us", False, lambda r: r["control"]["retrieve_us_per_chunk"])
-    add("L1 store", "GB/s", True, lambda r: r["l1"]["store_gbps"],
-        limit=lambda r: r["l1"]["raw_out_gbps"], vs_limit=lambda r: r["l1"]["store_vs_raw"])
-    add("L1 lookup + retrieve", "GB/s", True, lambda r: r["l1"]["retrieve_gbps"],
-        limit=lambda r: r["l1"]["raw_in_gbps"], vs_limit=lambda r: r["l1"]["retrieve_vs_raw"])
-    add("store of an already cached prompt", "ms", False, lambda r: r["l1"]["store_again_ms"])
-    add("memory beyond the pool, steady (L1)", "MB", False, lambda r: r["l1"]["overhead_steady_bytes"] / mb,
-        ratio=False)
-    add("memory beyond the pool, peak (L1)", "MB", False, lambda r: r["l1"]["overhead_peak_bytes"] / mb, ratio=False)
+
+    def both(part: str) -> bool:  # --parts may have skipped some measurements
+        return part in kv and part in lm
+
+    if both("hashing"):
+        add("hashing, tensor input", "M tok/s", True, lambda r: r["hashing"]["tensor_mtok_s"])
+        add("hashing, list[int] input", "M tok/s", True, lambda r: r["hashing"]["list_mtok_s"])
+    if both("control"):
+        add("control path per chunk: store", "us", False, lambda r: r["control"]["store_us_per_chunk"])
+        add("control path per chunk: lookup + retrieve", "us", False,
+            lambda r: r["control"]["retrieve_us_per_chunk"])
+    if both("l1"):
+        add("L1 store", "GB/s", True, lambda r: r["l1"]["store_gbps"],
+            limit=lambda r: r["l1"]["raw_out_gbps"], vs_limit=lambda r: r["l1"]["store_vs_raw"])
+        add("L1 lookup + retrieve", "GB/s", True, lambda r: r["l1"]["retrieve_gbps"],
+            limit=lambda r: r["l1"]["raw_in_gbps"], vs_limit=lambda r: r["l1"]["retrieve_vs_raw"])
+        add("store of an already cached prompt", "ms", False, lambda r: r["l1"]["store_again_ms"])
+        add("memory beyond the pool, steady (L1)", "MB", False, lambda r: r["l1"]["overhead_steady_bytes"] / mb,
+            ratio=False)
+        add("memory beyond the pool, peak (L1)", "MB", False, lambda r: r["l1"]["overhead_peak_bytes"] / mb,
+            ratio=False)
     if "disk" in kv and "disk" in lm:
         # The disk's limit is the better raw variant (buffered or O_DIRECT) measured in the same process:
         # one single-threaded buffered write+fsync stream is far below what the device takes.
@@ -306,8 +335,10 @@ def build_rows(kv: dict[str, Any], lm: dict[str, Any]) -> list[dict[str, Any]]:
 
 def limit_rows(kv: dict[str, Any], lm: dict[str, Any]) -> list[tuple[str, float, float]]:
     """The physical limits as each process measured them (shows the drift between the two runs)."""
-    out = [("raw torch copy per chunk, buffer -> slot (GB/s)", kv["l1"]["raw_out_gbps"], lm["l1"]["raw_out_gbps"]),
-           ("raw torch copy per chunk, slot -> buffer (GB/s)", kv["l1"]["raw_in_gbps"], lm["l1"]["raw_in_gbps"])]
+    out = []
+    if "l1" in kv and "l1" in lm:
+        out += [("raw torch copy per chunk, buffer -> slot (GB/s)", kv["l1"]["raw_out_gbps"], lm["l1"]["raw_out_gbps"]),
+                ("raw torch copy per chunk, slot -> buffer (GB/s)", kv["l1"]["raw_in_gbps"], lm["l1"]["raw_in_gbps"])]
     if "disk" in kv and "disk" in lm:
         for mode, label in (("buffered", "buffered"), ("direct", "O_DIRECT")):
             out.append((f"raw disk write+fsync, {label} (GB/s)", kv["disk"][mode]["raw_write_gbps"],
@@ -328,13 +359,15 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 def markdown(rows: list[dict[str, Any]], limits: list[tuple[str, float, float]], kv: dict[str, Any],
              lm: dict[str, Any], command: str) -> str:
     disk = kv.get("disk", {})
+    l1 = kv.get("l1")
     lines = [
         BEGIN,
         "",
         f"Command: `{command}`",
         "",
-        f"Prompt: {kv['l1']['tokens']:,} tokens ({kv['l1']['bytes'] / 1e9:.2f} GB of KV; 32 layers x 8 KV heads x "
-        f"head_dim 128, bf16, 256-token chunks of {kv['l1']['bytes'] // (kv['l1']['tokens'] // 256) / 2**20:.0f} MiB)"
+        (f"Prompt: {l1['tokens']:,} tokens ({l1['bytes'] / 1e9:.2f} GB of KV; 32 layers x 8 KV heads x "
+         f"head_dim 128, bf16, 256-token chunks of {l1['bytes'] // (l1['tokens'] // 256) / 2**20:.0f} MiB)"
+         if l1 else "Prompt: 32 layers x 8 KV heads x head_dim 128, bf16, 256-token chunks (L1 rows skipped)")
         + (f"; disk rows use its first {disk['tokens']:,} tokens ({disk['bytes'] / 1e9:.2f} GB, "
            f"{disk['files']} chunk files)" if disk else "")
         + f". {kv.get('passes', 1)} processes per system, run in the order kvengine / LMCache / LMCache / "
@@ -358,9 +391,11 @@ def markdown(rows: list[dict[str, Any]], limits: list[tuple[str, float, float]],
     lines += [f"| {name} | {_fmt(a)} | {_fmt(b)} |" for name, a, b in limits]
     lines += ["", (f"Peak RSS of each side's process: kvengine {kv['process_peak_rss_bytes'] / 2**30:.1f} GiB, "
                    f"LMCache {lm['process_peak_rss_bytes'] / 2**30:.1f} GiB (they run one after the other).")]
-    lines += ["", (f"LMCache logged {lm.get('failed_allocation_warnings', 0)} \"Failed to allocate\" warnings "
-                   f"(chunks stored when storing the cached prompt again: {lm['l1']['store_again_stored_chunks']}; "
-                   f"kvengine: {kv['l1']['store_again_stored_chunks']})."), "", END]
+    if l1 and "l1" in lm:
+        lines += ["", (f"LMCache logged {lm.get('failed_allocation_warnings', 0)} \"Failed to allocate\" warnings "
+                       f"(chunks stored when storing the cached prompt again: {lm['l1']['store_again_stored_chunks']}; "
+                       f"kvengine: {l1['store_again_stored_chunks']}).")]
+    lines += ["", END]
     return "\n".join(lines)
 
 
@@ -425,12 +460,16 @@ def main() -> int:
         if action.dest == "out":
             action.required = False
     ap.add_argument("--side", choices=["kvengine"], help="internal: run kvengine's side only, write --out")
+    ap.add_argument("--fresh-writer", action="store_true",
+                    help="kvengine disk rows: a new writer engine before every persist (cold record buffers), "
+                         "as before issue 9's transport changes; default: one writer engine per mode")
     ap.add_argument("--systems", default="kvengine,lmcache", help="which side runs first")
     ap.add_argument("--passes", type=int, default=2,
                     help="processes per system, run A B B A ...; rounds of all passes are pooled")
     ap.add_argument("--lmcache-python", type=Path, default=LMCACHE_PY)
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite the doc table and the PNG")
-    ap.add_argument("--json", default="vs_lmcache.json", help="result file name under benchmarks/results/")
+    ap.add_argument("--json", default="vs_lmcache.json",
+                    help="result file name under benchmarks/results/, or an absolute path (e.g. /tmp/x.json)")
     ap.add_argument("--render", type=Path, help="only rebuild rows, doc table and PNG from this saved result")
     args = ap.parse_args()
 
@@ -450,7 +489,7 @@ def main() -> int:
     if args.side == "kvengine":
         if not args.out:
             ap.error("--side needs --out")
-        result = driver.run(KVEngineSide(), args)
+        result = driver.run(KVEngineSide(fresh_writer=args.fresh_writer), args)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         driver.log(f"kvengine side done in {result['wall_s']:.0f}s, wrote {args.out}")
         return 0

@@ -22,8 +22,11 @@ import asyncio
 import contextlib
 import enum
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +42,7 @@ from .keys import ChunkKey, Namespace
 from .layout import ChunkLayout
 from .memory_tier import MemoryEntry, MemoryTier, Prepared
 from .metrics import EngineMetrics, TierStatsCollector
-from .record import RecordFlag, descriptors_for, encode_header, unpack_record
+from .record import RecordFlag, RecordHeader, descriptors_for, encode_header, unpack_record
 from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
 from .tiers import Tier
@@ -54,6 +57,12 @@ _WRITE_BATCH = 16
 _ENCODE_BATCH = 4
 #: Promotion reads this many records at a time, the next window while admitting this one.
 _READ_WINDOW = 4
+#: Promotion through a transport with placed reads keeps this many reads in flight, each
+#: straight into its memory slot (no read buffers), admitted in order as they complete.
+_READ_AHEAD = 8
+#: Longest a placed read waits for the previous record's placement (its header read), so that
+#: slots are taken in prompt order; past it, it goes ahead (order only matters when memory is short).
+_PLACE_WAIT_S = 2.0
 #: Idle record buffers kept for tier writes (at most capacity / 4).
 _RECORD_POOL_BYTES = 256 * 2**20
 
@@ -250,6 +259,12 @@ class CacheEngine:
             run = next((i for i, ok in enumerate(present) if not ok), len(want))
             if run == 0:
                 continue
+            if getattr(transport, "placed_reads", False):
+                got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted))
+                promoted += got
+                if len(got) < run:
+                    return promoted
+                continue
             # A few records at a time, the next window read while this one is admitted: read
             # buffers are recycled (no page faults) and at most 2 windows of records exist at once.
             windows = [want[i : min(i + _READ_WINDOW, run)] for i in range(0, run, _READ_WINDOW)]
@@ -286,14 +301,32 @@ class CacheEngine:
         """
         try:
             header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
-            n = header.token_end - header.token_start
-            if header.token_start != start or not 0 < n <= binding.chunk_size:
-                raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
-                                     f"{header.token_end}, expected a chunk starting at {start}")
-            if header.tensors != descriptors_for(binding.layout, n):
-                raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
-            if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
-                raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
+            self._check_promoted(binding, header, start)
+        except IntegrityError as exc:
+            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
+            return AdmitRejected.CORRUPT
+        except Exception as exc:
+            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
+            return AdmitRejected.CORRUPT
+        return self._admit_payload(binding, key, header, payload, tier)
+
+    @staticmethod
+    def _check_promoted(binding: ModelBinding, header: RecordHeader, start: int) -> None:
+        """Raise IntegrityError unless a (verified) header is the chunk of ``binding`` starting at ``start``."""
+        n = header.token_end - header.token_start
+        if header.token_start != start or not 0 < n <= binding.chunk_size:
+            raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
+                                 f"{header.token_end}, expected a chunk starting at {start}")
+        if header.tensors != descriptors_for(binding.layout, n):
+            raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
+        if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
+            raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
+
+    def _admit_payload(
+        self, binding: ModelBinding, key: ChunkKey, header: RecordHeader, payload: memoryview, tier: str
+    ) -> MemoryEntry | AdmitRejected:
+        """Decode a verified record's payload into a new memory entry, pinned (blocking)."""
+        try:
             raw = self.codecs.by_id(header.codec_id).decode(payload, header.tensors)
             if len(raw) != header.raw_length:
                 raise IntegrityError("codec_length", f"decoded {len(raw)} B, header says {header.raw_length}")
@@ -311,6 +344,57 @@ class CacheEngine:
         self.memory.commit(entry, keep_pin=True)
         self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
         return entry
+
+    async def _promote_placed(
+        self, binding: ModelBinding, transport: Any, keys: list[ChunkKey], first_chunk: int
+    ) -> list[MemoryEntry]:
+        """The longest prefix of ``keys`` (all present in ``transport``) read straight into memory, pinned.
+
+        For transports whose ``get_into`` takes a placement function (see
+        :class:`_PlacedRead`): up to ``_READ_AHEAD`` reads in flight, no window
+        barrier and no read buffers; each header is checked before a slot is
+        taken, the payload checksum is verified once (by the transport, over
+        the slot), and records are admitted in order.
+        """
+        reads: list[_PlacedRead] = []
+        for i, key in enumerate(keys):
+            reads.append(_PlacedRead(self, binding, key, (first_chunk + i) * binding.chunk_size, transport.name,
+                                     reads[-1] if reads else None))
+        inflight: deque[tuple[_PlacedRead, asyncio.Future[RecordHeader | None]]] = deque()
+        promoted: list[MemoryEntry] = []
+
+        def launch() -> None:
+            read = reads[len(promoted) + len(inflight)]
+            inflight.append((read, asyncio.ensure_future(transport.get_into(read.key, read.place))))
+
+        try:
+            while len(inflight) < min(_READ_AHEAD, len(reads)):
+                launch()
+            while inflight:
+                read, pending = inflight.popleft()
+                try:
+                    header = await pending
+                except BaseException:
+                    read.discard()
+                    raise
+                finally:
+                    read.placed.set()  # also when the transport never asked for a place (a miss)
+                entry = await read.admit(header)
+                if entry is AdmitRejected.CORRUPT:
+                    await transport.delete([read.key])
+                if not isinstance(entry, MemoryEntry):
+                    break
+                promoted.append(entry)
+                if len(promoted) + len(inflight) < len(reads):
+                    launch()
+        finally:
+            for read, _ in inflight:
+                read.placed.set()
+            for read, pending in inflight:  # stopped early: let reads in flight finish, drop their slots
+                with contextlib.suppress(Exception):
+                    await pending
+                read.discard()
+        return promoted
 
     # -- load / release ------------------------------------------------------------
     async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
@@ -613,6 +697,86 @@ class CacheEngine:
 
     def _on_evict(self, entry: MemoryEntry) -> None:
         self._memory_evictions.inc()
+
+
+class _PlacedRead:
+    """One record of a placed promotion: where its payload goes, and what became of it.
+
+    :meth:`place` runs on the transport's I/O thread once the record's header
+    is verified: it checks the header against the request and returns the
+    destination, i.e. a new memory slot for a raw payload, a recycled buffer
+    for an encoded one (decoded in :meth:`admit`), or None to stop the read.
+    Slots are taken in prompt order (each placement waits for the previous
+    record's), so when memory runs short it is the tail that goes without.
+    :meth:`admit` and :meth:`discard` run on the event loop after the read.
+    """
+
+    __slots__ = ("engine", "binding", "key", "start", "tier", "prev", "placed", "entry", "scratch", "outcome")
+
+    def __init__(self, engine: CacheEngine, binding: ModelBinding, key: ChunkKey, start: int, tier: str,
+                 prev: _PlacedRead | None) -> None:
+        self.engine, self.binding, self.key, self.start, self.tier = engine, binding, key, start, tier
+        self.prev = prev
+        self.placed = threading.Event()  # set once this record's place is settled (or never asked for)
+        self.entry: MemoryEntry | None = None
+        self.scratch: memoryview | None = None
+        self.outcome: IntegrityError | Prepared | None = None  # why place() declined
+
+    def place(self, header: RecordHeader) -> memoryview | None:
+        # Reads are submitted in order to a FIFO pool, so the previous one is running or done.
+        if self.prev is not None:
+            self.prev.placed.wait(_PLACE_WAIT_S)
+            self.prev = None
+        try:
+            return self._place(header)
+        finally:
+            self.placed.set()
+
+    def _place(self, header: RecordHeader) -> memoryview | None:
+        engine = self.engine
+        try:
+            engine._check_promoted(self.binding, header, self.start)
+            if not isinstance(engine.codecs.by_id(header.codec_id), RawCodec):
+                self.scratch = engine._record_buffers.take(header.payload_length)
+                return self.scratch
+            if header.payload_length != header.raw_length:
+                raise IntegrityError("codec_length", f"raw payload {header.payload_length} B, "
+                                     f"header says {header.raw_length}")
+        except IntegrityError as exc:
+            self.outcome = exc
+            return None
+        entry = engine.memory.prepare(self.key, self.binding.layout, (header.token_start, header.token_end))
+        if isinstance(entry, Prepared):
+            self.outcome = entry
+            return None
+        self.entry = entry
+        return memoryview(engine.memory.raw(entry).numpy())
+
+    async def admit(self, header: RecordHeader | None) -> MemoryEntry | AdmitRejected | None:
+        """The pinned entry, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""
+        engine = self.engine
+        if header is None:
+            self.discard()
+            if isinstance(self.outcome, IntegrityError):
+                engine.metrics.integrity_failure(self.outcome.reason, f"{self.tier}: {self.outcome}")
+                return AdmitRejected.CORRUPT
+            if isinstance(self.outcome, Prepared):  # present already (a concurrent promotion) or no room
+                return engine.memory.pin(self.key) or AdmitRejected.NO_ROOM
+            return None
+        entry, self.entry = self.entry, None
+        if entry is None:  # an encoded payload, read into scratch
+            assert self.scratch is not None
+            payload, self.scratch = self.scratch[: header.payload_length], None
+            return await asyncio.to_thread(engine._admit_payload, self.binding, self.key, header, payload, self.tier)
+        engine.memory.commit(entry, keep_pin=True)
+        engine.metrics.loaded_bytes.labels(tier=self.tier).inc(header.raw_length)
+        return entry
+
+    def discard(self) -> None:
+        if self.entry is not None:
+            self.engine.memory.abort(self.entry)
+            self.entry = None
+        self.scratch = None
 
 
 def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

@@ -182,3 +182,147 @@ def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
         matched, result, exact = load_all(eng, b, toks, kv)
         assert matched == gone * CHUNK and result.ok and exact
         assert eng.core.memory.total_pins() == 0
+
+
+def _chunk_keys(b, toks):
+    from kvengine.hashing import prefix_hashes
+    from kvengine.keys import ChunkKey
+
+    return [ChunkKey(b.digest, h) for h in prefix_hashes(toks, CHUNK, b.digest)]
+
+
+def test_promotion_reads_records_straight_into_memory_verifying_each_once(tmp_path, monkeypatch):
+    """Scenario (issue 9): a restarted engine promotes a prompt from disk with placed reads: every
+    payload lands in its memory slot (no read buffer taken), its checksum is verified once (by the
+    transport, over the slot; the engine does not unpack the record again), and the KV is exact."""
+    import kvengine.engine as engine_mod
+    import kvengine.transports._disk_files as files_mod
+
+    layout = make_layout()
+    n = 10
+    kv, toks = FakeKV(n * CHUNK, seed=21), list(range(n * CHUNK))
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
+    verified, unpacked = [], []
+    real_verify, real_unpack = files_mod.verify_payload, engine_mod.unpack_record
+    monkeypatch.setattr(files_mod, "verify_payload", lambda h, p: (verified.append(h.key), real_verify(h, p))[1])
+    monkeypatch.setattr(engine_mod, "unpack_record", lambda *a, **k: (unpacked.append(1), real_unpack(*a, **k))[1])
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        matched, result, exact = load_all(eng, b, toks, kv)
+        assert matched == n * CHUNK and result.ok and exact
+        assert len(verified) == n and set(verified) == set(_chunk_keys(b, toks)) and not unpacked
+        disk = eng.core.transports[0]
+        assert disk.stats().hits == n and disk._files.buffers.idle_bytes == 0  # no read buffer was used
+        assert eng.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") == n * layout.nbytes()
+        assert eng.core.memory.total_pins() == 0
+
+
+def test_placed_promotion_stops_at_a_corrupt_record_and_frees_its_slot(tmp_path):
+    """Scenario: the payload of chunk 5 of 10 is damaged on disk; a restarted engine serves chunks 0-4,
+    the damaged record is deleted and counted, and no memory slot or pin is left behind by it or by
+    the reads that were in flight after it."""
+    from kvengine.transports._disk_files import record_name
+
+    layout = make_layout()
+    n, bad = 10, 5
+    kv, toks = FakeKV(n * CHUNK, seed=22), list(range(n * CHUNK))
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        eng.store(b, toks, kv.source)
+        keys = _chunk_keys(b, toks)
+    path = tmp_path / record_name(keys[bad])
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        matched, result, exact = load_all(eng, b, toks, kv)
+        assert matched == bad * CHUNK and result.ok and exact
+        assert len(eng.core.memory) == bad and eng.core.memory.total_pins() == 0
+        assert eng.core.transports[0].stats().integrity_reasons == {"payload_checksum": 1}
+        assert not path.exists()
+
+
+def test_placed_promotion_refuses_a_record_at_the_wrong_position(tmp_path):
+    """Scenario: a record whose bytes verify but whose header claims another token range is refused
+    from its header alone (before any slot is taken), counted by the engine and deleted."""
+    from kvengine.record import descriptors_for, encode_header, unpack_record
+    from kvengine.transports._disk_files import record_name
+
+    layout = make_layout()
+    kv, toks = FakeKV(3 * CHUNK, seed=23), list(range(3 * CHUNK))
+    with engine_with_disk(tmp_path) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        eng.store(b, toks, kv.source)
+        keys = _chunk_keys(b, toks)
+    path = tmp_path / record_name(keys[1])
+    header, payload = unpack_record(path.read_bytes())
+    path.write_bytes(encode_header(keys[1], (0, CHUNK), descriptors_for(layout, CHUNK), codec_id=0,
+                                   raw_length=header.raw_length, payload=payload) + bytes(payload))
+    with engine_with_disk(tmp_path) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        matched, result, exact = load_all(eng, b, toks, kv)
+        assert matched == CHUNK and result.ok and exact
+        assert eng.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 1
+        assert len(eng.core.memory) == 1 and eng.core.memory.total_pins() == 0
+    assert not path.exists()
+
+
+def test_placed_promotion_stops_where_memory_is_full(tmp_path):
+    """Scenario: disk holds 6 chunks of a prompt but memory has room for 3, all pinned by the lookup:
+    the reservation covers the first 3, later reads give their slots back, nothing leaks."""
+    layout = make_layout()
+    kv, toks = FakeKV(6 * CHUNK, seed=24), list(range(6 * CHUNK))
+    with engine_with_disk(tmp_path, capacity_chunks=6) as eng:
+        eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
+    with engine_with_disk(tmp_path, capacity_chunks=3) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        matched, result, exact = load_all(eng, b, toks, kv)
+        assert matched == 3 * CHUNK and result.ok and exact
+        assert len(eng.core.memory) == 3 and eng.core.memory.total_pins() == 0
+        assert len(list(tmp_path.glob("*.kvc"))) == 6  # refused for room, not for corruption
+
+
+def test_placed_reads_take_memory_slots_in_prompt_order(tmp_path, monkeypatch):
+    """Scenario: memory has room for 3 of 6 chunks on disk and the read of chunk 0 is slow to start
+    (its header arrives last); the slots still go to chunks 0-2, so the lookup serves 3 chunks
+    rather than none (chunk 0 finding no room behind chunks 1-3)."""
+    import time
+
+    from kvengine.transports._disk_files import RecordFiles
+
+    layout = make_layout()
+    kv, toks = FakeKV(6 * CHUNK, seed=25), list(range(6 * CHUNK))
+    with engine_with_disk(tmp_path, capacity_chunks=6) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        eng.store(b, toks, kv.source)
+        first = _chunk_keys(b, toks)[0]
+    real = RecordFiles.read_into
+
+    def slow_first(self, key, out):
+        if key == first:
+            time.sleep(0.3)
+        return real(self, key, out)
+
+    monkeypatch.setattr(RecordFiles, "read_into", slow_first)
+    with engine_with_disk(tmp_path, capacity_chunks=3) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+        matched, result, exact = load_all(eng, b, toks, kv)
+        assert matched == 3 * CHUNK and result.ok and exact
+        assert eng.core.memory.total_pins() == 0
+
+
+def test_placed_promotion_of_a_partial_last_chunk(tmp_path):
+    """Scenario: with partial chunks stored, a restarted engine promotes a prompt whose last chunk is
+    partial; its slot is sized from the record's header and the KV is exact."""
+    layout = make_layout()
+    n = 3 * CHUNK + 5
+    kv, toks = FakeKV(n, seed=26), list(range(n))
+    with engine_with_disk(tmp_path, store_partial_chunks=True) as eng:
+        eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
+    with engine_with_disk(tmp_path, store_partial_chunks=True) as eng:
+        matched, result, exact = load_all(eng, eng.bind(Namespace(model="m"), layout), toks, kv)
+        assert matched == n and result.ok and exact
+        assert eng.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") == \
+            3 * layout.nbytes() + layout.nbytes(5)

@@ -10,22 +10,39 @@ On-disk layout of a store directory ``root``::
     root/<key hex>.<pid>.<rand>.tmp     a record being written by process <pid>
 
 Writes of large records use ``O_DIRECT`` (measured 1.4-4x faster than a
-buffered write + fsync on the project's 2-core VM: no page-cache pages to
-allocate and flush). ``O_DIRECT`` needs block-aligned buffers, offsets and
-lengths: data goes through a reused per-thread aligned staging buffer (or
+plain buffered write + fsync on the project's 2-core VM; the streamed
+buffered write below moves as many bytes per second on its own, but its
+page-cache copies take CPU that the engine's encoding needs on 2 cores:
+1.22 vs 1.08 GB/s through the engine). ``O_DIRECT`` needs block-aligned
+buffers, offsets and lengths: data goes through a reused per-thread aligned staging buffer (or
 straight from the caller's buffer when that is already aligned), the last
 block is padded and the file truncated back to the exact record length, so
 every file holds exactly one record. A filesystem that refuses ``O_DIRECT``
 (EINVAL at open or at the first write) turns it off for the life of the
 object; small records always use buffered I/O.
 
+Large buffered writes (O_DIRECT off or refused) are streamed: each 8 MiB
+piece is handed to writeback (``sync_file_range``) as soon as it is copied,
+so the device writes while the next piece is copied and the closing
+``fdatasync`` waits only for the tail (measured 0.7 -> 2.2 GB/s for 32 MiB
+records, 4 writers, 4 records per put, on the project's VM: an fdatasync of a
+whole dirty file neither overlaps the copy nor keeps the device busy). The
+durability point is unchanged: the fdatasync before the rename. The written
+pages are then dropped from the page cache. (Group commit, i.e. writing
+every record of a put, then syncing them all, then renaming them all,
+measured no faster with O_DIRECT and 2x slower streamed, so each record is
+written, synced and renamed by one thread, the records of a put in parallel.)
+
 Reads are buffered (kernel readahead measured faster than O_DIRECT reads
-there) into recycled buffers (:mod:`kvengine.buffers`), and large files are
-dropped from the page cache afterwards: the memory tier is the cache.
+there) into recycled buffers (:mod:`kvengine.buffers`) or straight into a
+caller's buffer (:meth:`RecordFiles.read_into`, whose destination may be
+chosen from the verified header), and large files are dropped from the page
+cache afterwards: the memory tier is the cache.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -47,6 +64,8 @@ from kvengine.buffers import BufferPool
 
 _T = TypeVar("_T")
 FsyncPolicy = Literal["never", "data", "always"]
+#: Chooses where a record's payload goes from its verified header; None declines the read.
+Placement = Callable[[RecordHeader], memoryview | None]
 
 #: Block size used for O_DIRECT alignment and for capacity accounting.
 ALIGN = 4096
@@ -56,12 +75,34 @@ DIRECT_MIN_BYTES = 256 * 1024
 STAGE_BYTES = 8 * 2**20
 #: First read when only the header is wanted (index rebuild, ``read_into``).
 HEAD_BYTES = 4096
+#: Large buffered writes start writeback after every piece of this size.
+STREAM_BYTES = 8 * 2**20
 
 RECORD_SUFFIX = ".kvc"
 TEMP_SUFFIX = ".tmp"
 _KEY_HEX_LEN = 64
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):  # not Linux/glibc: fdatasync alone still makes it durable
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn  # a ctypes call releases the GIL
+
+
+_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Hand a dirty range to writeback without waiting for it (a hint: durability is fdatasync's job)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def footprint(nbytes: int) -> int:
@@ -146,13 +187,18 @@ class RecordFiles:
         tmp = self.root / f"{key.hex()}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
         fd, direct = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC,
                                 self.direct and data.nbytes >= DIRECT_MIN_BYTES)
+        large = data.nbytes >= DIRECT_MIN_BYTES
         try:
             if direct:
                 self._write_direct(fd, data)
+            elif large and fsync != "never":
+                self._write_streamed(fd, data)
             else:
                 self._write_buffered(fd, data)
             if fsync != "never":
                 os.fdatasync(fd)
+                if large and not direct:  # clean now; the memory tier is the cache
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except BaseException as exc:
             os.close(fd)
             _unlink_quiet(tmp)
@@ -181,6 +227,17 @@ class RecordFiles:
         off = 0
         while off < data.nbytes:
             off += os.pwrite(fd, data[off:], off)
+
+    @staticmethod
+    def _write_streamed(fd: int, data: memoryview) -> None:
+        """Buffered write that starts writeback of each piece as soon as it is in the page cache."""
+        off = 0
+        while off < data.nbytes:
+            end = min(off + STREAM_BYTES, data.nbytes)
+            start = off
+            while off < end:
+                off += os.pwrite(fd, data[off:end], off)
+            start_writeback(fd, start, end - start)
 
     def _stage(self) -> memoryview:
         stage = getattr(self._local, "stage", None)
@@ -230,11 +287,19 @@ class RecordFiles:
         finally:
             os.close(fd)
 
-    def read_into(self, key: ChunkKey, out: memoryview) -> RecordHeader:
-        """Read the header, then the payload straight into ``out``; verify both like :meth:`read`."""
+    def read_into(self, key: ChunkKey, out: memoryview | Placement) -> RecordHeader | None:
+        """Read the header, then the payload straight into ``out``; verify both like :meth:`read`.
+
+        ``out`` may be a function of the (verified) header returning the
+        destination, so a caller can choose it from what the record holds; if
+        it returns None the read stops there and None is returned.
+        """
         fd = os.open(self.path_of(key), os.O_RDONLY | _O_CLOEXEC)
         try:
-            return self._checked(fd, key, lambda: _read_payload_into(fd, key, out))
+            header = self._checked(fd, key, lambda: _read_payload_into(fd, key, out))
+            if header is not None and header.record_length >= DIRECT_MIN_BYTES:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the memory tier is the cache
+            return header
         finally:
             os.close(fd)
 
@@ -337,20 +402,26 @@ def _raise(exc: Exception) -> None:
     raise exc
 
 
-def _read_payload_into(fd: int, key: ChunkKey, out: memoryview) -> RecordHeader:
+def _read_payload_into(fd: int, key: ChunkKey, out: memoryview | Placement) -> RecordHeader | None:
     size = os.fstat(fd).st_size
-    header = decode_header(_read_header(fd), expect_namespace=key.namespace)
+    head = _read_header(fd)
+    header = decode_header(head, expect_namespace=key.namespace)
     if header.key != key:
         raise IntegrityError("other_key", "record holds a different chunk")
     if size != header.record_length:
         raise IntegrityError("truncated_payload" if size < header.record_length else "trailing_bytes",
                              f"file {size} bytes, header says {header.record_length}")
-    if out.nbytes < header.payload_length:
-        raise InvalidRequestError(f"buffer of {out.nbytes} B < payload of {header.payload_length} B")
-    view = out[: header.payload_length]
-    got = 0
-    while got < header.payload_length:
-        k = os.preadv(fd, [view[got:]], header.header_length + got)
+    dest = out(header) if callable(out) else out
+    if dest is None:
+        return None
+    if dest.nbytes < header.payload_length:
+        raise InvalidRequestError(f"buffer of {dest.nbytes} B < payload of {header.payload_length} B")
+    n, start = header.payload_length, header.header_length
+    view = dest[:n]
+    got = max(0, min(len(head) - start, n))  # the header read brought the payload's first bytes
+    view[:got] = head[start : start + got]
+    while got < n:
+        k = os.preadv(fd, [view[got:]], start + got)
         if k == 0:
             break
         got += k

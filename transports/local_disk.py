@@ -185,15 +185,32 @@ class LocalDiskTransport:
         await asyncio.to_thread(self._pool.shutdown, True)
 
     # -- extras ---------------------------------------------------------------
-    async def get_into(self, key: ChunkKey, out: bytearray | memoryview) -> RecordHeader | None:
-        """Read ``key``'s payload straight into ``out`` (verified); its header, or None on a miss."""
+    #: :meth:`get_into` accepts a placement function (the engine reads records straight into memory slots).
+    placed_reads = True
+
+    async def get_into(
+        self, key: ChunkKey, out: bytearray | memoryview | Callable[[RecordHeader], Buffer | None]
+    ) -> RecordHeader | None:
+        """Read ``key``'s payload straight into ``out`` (verified); its header, or None on a miss.
+
+        ``out`` may also be a function of the record's verified header that
+        returns the destination (at least ``header.payload_length`` bytes). It
+        runs on an I/O thread before the payload is read; if it returns None
+        nothing more is read and None is returned (neither a hit nor a miss).
+        The payload checksum is verified once, over the bytes in the
+        destination; on a failure the destination holds garbage, the record is
+        deleted and counted, and None is returned.
+        """
         await self._begin()
-        view = memoryview(out).cast("B")
-        if view.readonly:
-            raise InvalidRequestError("get_into needs a writable buffer")
+        place = partial(_placed, out) if callable(out) else _writable(out)
         if not self._lookup([key])[0]:
             return None
-        return await self._run(self._guarded_read, key, lambda: self._files.read_into(key, view))
+        header = await self._run(self._guarded_read, key, lambda: self._files.read_into(key, place))
+        if header is not None:
+            with self._cond:
+                self._counts["hits"] += 1
+                self._counts["bytes_read"] += header.record_length
+        return header
 
     async def wait_ready(self) -> None:
         """Wait for the startup index rebuild (every operation also waits for it)."""
@@ -402,6 +419,18 @@ class LocalDiskTransport:
         log.info("local_disk: indexed %d records in %s in %.2f s (%d ignored, %d corrupt, %d temp files removed)",
                  len(found.records), self.options.path, self._rebuild_seconds, found.ignored,
                  len(found.corrupt), found.temps_removed)
+
+
+def _writable(buf: Buffer) -> memoryview:
+    view = memoryview(buf).cast("B")
+    if view.readonly:
+        raise InvalidRequestError("get_into needs a writable buffer")
+    return view
+
+
+def _placed(place: Callable[[RecordHeader], Buffer | None], header: RecordHeader) -> memoryview | None:
+    dest = place(header)
+    return None if dest is None else _writable(dest)
 
 
 _EXTRA_KEYS = ("namespaces", "direct_io", "io_threads", "read_pool_bytes")

@@ -447,6 +447,7 @@ async def test_write_faults_are_soft_failures_by_reason(open_disk: OpenDisk, mak
 
     monkeypatch.setattr(RecordFiles, "_write_direct", failing)
     monkeypatch.setattr(RecordFiles, "_write_buffered", staticmethod(lambda fd, data: failing(None, fd, data)))
+    monkeypatch.setattr(RecordFiles, "_write_streamed", staticmethod(lambda fd, data: failing(None, fd, data)))
     assert await t.put([make_record(2 * MiB), make_record(1000)]) == [False, False]
     assert t.stats().put_failures == {reason: 2}
     assert not list(t.options.path.glob("*.tmp"))
@@ -539,3 +540,111 @@ async def test_index_rebuild_reads_many_small_records(open_disk: OpenDisk, make_
     t = await open_disk(path=store)
     assert t.stats().chunks == 2000 and t.stats().used_bytes == total
     assert t.stats().rebuild_seconds > 0
+
+
+# -- issue 9: streamed buffered writes, placed reads ---------------------------------
+async def test_streamed_buffered_write_is_synced_before_it_is_published(
+        open_disk: OpenDisk, make_record: MakeRecord, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scenario: with O_DIRECT off, a large record is written piece by piece with writeback started
+    after each piece; its name appears only after the fdatasync of its temp file has returned."""
+    import kvengine.transports._disk_files as files_mod
+
+    events: list[tuple[str, object]] = []
+    real_sync, real_replace, real_wb = os.fdatasync, os.replace, files_mod.start_writeback
+    t = await open_disk(direct_io=False, fsync="data")
+    key, rec = make_record(3 * files_mod.STREAM_BYTES + 12345)
+    final = t.options.path / record_name(key)
+
+    def sync(fd: int) -> None:
+        assert not final.exists(), "record published before its data was synced"
+        real_sync(fd)
+        events.append(("sync", fd))
+
+    def replace(src: Any, dst: Any) -> None:
+        events.append(("replace", Path(dst).name))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fdatasync", sync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(files_mod, "start_writeback", lambda fd, off, n: (events.append(("wb", (off, n))),
+                                                                          real_wb(fd, off, n))[1])
+    assert await t.put([(key, rec)]) == [True]
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["wb"] * 4 + ["sync", "replace"]
+    pieces = [v for k, v in events if k == "wb"]
+    step = files_mod.STREAM_BYTES
+    assert pieces == [(0, step), (step, step), (2 * step, step), (3 * step, len(rec) - 3 * step)]
+    assert bytes((await t.get([key]))[0]) == rec
+
+
+@pytest.mark.parametrize("direct_io", [None, False])
+@pytest.mark.parametrize("fail_at", ["write", "sync"])
+async def test_a_failed_record_in_a_batch_leaves_the_others_whole(
+        open_disk: OpenDisk, make_record: MakeRecord, monkeypatch: pytest.MonkeyPatch,
+        direct_io: bool | None, fail_at: str) -> None:
+    """Scenario (fault injection): in a batch of 4 large records, the write or the fdatasync of one
+    fails with EIO. Only that put is False; it leaves no file, temp file or index entry (a record
+    whose data was not synced is never published), and the other three read back exactly."""
+    t = await open_disk(direct_io=direct_io, fsync="data")
+    items = [make_record(2 * MiB + 100 * i) for i in range(4)]
+    victim = items[2][1][:64]  # its header: holds the key
+    real_sync, real_pwrite = os.fdatasync, os.pwrite
+    doomed: set[int] = set()
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if offset == 0 and bytes(data[:64]) == victim:
+            doomed.add(fd)
+            if fail_at == "write":
+                raise OSError(errno.EIO, "injected write error")
+        return real_pwrite(fd, data, offset)
+
+    def sync(fd: int) -> None:
+        if fd in doomed and fail_at == "sync":
+            doomed.discard(fd)  # the number is reused once the victim's file is closed
+            raise OSError(errno.EIO, "injected fdatasync error")
+        real_sync(fd)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "fdatasync", sync)
+    assert await t.put(items) == [True, True, False, True]
+    monkeypatch.undo()
+    assert t.stats().put_failures == {"io_error": 1}
+    assert await t.exists([k for k, _ in items]) == [True, True, False, True]
+    got = await t.get([k for k, _ in items])
+    assert got[2] is None and not (t.options.path / record_name(items[2][0])).exists()
+    assert [bytes(g) for g in got if g is not None] == [items[i][1] for i in (0, 1, 3)]
+    assert not list(t.options.path.glob("*.tmp"))
+    assert t.stats().used_bytes == disk_bytes(t.options.path)
+
+
+async def test_get_into_placement_chooses_the_destination_from_the_header(
+        open_disk: OpenDisk, make_record: MakeRecord) -> None:
+    """Scenario: get_into with a placement function: it sees the verified header and returns where
+    the payload goes (read and verified there, a hit); returning None stops the read (neither hit nor
+    miss, the record stays); a too-small destination is a caller mistake; a corrupt payload is a
+    counted miss and deleted, after the placement was asked."""
+    t = await open_disk()
+    (key, rec), (bad_key, bad_rec) = make_record(3 * MiB + 7), make_record(300_000)
+    await t.put([(key, rec), (bad_key, bad_rec)])
+    seen: list[Any] = []
+    kept: list[bytearray] = []
+
+    def place(header: Any) -> bytearray:
+        seen.append(header)
+        kept.append(bytearray(header.payload_length))
+        return kept[-1]
+
+    header = await t.get_into(key, place)
+    assert header is not None and seen[0].key == key and header == seen[0]
+    assert bytes(kept[-1]) == rec[header.header_length:]
+    assert (t.stats().hits, t.stats().bytes_read) == (1, len(rec))
+    assert await t.get_into(key, lambda h: None) is None
+    assert (t.stats().hits, t.stats().misses) == (1, 0) and await t.exists([key]) == [True]
+    with pytest.raises(InvalidRequestError):
+        await t.get_into(key, lambda h: bytearray(h.payload_length - 1))
+    with pytest.raises(InvalidRequestError):
+        await t.get_into(key, lambda h: bytes(h.payload_length))  # read-only
+    _flip_bit(t.options.path / record_name(bad_key), len(bad_rec) - 1)
+    assert await t.get_into(bad_key, place) is None
+    assert seen[-1].key == bad_key
+    assert t.stats().integrity_failures == 1 and not (t.options.path / record_name(bad_key)).exists()
