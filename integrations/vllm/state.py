@@ -31,12 +31,19 @@ from kvengine.keyed import SyncKeyedStore, keyed_namespace
 from kvengine.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.types import ModelBinding
 
-from .layout import PagedLayout
+from .layout import BlockIds, GroupPlan, PagedLayout
 
 #: Key scheme of the state namespace (see :func:`kvengine.keyed.keyed_namespace`).
 STATE_SCHEME = "vllm-boundary-state"
 
 BoundaryState = tuple[torch.Tensor, ...]
+
+
+def state_block(group: GroupPlan, block_ids: BlockIds, boundary: int, null: int) -> int | None:
+    """The block of the request's state group that holds (or receives) the state at ``boundary``."""
+    blocks = block_ids[group.group_id]
+    index = boundary // group.block_size - 1
+    return blocks[index] if 0 <= index < len(blocks) and blocks[index] != null else None
 
 
 class BoundaryStates:

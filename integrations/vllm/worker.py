@@ -49,7 +49,7 @@ from .metadata import ChannelAddress, SaveSpec, StepMetadata
 from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
 from .pipeline import LayerPipeline, LoadJob, SaveJob
-from .state import BoundaryState, BoundaryStates
+from .state import BoundaryState, BoundaryStates, state_block
 
 logger = logging.getLogger("vllm.kvengine")
 
@@ -298,13 +298,12 @@ class WorkerSide:
         if group is None or states is None:
             return
         ids = np.frombuffer(spec.tokens, dtype="<u4")
-        blocks = spec.block_ids[group.group_id]
-        index = len(ids) // group.block_size - 1
-        if index >= len(blocks) or blocks[index] == null:
+        block = state_block(group, spec.block_ids, len(ids), null)
+        if block is None:
             self._m_store_skips.labels(reason="no_state").inc()
             return
         try:
-            states.save(self.desk.binding(spec.salt), ids, blocks[index])
+            states.save(self.desk.binding(spec.salt), ids, block)
         except Exception as exc:
             logger.warning("kvengine: state of %s at %d not stored: %s", spec.request_id, len(ids), exc)
 
@@ -334,15 +333,15 @@ class WorkerSide:
         group = self.layout.state_group if self.layout is not None else None
         if group is None:
             return True
-        blocks = job.spec.block_ids[group.group_id]
-        index = job.spec.end // group.block_size - 1
-        if job.state is None or not job.spec.asynchronous or index >= len(blocks) or \
-                blocks[index] == job.null_block_id:
+        block = state_block(group, job.spec.block_ids, job.spec.end, job.null_block_id)
+        # A synchronous load would also have to fill the step's current state block (vLLM copies the
+        # resume block into it before start_load_kv); a hybrid model's loads are always asynchronous.
+        if job.state is None or block is None or not job.spec.asynchronous:
             logger.warning("kvengine: no recurrent state to resume %s at %d; recomputed",
                            job.spec.request_id, job.spec.end)
             return False
         assert self.desk is not None and self.desk.states is not None
-        self.desk.states.install(job.state, blocks[index])
+        self.desk.states.install(job.state, block)
         return True
 
     def _end_loads(self) -> None:
