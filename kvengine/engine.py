@@ -396,6 +396,21 @@ class CacheEngine:
                 read.discard()
         return promoted
 
+    async def promote_placed(self, binding: ModelBinding, transport: Any, key: ChunkKey,
+                             start: int) -> MemoryEntry | AdmitRejected | None:
+        """One record read straight into a new memory slot, pinned (None: a miss), for transports with
+        ``placed_reads``; a corrupt record is deleted from ``transport``. Used for keyed chunks."""
+        read = _PlacedRead(self, binding, key, start, transport.name, None)
+        try:
+            header = await transport.get_into(key, read.place)
+        except BaseException:
+            read.discard()
+            raise
+        entry = await read.admit(header)
+        if entry is AdmitRejected.CORRUPT:
+            await transport.delete([key])
+        return entry
+
     # -- load / release ------------------------------------------------------------
     async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
         """Give every reserved chunk, in order, to ``sink``; the reservation ends.

@@ -214,6 +214,9 @@ class KeyedStore:
             todo = [i for i, hit in zip(todo, present) if hit]
             if not todo:
                 continue
+            if getattr(transport, "placed_reads", False):
+                await self._promote_placed(transport, ckeys, todo, entries, outcomes)
+                continue
             blobs = await transport.get([ckeys[i] for i in todo])
             found = [(i, blob) for i, blob in zip(todo, blobs) if blob is not None]
             admitted = await asyncio.to_thread(
@@ -232,6 +235,25 @@ class KeyedStore:
                                                  "promote keyed chunks from %s; served as misses", transport.name)
             if corrupt:
                 await transport.delete(corrupt)
+
+    async def _promote_placed(self, transport: object, ckeys: list[ChunkKey], todo: list[int],
+                              entries: list[MemoryEntry | None], outcomes: list[GetOutcome]) -> None:
+        """Read ``todo`` straight into memory slots, concurrently (the transport bounds its I/O)."""
+        results = await asyncio.gather(*(self.engine.promote_placed(self.binding, transport, ckeys[i], 0)
+                                         for i in todo), return_exceptions=True)
+        for i, result in zip(todo, results):
+            if isinstance(result, MemoryEntry):
+                entries[i], outcomes[i] = result, GetOutcome.HIT
+            elif result is AdmitRejected.CORRUPT:
+                outcomes[i] = GetOutcome.CORRUPT
+            elif result is AdmitRejected.NO_ROOM:
+                outcomes[i] = GetOutcome.NO_ROOM
+                self.engine.metrics.log_once("keyed_promote_no_room", "kvengine: no room in memory to "
+                                             "promote keyed chunks from %s; served as misses", transport.name)
+            elif isinstance(result, BaseException):  # a transport fault is a miss
+                self.engine.metrics.log_once("keyed_promote_error", "kvengine: keyed promotion from %s failed "
+                                             "(%s: %s); served as a miss", transport.name,
+                                             type(result).__name__, result)
 
     def _copy_out(self, entries: list[MemoryEntry | None], outcomes: list[GetOutcome], sink: KeyedSink) -> None:
         memory = self.engine.memory

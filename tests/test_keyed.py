@@ -165,6 +165,28 @@ def test_corrupt_disk_record_is_a_counted_miss(tmp_path: Path) -> None:
         kv.close()
 
 
+def test_promotion_without_room_is_counted_and_leaves_nothing_pinned(tmp_path: Path) -> None:
+    """Scenario: more pages on disk than memory can hold: those promoted are exact, the rest are NO_ROOM
+    misses, and no slot or pin is left behind."""
+    n = 200  # pages of 512 B; 64 KiB of memory holds fewer
+    data = pages(n, seed=3)
+    kv, store = open_engine(tmp_path)
+    store.put(keys(n), lambda i: data[i])
+    kv.close()
+    kv, store = open_engine(tmp_path, capacity="64KiB")
+    try:
+        sink = Collect()
+        out = store.get(keys(n), sink)
+        assert GetOutcome.HIT in out and GetOutcome.NO_ROOM in out
+        assert set(out) <= {GetOutcome.HIT, GetOutcome.NO_ROOM}
+        for i, outcome in enumerate(out):
+            if outcome is GetOutcome.HIT:
+                assert all(torch.equal(a, b) for a, b in zip(sink.got[i], data[i]))
+        assert kv.core.memory.total_pins() == 0
+    finally:
+        kv.close()
+
+
 def test_keyed_chunks_never_meet_token_chunks() -> None:
     """A keyed binding lives in its own namespace: token lookups of the same model never see its chunks."""
     plain = Namespace(model="keyed-test")
