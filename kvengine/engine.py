@@ -26,7 +26,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ from .record import RecordFlag, RecordHeader, descriptors_for, encode_header, un
 from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
 from .tiers import Tier
-from .transport import Buffer, ChunkTransport
+from .transport import Buffer, ChunkTransport, ReadsInPlace
 from .buffers import BufferPool
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
@@ -259,7 +258,7 @@ class CacheEngine:
             run = next((i for i, ok in enumerate(present) if not ok), len(want))
             if run == 0:
                 continue
-            if getattr(transport, "placed_reads", False):
+            if isinstance(transport, ReadsInPlace):
                 got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted))
                 promoted += got
                 if len(got) < run:
@@ -346,11 +345,11 @@ class CacheEngine:
         return entry
 
     async def _promote_placed(
-        self, binding: ModelBinding, transport: Any, keys: list[ChunkKey], first_chunk: int
+        self, binding: ModelBinding, transport: ReadsInPlace, keys: list[ChunkKey], first_chunk: int
     ) -> list[MemoryEntry]:
         """The longest prefix of ``keys`` (all present in ``transport``) read straight into memory, pinned.
 
-        For transports whose ``get_into`` takes a placement function (see
+        For :class:`~kvengine.transport.ReadsInPlace` transports (see also
         :class:`_PlacedRead`): up to ``_READ_AHEAD`` reads in flight, no window
         barrier and no read buffers; each header is checked before a slot is
         taken, the payload checksum is verified once (by the transport, over
@@ -396,10 +395,10 @@ class CacheEngine:
                 read.discard()
         return promoted
 
-    async def promote_placed(self, binding: ModelBinding, transport: Any, key: ChunkKey,
+    async def promote_placed(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
                              start: int) -> MemoryEntry | AdmitRejected | None:
-        """One record read straight into a new memory slot, pinned (None: a miss), for transports with
-        ``placed_reads``; a corrupt record is deleted from ``transport``. Used for keyed chunks."""
+        """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
+        deleted from ``transport``. Used for keyed chunks."""
         read = _PlacedRead(self, binding, key, start, transport.name, None)
         try:
             header = await transport.get_into(key, read.place)

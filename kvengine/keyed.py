@@ -43,6 +43,7 @@ from .engine import AdmitRejected, CacheEngine, copy_all
 from .errors import InvalidRequestError
 from .keys import ChunkHash, ChunkKey, Namespace
 from .memory_tier import MemoryEntry, Prepared
+from .transport import ChunkTransport, ReadsInPlace
 from .types import ModelBinding
 
 if TYPE_CHECKING:
@@ -214,46 +215,39 @@ class KeyedStore:
             todo = [i for i, hit in zip(todo, present) if hit]
             if not todo:
                 continue
-            if getattr(transport, "placed_reads", False):
-                await self._promote_placed(transport, ckeys, todo, entries, outcomes)
-                continue
-            blobs = await transport.get([ckeys[i] for i in todo])
-            found = [(i, blob) for i, blob in zip(todo, blobs) if blob is not None]
-            admitted = await asyncio.to_thread(
-                lambda: [self.engine.admit_record(self.binding, ckeys[i], blob, 0, transport.name)
-                         for i, blob in found])
-            corrupt = []
-            for (i, _), result in zip(found, admitted):
+            read = self._read_in_place if isinstance(transport, ReadsInPlace) else self._read_buffered
+            for i, result in await read(transport, [ckeys[i] for i in todo], todo):
                 if isinstance(result, MemoryEntry):
                     entries[i], outcomes[i] = result, GetOutcome.HIT
                 elif result is AdmitRejected.CORRUPT:
                     outcomes[i] = GetOutcome.CORRUPT
-                    corrupt.append(ckeys[i])
-                else:
+                elif result is AdmitRejected.NO_ROOM:
                     outcomes[i] = GetOutcome.NO_ROOM
                     self.engine.metrics.log_once("keyed_promote_no_room", "kvengine: no room in memory to "
                                                  "promote keyed chunks from %s; served as misses", transport.name)
-            if corrupt:
-                await transport.delete(corrupt)
+                elif isinstance(result, BaseException):  # a transport fault is a miss
+                    self.engine.metrics.log_once("keyed_promote_error", "kvengine: keyed promotion from %s "
+                                                 "failed (%s: %s); served as a miss", transport.name,
+                                                 type(result).__name__, result)
 
-    async def _promote_placed(self, transport: object, ckeys: list[ChunkKey], todo: list[int],
-                              entries: list[MemoryEntry | None], outcomes: list[GetOutcome]) -> None:
-        """Read ``todo`` straight into memory slots, concurrently (the transport bounds its I/O)."""
-        results = await asyncio.gather(*(self.engine.promote_placed(self.binding, transport, ckeys[i], 0)
-                                         for i in todo), return_exceptions=True)
-        for i, result in zip(todo, results):
-            if isinstance(result, MemoryEntry):
-                entries[i], outcomes[i] = result, GetOutcome.HIT
-            elif result is AdmitRejected.CORRUPT:
-                outcomes[i] = GetOutcome.CORRUPT
-            elif result is AdmitRejected.NO_ROOM:
-                outcomes[i] = GetOutcome.NO_ROOM
-                self.engine.metrics.log_once("keyed_promote_no_room", "kvengine: no room in memory to "
-                                             "promote keyed chunks from %s; served as misses", transport.name)
-            elif isinstance(result, BaseException):  # a transport fault is a miss
-                self.engine.metrics.log_once("keyed_promote_error", "kvengine: keyed promotion from %s failed "
-                                             "(%s: %s); served as a miss", transport.name,
-                                             type(result).__name__, result)
+    async def _read_buffered(self, transport: ChunkTransport, keys: list[ChunkKey],
+                             index: list[int]) -> list[tuple[int, object]]:
+        """Records through the transport's own buffers, verified and admitted (corrupt ones deleted)."""
+        blobs = await transport.get(keys)
+        found = [(i, key, blob) for i, key, blob in zip(index, keys, blobs) if blob is not None]
+        admitted = await asyncio.to_thread(
+            lambda: [self.engine.admit_record(self.binding, key, blob, 0, transport.name) for _, key, blob in found])
+        corrupt = [key for (_, key, _), result in zip(found, admitted) if result is AdmitRejected.CORRUPT]
+        if corrupt:
+            await transport.delete(corrupt)
+        return [(i, result) for (i, _, _), result in zip(found, admitted)]
+
+    async def _read_in_place(self, transport: ReadsInPlace, keys: list[ChunkKey],
+                             index: list[int]) -> list[tuple[int, object]]:
+        """Records read straight into memory slots, concurrently (the transport bounds its I/O)."""
+        results = await asyncio.gather(*(self.engine.promote_placed(self.binding, transport, key, 0) for key in keys),
+                                       return_exceptions=True)
+        return list(zip(index, results))
 
     def _copy_out(self, entries: list[MemoryEntry | None], outcomes: list[GetOutcome], sink: KeyedSink) -> None:
         memory = self.engine.memory

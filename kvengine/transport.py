@@ -20,10 +20,13 @@ group; the value is a factory ``(config: dict) -> ChunkTransport``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .keys import ChunkKey
+
+if TYPE_CHECKING:
+    from .record import RecordHeader
 
 Buffer = bytes | bytearray | memoryview
 
@@ -64,3 +67,19 @@ class TierStats(Protocol):
 @runtime_checkable
 class ReportsStats(Protocol):
     def stats(self) -> TierStats: ...
+
+
+@runtime_checkable
+class ReadsInPlace(ChunkTransport, Protocol):
+    """Optional: a transport that reads a record's payload straight into a buffer chosen from its header.
+
+    ``get_into(key, place)`` reads and verifies the header, calls
+    ``place(header)`` for the destination (None stops the read), reads the
+    payload into it and verifies the payload checksum there, once. It returns
+    the header, or None on a miss, a declined or a corrupt record (deleted and
+    counted). The engine then skips its own buffers and second verification.
+    """
+
+    placed_reads: bool
+
+    async def get_into(self, key: ChunkKey, out: Callable[[RecordHeader], Buffer | None]) -> RecordHeader | None: ...

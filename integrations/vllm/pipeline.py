@@ -60,6 +60,7 @@ class SaveJob:
 
     spec: SaveSpec
     staged: StagedStore
+    null_block_id: int
     filled: int
 
 
@@ -74,7 +75,6 @@ class LayerPipeline:
         self._load_jobs: list[LoadJob] = []
         self._saves: dict[int, Future[None]] = {}
         self._save_jobs: list[SaveJob] | None = None
-        self._null = 0  # of the step whose saves are begun
 
     # -- loads -------------------------------------------------------------------------
     def begin_loads(self, jobs: list[LoadJob]) -> None:
@@ -117,15 +117,15 @@ class LayerPipeline:
         """Whether this step's save jobs are set (:meth:`begin_saves`), until :meth:`end_saves`."""
         return self._save_jobs is not None
 
-    def begin_saves(self, jobs: list[SaveJob], null_block_id: int) -> None:
-        self._save_jobs, self._null = jobs, null_block_id
+    def begin_saves(self, jobs: list[SaveJob]) -> None:
+        self._save_jobs = jobs
 
     def save_layer(self, stage: int | None) -> bool:
         """Queue the copy of ``stage`` (the layer the forward just finished) into the staged slots;
         whether it was queued now (not before, and there are saves)."""
         if stage is None or stage in self._saves or not self._save_jobs:
             return False
-        self._saves[stage] = self._executor.submit(self._save_stage, stage, self._save_jobs, self._null)
+        self._saves[stage] = self._executor.submit(self._save_stage, stage, self._save_jobs)
         return True
 
     def end_saves(self) -> tuple[list[SaveJob], int]:
@@ -137,11 +137,12 @@ class LayerPipeline:
         jobs, self._save_jobs, self._saves = self._save_jobs or [], None, {}
         return jobs, late
 
-    def _save_stage(self, i: int, jobs: list[SaveJob], null: int) -> None:
+    def _save_stage(self, i: int, jobs: list[SaveJob]) -> None:
         for job in jobs:
             for n, view in enumerate(job.staged.chunks[: job.filled]):
                 try:
-                    self._copier.gather_into(i, view.token_range[0], job.spec.block_ids, null, view.tensors[i])
+                    self._copier.gather_into(i, view.token_range[0], job.spec.block_ids, job.null_block_id,
+                                             view.tensors[i])
                 except Exception as exc:
                     logger.warning("kvengine: save of %s stopped at chunk %d (%s: %s)",
                                    job.spec.request_id, view.index, type(exc).__name__, exc)

@@ -325,8 +325,8 @@ class WorkerSide:
             usable = self._copier.usable_chunks(starts, spec.block_ids, meta.null_block_id)
             if usable < len(starts):  # an earlier chunk's pages were freed: later ones are unreachable
                 self._m_store_skips.labels(reason="missing_page").inc()
-            jobs.append(SaveJob(spec, staged, usable))
-        self._pipeline.begin_saves(jobs, meta.null_block_id)
+            jobs.append(SaveJob(spec, staged, meta.null_block_id, usable))
+        self._pipeline.begin_saves(jobs)
 
     def _install_state(self, job: LoadJob) -> bool:
         """A hybrid model's recurrent state at the hit's end, into the block vLLM resumes from."""

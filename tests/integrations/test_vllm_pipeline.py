@@ -32,7 +32,7 @@ def save(eng, binding, pipe: LayerPipeline, copier: PagedCopier, layers_done=())
     staged = eng.begin_store(binding, TOKENS)
     usable = copier.usable_chunks([v.token_range[0] for v in staged.chunks], SRC, 0)
     spec = metadata.SaveSpec(request_id="s", salt="", tokens=np.array(TOKENS, dtype="<u4").tobytes(), block_ids=SRC)
-    pipe.begin_saves([SaveJob(spec, staged, usable)], 0)
+    pipe.begin_saves([SaveJob(spec, staged, 0, usable)])
     for stage in layers_done:
         assert pipe.save_layer(stage)
     (job,), late = pipe.end_saves()
