@@ -4,7 +4,10 @@ The arena is split into equal slabs. A slab serves one size class at a time:
 the class of an object of ``n`` bytes (rounded up to ``ALIGN``) is
 ``k = slab_bytes // n`` slots per slab, each slot ``slab_bytes // k`` bytes
 rounded down to ``ALIGN``, so internal waste is below one object per slab and
-every slot starts ``ALIGN``-aligned (typed views need aligned offsets).
+every slot starts ``ALIGN``-aligned (typed views need aligned offsets). Slots
+of ``LARGE_SLOT`` bytes or more are rounded to whole pages and start on a page
+boundary (the arena and slabs are page-aligned), so direct I/O can write and
+read them in place.
 A slab that empties returns to the shared free list and can take any class next, so free memory never stays stranded in a class: the
 pool does not fragment over time, whatever mix of sizes it sees.
 
@@ -13,6 +16,7 @@ Not thread-safe: the owning tier serialises calls.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,9 @@ import torch
 from .errors import CapacityError
 
 ALIGN = 64
+PAGE = 4096
+#: Slots at least this large are page-aligned (waste under 1/16 of a slot).
+LARGE_SLOT = 16 * PAGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +62,13 @@ class SlabAllocator:
     def __init__(
         self, capacity_bytes: int, slab_bytes: int, *, pin_memory: bool = False, prefault: bool = False
     ) -> None:
-        slab_bytes = slab_bytes // ALIGN * ALIGN
+        slab_bytes = _round_down(slab_bytes, PAGE if slab_bytes >= LARGE_SLOT else ALIGN)
         if slab_bytes < ALIGN or capacity_bytes < slab_bytes:
             raise CapacityError(f"capacity {capacity_bytes} B must hold at least one slab of {slab_bytes} B")
         self.slab_bytes = slab_bytes
         self.num_slabs = capacity_bytes // slab_bytes
         self.capacity_bytes = self.num_slabs * slab_bytes
-        self.arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.arena = _page_aligned_empty(self.capacity_bytes, pin_memory)
         if prefault:
             self.arena.zero_()
         self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.arena}
@@ -76,12 +83,14 @@ class SlabAllocator:
         return self._slot_size(self._slots_per_slab(nbytes))
 
     def _slot_size(self, slots_per_slab: int) -> int:
-        return self.slab_bytes // slots_per_slab // ALIGN * ALIGN
+        size = self.slab_bytes // slots_per_slab
+        return _round_down(size, PAGE if size >= LARGE_SLOT else ALIGN)
 
     def _slots_per_slab(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise CapacityError(f"allocation size must be positive, got {nbytes}")
-        aligned = -(-nbytes // ALIGN) * ALIGN
+        grain = PAGE if nbytes >= LARGE_SLOT else ALIGN
+        aligned = -(-nbytes // grain) * grain
         if aligned > self.slab_bytes:
             raise CapacityError(
                 f"object of {nbytes} B exceeds the memory slab size {self.slab_bytes} B; "
@@ -139,3 +148,18 @@ class SlabAllocator:
     def view(self, alloc: Allocation, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a slot as a flat uint8 tensor."""
         return self.arena[alloc.offset : alloc.offset + nbytes]
+
+
+def _round_down(n: int, grain: int) -> int:
+    return n // grain * grain
+
+
+def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` on page boundaries, at storage offset 0 (views index the storage).
+
+    torch only promises 64-byte alignment; CUDA's pinned host allocator and
+    anonymous mappings give whole pages.
+    """
+    if pin_memory:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ from .record import RecordFlag, RecordHeader, descriptors_for, encode_header, un
 from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
 from .tiers import Tier
-from .transport import Buffer, ChunkTransport, ReadsInPlace
+from .transport import Buffer, ChunkTransport, ReadsInPlace, WritesGathered
 from .buffers import BufferPool
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
@@ -636,9 +637,10 @@ class CacheEngine:
     async def _write_batch(self, batch: list[tuple[ModelBinding, MemoryEntry]]) -> None:
         """Serialise pinned entries and put them to every transport; unpin.
 
-        Records are built ``_ENCODE_BATCH`` at a time in recycled buffers (see
-        :meth:`_encode_into_buffer`); the next few are encoded while the previous
-        ones are written, so at most ``2 * _ENCODE_BATCH`` record buffers exist at once.
+        Records are encoded ``_ENCODE_BATCH`` at a time (see :meth:`_encode`); the
+        next few are encoded while the previous ones are written, so at most
+        ``2 * _ENCODE_BATCH`` encoded or joined record buffers exist at once. A
+        transport that takes parts gets raw payloads straight from their memory slots.
         """
         parts = [batch[i : i + _ENCODE_BATCH] for i in range(0, len(batch), _ENCODE_BATCH)]
         by_codec: dict[Codec, list[ChunkTransport]] = {}
@@ -653,20 +655,26 @@ class CacheEngine:
     async def _write_parts(
         self, parts: list[list[tuple[ModelBinding, MemoryEntry]]], codec: Codec, transports: list[ChunkTransport]
     ) -> None:
-        def encode(part: list[tuple[ModelBinding, MemoryEntry]]) -> list[tuple[ChunkKey, memoryview]]:
-            return [(e.key, self._encode_into_buffer(b, e, codec)) for b, e in part]
+        gathered = [isinstance(t, WritesGathered) for t in transports]
+        joined = not all(gathered)  # some transport takes only whole records: build them once
 
-        pending: asyncio.Future[list[tuple[ChunkKey, memoryview]]] | None = None
+        def encode(part: list[tuple[ModelBinding, MemoryEntry]]) -> list[_EncodedRecord]:
+            return [self._encode(b, e, codec, joined=joined) for b, e in part]
+
+        pending: asyncio.Future[list[_EncodedRecord]] | None = None
         try:
             pending = asyncio.ensure_future(asyncio.to_thread(encode, parts[0]))
             for k in range(len(parts)):
                 records = await pending
                 pending = asyncio.ensure_future(asyncio.to_thread(encode, parts[k + 1])) if k + 1 < len(parts) else None
-                for transport in transports:
-                    ok = await transport.put(records)
-                    for (_, blob), done in zip(records, ok):
+                for transport, gathers in zip(transports, gathered):
+                    if gathers:
+                        ok = await transport.put_parts([(r.key, (r.header, r.payload)) for r in records])  # type: ignore[attr-defined]
+                    else:
+                        ok = await transport.put([(r.key, r.joined) for r in records])
+                    for record, done in zip(records, ok):
                         if done:
-                            self.metrics.stored_bytes.labels(tier=transport.name).inc(len(blob))
+                            self.metrics.stored_bytes.labels(tier=transport.name).inc(record.nbytes)
                             self.metrics.stored_chunks.labels(tier=transport.name).inc()
                         else:
                             self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()
@@ -681,15 +689,20 @@ class CacheEngine:
         header, payload = self._record_parts(binding, entry, self.peer_codec)
         return b"".join((header, payload))  # one copy
 
-    def _encode_into_buffer(self, binding: ModelBinding, entry: MemoryEntry, codec: Codec) -> memoryview:
-        """Like :meth:`encode_record`, into a recycled page-aligned buffer: one copy, no page
-        faults, and O_DIRECT writes it without staging (a ``bytes`` object is not aligned)."""
+    def _encode(self, binding: ModelBinding, entry: MemoryEntry, codec: Codec, *, joined: bool) -> _EncodedRecord:
+        """A pinned entry's record as header + payload, the payload where it lies for the raw codec (blocking).
+
+        With ``joined``, also the whole record in a recycled page-aligned buffer:
+        one copy and no page faults.
+        """
         header, payload = self._record_parts(binding, entry, codec)
         body = memoryview(payload).cast("B")
-        record = self._record_buffers.take(len(header) + body.nbytes)
-        record[: len(header)] = header
-        record[len(header) :] = body
-        return record
+        record = None
+        if joined:
+            record = self._record_buffers.take(len(header) + body.nbytes)
+            record[: len(header)] = header
+            record[len(header) :] = body
+        return _EncodedRecord(entry.key, header, body, record)
 
     def _record_parts(
         self, binding: ModelBinding, entry: MemoryEntry, codec: Codec
@@ -791,6 +804,20 @@ class _PlacedRead:
             self.engine.memory.abort(self.entry)
             self.entry = None
         self.scratch = None
+
+
+@dataclass(frozen=True, slots=True)
+class _EncodedRecord:
+    """A record ready for the tiers: its parts, and the whole record for transports that need one."""
+
+    key: ChunkKey
+    header: bytes
+    payload: memoryview  # a memory slot (raw codec: no copy) or the codec's output
+    joined: memoryview | None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + self.payload.nbytes
 
 
 def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

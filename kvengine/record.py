@@ -7,8 +7,12 @@ Layout (all little-endian)::
                    raw (decoded) payload length, stored payload length,
                    payload checksum (xxh3-64)
     descriptors    per tensor: group, category, dtype, ndim, byte length, dims
+    padding        zero bytes (version 2): a large payload starts at a multiple
+                   of 4 KiB, so direct I/O can write and read it in place
     header check   xxh3-64 of everything above
     payload        the tensors' bytes in descriptor order, encoded by the codec
+
+Readers accept version 1 (never padded) and 2.
 
 :func:`unpack_record` is the only parser. It checks, in order: length,
 magic, version, header checksum, expected namespace/key, descriptor sanity,
@@ -31,8 +35,12 @@ from .keys import ChunkHash, ChunkKey, NamespaceDigest
 from .layout import ChunkLayout, KVCategory, dtype_code, is_known_dtype_code
 
 MAGIC = b"KVCR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = frozenset({1, 2})
 MAX_DIMS = 8
+#: Payloads of at least this many bytes start at a multiple of PAYLOAD_ALIGN into the record.
+ALIGNED_PAYLOAD_MIN = 64 * 1024
+PAYLOAD_ALIGN = 4096
 
 _FIXED = struct.Struct("<4sHHI16s16sQQHHQQQ")
 _TENSOR = struct.Struct("<HBBB3xQ")
@@ -99,6 +107,10 @@ def encode_header(
         for d in t.shape:
             body += _DIM.pack(d)
     header_length = _FIXED.size + len(body) + _CHECK.size
+    if len(payload) >= ALIGNED_PAYLOAD_MIN:
+        padded = -(-header_length // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        body += bytes(padded - header_length)
+        header_length = padded
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, int(flags), header_length, key.namespace, key.chunk_hash,
         token_range[0], token_range[1], codec_id, len(tensors), raw_length, len(payload),
@@ -115,7 +127,7 @@ def peek_header_length(buf: bytes | memoryview) -> int:
     magic, version, _, header_length = struct.unpack_from("<4sHHI", buf)
     if magic != MAGIC:
         raise IntegrityError("bad_magic", repr(bytes(magic)))
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise IntegrityError("other_version", f"version {version}, reader {FORMAT_VERSION}")
     return header_length
 
@@ -129,7 +141,7 @@ def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest 
     (stored_check,) = _CHECK.unpack_from(view, header_length - _CHECK.size)
     if xxhash.xxh3_64_intdigest(view[: header_length - _CHECK.size]) != stored_check:
         raise IntegrityError("header_checksum", "header bytes do not match their checksum")
-    (_, _, flags, _, ns, chunk_hash, start, end, codec_id, n_tensors, raw_length, payload_length,
+    (_, version, flags, _, ns, chunk_hash, start, end, codec_id, n_tensors, raw_length, payload_length,
      payload_checksum) = _FIXED.unpack_from(view)
     if expect_namespace is not None and ns != expect_namespace:
         raise IntegrityError("other_namespace", "record belongs to another namespace")
@@ -145,7 +157,9 @@ def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest 
         shape = tuple(_DIM.unpack_from(view, offset + 8 * i)[0] for i in range(ndim))
         offset += 8 * ndim
         tensors.append(TensorDescriptor(group, KVCategory(category), dcode, shape, nbytes))
-    if offset != header_length - _CHECK.size:
+    padding = view[offset : header_length - _CHECK.size]  # zero bytes up to the check (version 2)
+    if (offset > header_length - _CHECK.size or (version == 1 and padding.nbytes)
+            or padding.nbytes >= PAYLOAD_ALIGN or padding.tobytes().strip(b"\0")):
         raise IntegrityError("bad_descriptor", "descriptor table length mismatch")
     if sum(t.nbytes for t in tensors) != raw_length or end < start:
         raise IntegrityError("bad_descriptor", "tensor sizes do not add up to the payload")

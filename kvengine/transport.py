@@ -83,3 +83,17 @@ class ReadsInPlace(ChunkTransport, Protocol):
     placed_reads: bool
 
     async def get_into(self, key: ChunkKey, out: Callable[[RecordHeader], Buffer | None]) -> RecordHeader | None: ...
+
+
+@runtime_checkable
+class WritesGathered(ChunkTransport, Protocol):
+    """Optional: a transport that takes each record as parts (header, payload) and writes them as one.
+
+    ``put_parts`` has the contract of ``put``; a record is the concatenation
+    of its parts. The engine then hands over the payload where it lies (a
+    memory slot) instead of first copying it next to its header.
+    """
+
+    gathered_writes: bool
+
+    async def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[Buffer]]]) -> list[bool]: ...

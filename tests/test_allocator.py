@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvengine.allocator import ALIGN, SlabAllocator
+from kvengine.allocator import ALIGN, LARGE_SLOT, PAGE, SlabAllocator
 from kvengine.errors import CapacityError
 
 
@@ -49,3 +49,15 @@ def test_oversized_object_is_refused_clearly():
         a.allocate((1 << 16) + 1)
     with pytest.raises(CapacityError):
         SlabAllocator(100, 1 << 16)
+
+
+def test_large_slots_are_page_aligned_small_ones_stay_dense():
+    """Slots of >= 64 KiB start on page boundaries (in memory too: direct I/O writes them in place);
+    small objects keep the 64-byte grain, so a slab still holds as many of them."""
+    a = SlabAllocator(8 << 20, 1 << 20)
+    assert a.arena.data_ptr() % PAGE == 0 and a.arena.storage_offset() == 0
+    large = [a.allocate(LARGE_SLOT + 1000) for _ in range(6)]
+    assert all(x is not None and (a.arena.data_ptr() + x.offset) % PAGE == 0 for x in large)
+    assert all(x.nbytes % PAGE == 0 and x.nbytes >= LARGE_SLOT + 1000 for x in large if x is not None)
+    small = [a.allocate(100) for _ in range(10)]
+    assert all(x is not None and x.nbytes == 128 for x in small)

@@ -6,11 +6,12 @@ import struct
 
 import pytest
 import torch
+import xxhash
 
 from kvengine.errors import IntegrityError
 from kvengine.keys import ChunkHash, ChunkKey, Namespace
-from kvengine.record import (FORMAT_VERSION, RecordFlag, decode_header, descriptors_for, encode_header,
-                             unpack_record)
+from kvengine.record import (ALIGNED_PAYLOAD_MIN, FORMAT_VERSION, PAYLOAD_ALIGN, RecordFlag, decode_header,
+                             descriptors_for, encode_header, unpack_record)
 
 from .conftest import make_layout
 
@@ -80,3 +81,50 @@ def test_descriptors_follow_layout_dtype():
     layout = make_layout(dtype=torch.bfloat16)
     desc = descriptors_for(layout, 8)  # partial chunk: token dim halves
     assert desc[0].shape == (2, 2, 8, 4) and desc[0].nbytes == 2 * 2 * 8 * 4 * 2
+
+
+# -- format version 2: padded headers ------------------------------------------------
+def _large_record(payload_bytes: int = 2 * ALIGNED_PAYLOAD_MIN) -> tuple[bytes, bytes]:
+    layout = make_layout(chunk=16, layers=2, heads=2, dim=payload_bytes // 512)  # 2 tensors
+    payload = bytes(range(256)) * (layout.nbytes() // 256)
+    head = encode_header(KEY, (0, 16), descriptors_for(layout, 16), codec_id=0, raw_length=layout.nbytes(),
+                         payload=payload)
+    return head, payload
+
+
+def _reseal(head: bytearray) -> bytes:
+    """Recompute the header checksum after editing the header (what a writer of that content would do)."""
+    struct.pack_into("<Q", head, len(head) - 8, xxhash.xxh3_64_intdigest(bytes(head[:-8])))
+    return bytes(head)
+
+
+def test_large_payloads_start_on_a_page_boundary():
+    """A payload of >= 64 KiB starts at a multiple of 4 KiB into the record (direct I/O writes it in
+    place); a small one is not padded. Both round trip."""
+    head, payload = _large_record()
+    assert len(head) % PAYLOAD_ALIGN == 0 and len(payload) >= ALIGNED_PAYLOAD_MIN
+    header, body = unpack_record(head + payload, expect_key=KEY)
+    assert header.header_length == len(head) and bytes(body) == payload
+    assert len(_record()) - 2048 < PAYLOAD_ALIGN // 4
+
+
+def test_padding_must_be_zero_and_version_1_never_padded():
+    """Non-zero padding (even under a valid checksum) and a padded version-1 header are malformed;
+    an unpadded version-1 record, as older writers wrote it, still reads."""
+    head, payload = _large_record()
+    dirty = bytearray(head)
+    dirty[-100] = 1
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_reseal(dirty) + payload, expect_key=KEY)
+    assert err.value.reason == "bad_descriptor"
+    old_padded = bytearray(head)
+    struct.pack_into("<H", old_padded, 4, 1)
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_reseal(old_padded) + payload, expect_key=KEY)
+    assert err.value.reason == "bad_descriptor"
+    small = bytearray(_record())
+    n = decode_header(bytes(small)).header_length
+    old = bytearray(small[:n])
+    struct.pack_into("<H", old, 4, 1)
+    header, body = unpack_record(_reseal(old) + bytes(small[n:]), expect_key=KEY)
+    assert bytes(body) == b"x" * 2048 and header.token_start == 32

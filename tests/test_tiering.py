@@ -198,3 +198,47 @@ async def test_record_at_wrong_position_is_refused(layout):
     assert eng.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 1
     await eng.release(res)
     await eng.close()
+
+
+class GatheringTransport(DictTransport):
+    """Takes records as parts, as the local-disk transport does; remembers where each payload lay."""
+
+    name = "gathering"
+    gathered_writes = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.payload_addresses: list[int] = []
+
+    async def put_parts(self, items):
+        for key, parts in items:
+            self.payload_addresses.append(torch.frombuffer(parts[-1], dtype=torch.uint8).data_ptr())
+            self.blobs[key] = b"".join(bytes(p) for p in parts)
+        return [True] * len(items)
+
+
+async def test_a_gathering_tier_gets_raw_payloads_straight_from_memory_while_others_get_whole_records(layout):
+    """With two raw tiers, the one that takes parts is handed each payload where it lies in the memory
+    arena (no copy to join it to its header); the other gets whole records; both hold the same bytes,
+    and a chunk promoted from the gathering tier loads exactly."""
+    gathering, whole = GatheringTransport(), DictTransport()
+    eng = CacheEngine(make_config(capacity=4 * layout.nbytes()), transports=[gathering, whole])
+    await eng.start()
+    b = eng.bind(Namespace(model="m"), layout)
+    toks, kv = list(range(2 * CHUNK)), FakeKV(2 * CHUNK)
+    await eng.store(b, toks, kv.source)
+    await eng.flush()
+    slots = []
+    for entry in eng.memory.pin_prefix(list(gathering.blobs)):
+        slots.append(eng.memory.raw(entry).data_ptr())
+        eng.memory.unpin([entry])
+    assert len(slots) == 2 and sorted(gathering.payload_addresses) == sorted(slots)
+    assert gathering.blobs == whole.blobs and len(whole.blobs) == 2
+    for key in list(gathering.blobs):
+        eng.memory.discard(key)
+    eng.transports = [gathering]  # promote from the gathering tier only
+    res = await eng.lookup(b, "r", toks)
+    out = [torch.zeros_like(t) for t in kv.layers]
+    assert res.matched_tokens == 2 * CHUNK and (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
+    assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    await eng.close()

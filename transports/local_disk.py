@@ -159,9 +159,7 @@ class LocalDiskTransport:
 
     # -- ChunkTransport -------------------------------------------------------
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
-        await self._begin()
-        views = [(key, self._checked_record(key, buf)) for key, buf in items]
-        return list(await asyncio.gather(*(self._run(self._put_one, key, view) for key, view in views)))
+        return await self.put_parts([(key, (buf,)) for key, buf in items])
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         await self._begin()
@@ -185,6 +183,15 @@ class LocalDiskTransport:
         await asyncio.to_thread(self._pool.shutdown, True)
 
     # -- extras ---------------------------------------------------------------
+    #: :meth:`put_parts` writes a record given as parts (the engine's header + memory slot) without joining them.
+    gathered_writes = True
+
+    async def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[Buffer]]]) -> list[bool]:
+        """:meth:`put` of records given as parts, written in order as one file (no copy to join them)."""
+        await self._begin()
+        checked = [(key, self._checked_record(key, parts)) for key, parts in items]
+        return list(await asyncio.gather(*(self._run(self._put_one, key, views) for key, views in checked)))
+
     #: :meth:`get_into` accepts a placement function (the engine reads records straight into memory slots).
     placed_reads = True
 
@@ -235,19 +242,19 @@ class LocalDiskTransport:
     def _run(self, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _checked_record(self, key: ChunkKey, buf: Buffer) -> memoryview:
+    def _checked_record(self, key: ChunkKey, parts: Sequence[Buffer]) -> list[memoryview]:
         """Caller-mistake checks on the header only (the payload checksum is the reader's job)."""
-        view = memoryview(buf).cast("B")
+        views = [memoryview(part).cast("B") for part in parts]
         ns = self.options.namespaces
         if ns is not None and key.namespace not in ns:
             raise InvalidRequestError("put of a chunk outside this transport's namespaces")
         try:
-            header = decode_header(view, expect_namespace=key.namespace)
+            header = decode_header(views[0] if views else b"", expect_namespace=key.namespace)
         except IntegrityError as exc:
-            raise InvalidRequestError(f"put of a malformed record: {exc}") from None
-        if header.key != key or header.record_length != view.nbytes:
+            raise InvalidRequestError(f"put of a malformed record (its first part must hold the header): {exc}") from None
+        if header.key != key or header.record_length != sum(v.nbytes for v in views):
             raise InvalidRequestError("put of a record whose header does not match its key or length")
-        return view
+        return views
 
     def _lookup(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether each key is indexed, touching the LRU order of hits; misses counted here."""
@@ -263,15 +270,16 @@ class LocalDiskTransport:
         return await self._run(self._get_one, key) if hit else None
 
     # -- workers (thread pool side) ---------------------------------------------
-    def _put_one(self, key: ChunkKey, data: memoryview) -> bool:
-        need = footprint(data.nbytes)
+    def _put_one(self, key: ChunkKey, parts: list[memoryview]) -> bool:
+        nbytes = sum(part.nbytes for part in parts)
+        need = footprint(nbytes)
         if need > self.options.capacity_bytes:
-            return self._put_failed("too_large", f"{data.nbytes} B record > capacity")
+            return self._put_failed("too_large", f"{nbytes} B record > capacity")
         if not self._reserve(key, need):
             return True  # already stored: content-addressed, nothing to write
         failure: OSError | None = None
         try:
-            self._files.write(key, data, self.options.fsync)
+            self._files.write(key, parts, self.options.fsync)
         except OSError as exc:
             failure = exc
         finally:  # also on unexpected errors: a leaked reservation would block later puts
@@ -279,10 +287,10 @@ class LocalDiskTransport:
                 self._reserved -= need
                 if failure is None:
                     self._forget_locked(key)
-                    self._index[key] = data.nbytes
+                    self._index[key] = nbytes
                     self._published += need
                     self._counts["puts_ok"] += 1
-                    self._counts["bytes_written"] += data.nbytes
+                    self._counts["bytes_written"] += nbytes
                 self._cond.notify_all()
         if failure is not None:
             return self._put_failed(_PUT_REASONS.get(failure.errno or 0, "io_error"), str(failure))
