@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -52,9 +53,8 @@ from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, 
 
 logger = logging.getLogger("kvengine")
 
-_WRITE_BATCH = 16
-#: Tier writes encode this many records at a time, overlapped with writing the previous ones.
-_ENCODE_BATCH = 4
+#: Tier writes in flight at once (each encoded just before its put; at most this many record buffers).
+_WRITES_IN_FLIGHT = 8
 #: Promotion reads this many records at a time, the next window while admitting this one.
 _READ_WINDOW = 4
 #: Promotion through a transport with placed reads keeps this many reads in flight, each
@@ -115,6 +115,11 @@ class CacheEngine:
         self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
         self.reservations = ReservationTable()
         self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
+        self._write_slots: asyncio.Semaphore | None = None
+        self._writes: set[asyncio.Future[None]] = set()  # write-behind tier writes in flight
+        self._tiers_by_codec: dict[Codec, list[ChunkTransport]] = {}
+        for transport, codec in self._tiers:  # each record is encoded once per codec, not once per tier
+            self._tiers_by_codec.setdefault(codec, []).append(transport)
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._memory_stored_bytes = self.metrics.stored_bytes.labels(tier="memory")
@@ -137,6 +142,7 @@ class CacheEngine:
     async def start(self) -> None:
         """Start background tasks (lease reaper, tier writer) on the running loop."""
         self._write_queue = asyncio.Queue(maxsize=self.config.max_pending_writes)
+        self._write_slots = asyncio.Semaphore(_WRITES_IN_FLIGHT)
         self._tasks.append(asyncio.create_task(self._reaper(), name="kvengine-reaper"))
         if self.transports:
             self._tasks.append(asyncio.create_task(self._writer(), name="kvengine-writer"))
@@ -166,6 +172,8 @@ class CacheEngine:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._writes:  # never close memory under a write still reading it
+            await asyncio.wait(list(self._writes))
         for res in self.reservations.all():
             self._end(res)
         for transport in self.transports:
@@ -512,7 +520,11 @@ class CacheEngine:
         without it).
         """
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
-        result, held = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
+        hand_off = None
+        if self.transports and self.config.write_mode == "write_behind":  # tier writes start with the first chunk
+            loop = asyncio.get_running_loop()
+            hand_off = partial(loop.call_soon_threadsafe, self._queue_write, binding)
+        result, held = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off)
         if held:
             await self.write_lower_tiers(binding, held)
         return result
@@ -538,17 +550,26 @@ class CacheEngine:
         return result
 
     def _copy_in(
-        self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource
+        self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource,
+        hand_off: Callable[[MemoryEntry], object] | None = None,
     ) -> tuple[StoreResult, list[MemoryEntry]]:
-        """Copy new chunks into memory; return the result and the new entries (pinned for the lower tiers)."""
+        """Copy new chunks into memory; return the result and the new entries (pinned for the lower tiers).
+
+        With ``hand_off``, each chunk is committed as soon as it is copied and
+        passed (pinned) to ``hand_off`` instead, so lower-tier writes overlap the copies.
+        """
         staged = self._prepare_slots(binding, hashes, total)
         filled = 0
         try:
-            for view in staged.chunks:
+            for view, entry in zip(staged.chunks, staged.entries):
                 tensors = source(view.index, *view.token_range)
                 binding.layout.check(tensors, view.token_range[1] - view.token_range[0])
                 copy_all(view.tensors, tensors)
                 filled += 1
+                if hand_off is not None:
+                    self.memory.commit(entry, keep_pin=True)
+                    staged.published = filled
+                    hand_off(entry)
         except BaseException:
             _, held = self._commit_slots(staged, filled)
             self.memory.unpin(held)  # what was copied stays in memory; the caller sees the error
@@ -588,14 +609,14 @@ class CacheEngine:
         if staged.committed:
             raise InvalidRequestError("this staged store was already committed")
         staged.committed = True
-        filled = max(0, min(filled, len(staged.entries)))
-        held = list(staged.entries[:filled])
+        filled = max(staged.published, min(filled, len(staged.entries)))
+        held = list(staged.entries[staged.published : filled])  # not handed to the writer yet
         for entry in held:
             self.memory.commit(entry, keep_pin=True)
         for entry in staged.entries[filled:]:
             self.memory.abort(entry)
-        self._memory_stored_bytes.inc(sum(e.nbytes for e in held))
-        self._memory_stored_chunks.inc(len(held))
+        self._memory_stored_bytes.inc(sum(e.nbytes for e in staged.entries[:filled]))
+        self._memory_stored_chunks.inc(filled)
         unused = len(staged.entries) - filled
         result = StoreResult(filled, staged.present_chunks, staged.rejected_chunks + unused)
         if not self.transports:  # otherwise the pins pass to the tier writer
@@ -606,83 +627,74 @@ class CacheEngine:
     # -- lower tiers ------------------------------------------------------------------
     async def write_lower_tiers(self, binding: ModelBinding, entries: list[MemoryEntry]) -> None:
         """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode."""
-        assert self._write_queue is not None, "engine not started"
+        assert self._write_queue is not None and self._write_slots is not None, "engine not started"
         if self.config.write_mode == "write_through":
-            for start in range(0, len(entries), _WRITE_BATCH):
-                await self._write_batch([(binding, e) for e in entries[start : start + _WRITE_BATCH]])
+            async def write(entry: MemoryEntry) -> None:
+                async with self._write_slots:
+                    await self._write_entry(binding, entry)
+
+            await asyncio.gather(*(write(e) for e in entries))
             return
         for entry in entries:
-            try:
-                self._write_queue.put_nowait((binding, entry))
-            except asyncio.QueueFull:
-                self.memory.unpin([entry])
-                self.metrics.writes_dropped.labels(reason="backpressure").inc()
-                self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; dropping some")
+            self._queue_write(binding, entry)
+
+    def _queue_write(self, binding: ModelBinding, entry: MemoryEntry) -> None:
+        """Queue one pinned entry for the write-behind writer, or drop it (counted) when the queue is full."""
+        assert self._write_queue is not None, "engine not started"
+        try:
+            self._write_queue.put_nowait((binding, entry))
+        except asyncio.QueueFull:
+            self.memory.unpin([entry])
+            self.metrics.writes_dropped.labels(reason="backpressure").inc()
+            self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; dropping some")
 
     async def _writer(self) -> None:
-        assert self._write_queue is not None
-        queue = self._write_queue
+        """Write queued entries, up to ``_WRITES_IN_FLIGHT`` at once: a record starts as soon as one ends,
+        so the devices never wait for the slowest record of a group."""
+        assert self._write_queue is not None and self._write_slots is not None
+        queue, slots = self._write_queue, self._write_slots
+
+        def done(task: asyncio.Future[None]) -> None:
+            self._writes.discard(task)
+            slots.release()
+            queue.task_done()
+            if not task.cancelled() and task.exception() is not None:  # the chunk stays in memory
+                exc = task.exception()
+                self.metrics.log_once("writer", "kvengine: tier write failed: %s: %s", type(exc).__name__, exc)
+
         while True:
-            batch = [await queue.get()]
-            while len(batch) < _WRITE_BATCH and not queue.empty():
-                batch.append(queue.get_nowait())
+            await slots.acquire()  # before taking an entry: a cancelled writer holds none
             try:
-                await self._write_batch(batch)
-            except Exception as exc:  # never let the writer die; the chunks stay in memory
-                self.metrics.log_once("writer", "kvengine: tier writer failed: %s: %s", type(exc).__name__, exc)
-            finally:
-                for _ in batch:
-                    queue.task_done()
+                binding, entry = await queue.get()
+            except BaseException:
+                slots.release()
+                raise
+            task = asyncio.ensure_future(self._write_entry(binding, entry))
+            self._writes.add(task)
+            task.add_done_callback(done)
 
-    async def _write_batch(self, batch: list[tuple[ModelBinding, MemoryEntry]]) -> None:
-        """Serialise pinned entries and put them to every transport; unpin.
-
-        Records are encoded ``_ENCODE_BATCH`` at a time (see :meth:`_encode`); the
-        next few are encoded while the previous ones are written, so at most
-        ``2 * _ENCODE_BATCH`` encoded or joined record buffers exist at once. A
-        transport that takes parts gets raw payloads straight from their memory slots.
-        """
-        parts = [batch[i : i + _ENCODE_BATCH] for i in range(0, len(batch), _ENCODE_BATCH)]
-        by_codec: dict[Codec, list[ChunkTransport]] = {}
-        for transport, codec in self._tiers:  # encode once per codec, not once per tier
-            by_codec.setdefault(codec, []).append(transport)
+    async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry) -> None:
+        """Encode a pinned entry once per codec, put it to every tier of that codec; unpin."""
         try:
-            for codec, transports in by_codec.items():
-                await self._write_parts(parts, codec, transports)
+            for codec, transports in self._tiers_by_codec.items():
+                gathered = [isinstance(t, WritesGathered) for t in transports]
+                record = await asyncio.to_thread(self._encode, binding, entry, codec, joined=not all(gathered))
+                results = await asyncio.gather(*(
+                    t.put_parts([(record.key, (record.header, record.payload))]) if gathers  # type: ignore[attr-defined]
+                    else t.put([(record.key, record.joined)])
+                    for t, gathers in zip(transports, gathered)), return_exceptions=True)  # none still reads the slot
+                for transport, result in zip(transports, results):
+                    if isinstance(result, BaseException):  # a transport bug: counted as a failed put
+                        self.metrics.log_once(f"put:{transport.name}", "kvengine: %s put raised %s: %s",
+                                              transport.name, type(result).__name__, result)
+                    elif result[0]:
+                        self.metrics.stored_bytes.labels(tier=transport.name).inc(record.nbytes)
+                        self.metrics.stored_chunks.labels(tier=transport.name).inc()
+                        continue
+                    self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()
+                del record  # its buffers go back to the pool
         finally:
-            self.memory.unpin([e for _, e in batch])
-
-    async def _write_parts(
-        self, parts: list[list[tuple[ModelBinding, MemoryEntry]]], codec: Codec, transports: list[ChunkTransport]
-    ) -> None:
-        gathered = [isinstance(t, WritesGathered) for t in transports]
-        joined = not all(gathered)  # some transport takes only whole records: build them once
-
-        def encode(part: list[tuple[ModelBinding, MemoryEntry]]) -> list[_EncodedRecord]:
-            return [self._encode(b, e, codec, joined=joined) for b, e in part]
-
-        pending: asyncio.Future[list[_EncodedRecord]] | None = None
-        try:
-            pending = asyncio.ensure_future(asyncio.to_thread(encode, parts[0]))
-            for k in range(len(parts)):
-                records = await pending
-                pending = asyncio.ensure_future(asyncio.to_thread(encode, parts[k + 1])) if k + 1 < len(parts) else None
-                for transport, gathers in zip(transports, gathered):
-                    if gathers:
-                        ok = await transport.put_parts([(r.key, (r.header, r.payload)) for r in records])  # type: ignore[attr-defined]
-                    else:
-                        ok = await transport.put([(r.key, r.joined) for r in records])
-                    for record, done in zip(records, ok):
-                        if done:
-                            self.metrics.stored_bytes.labels(tier=transport.name).inc(record.nbytes)
-                            self.metrics.stored_chunks.labels(tier=transport.name).inc()
-                        else:
-                            self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()
-                del records  # the buffers go back to the pool
-        finally:
-            if pending is not None:
-                with contextlib.suppress(Exception):
-                    await pending  # never unpin entries a worker thread is still reading
+            self.memory.unpin([entry])
 
     def encode_record(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
         """The chunk record of a pinned entry as sent to peers, in :attr:`peer_codec` (blocking)."""

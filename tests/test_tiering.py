@@ -7,12 +7,15 @@ transport has its own tests under tests/transports/.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 
 import pytest
 import torch
 
+import kvengine.engine as engine_module
 from kvengine import CacheEngine, ChunkKey, Namespace
+from kvengine.record import unpack_record
 
 from .conftest import CHUNK, FakeKV, copier, make_config, make_layout
 
@@ -85,7 +88,7 @@ async def test_corrupt_lower_tier_record_is_a_counted_miss(layout, damage):
     toks = list(range(3 * CHUNK))
     await eng.store(b, toks, FakeKV(3 * CHUNK).source)
     await eng.flush()
-    keys = list(t.blobs)
+    keys = sorted(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)  # in prompt order
     for k in keys:
         eng.memory.discard(k)
     blob = bytearray(t.blobs[keys[1]])
@@ -120,8 +123,9 @@ async def test_failed_tier_writes_are_counted_and_memory_keeps_serving(layout):
     await eng.close()
 
 
-async def test_backpressure_and_shutdown_drop_are_accounted(layout):
+async def test_backpressure_and_shutdown_drop_are_accounted(layout, monkeypatch):
     """A full write queue drops (counted) instead of growing; close(flush=False) drops the rest, counted."""
+    monkeypatch.setattr(engine_module, "_WRITES_IN_FLIGHT", 1)
     t = DictTransport()
     t.put_delay = 0.5
     eng = await make_engine(t, max_pending_writes=1)
@@ -241,4 +245,80 @@ async def test_a_gathering_tier_gets_raw_payloads_straight_from_memory_while_oth
     out = [torch.zeros_like(t) for t in kv.layers]
     assert res.matched_tokens == 2 * CHUNK and (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
     assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    await eng.close()
+
+
+class CountingTransport(DictTransport):
+    """Records how many puts overlap, and signals the first record put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = self.most_active = 0
+        self.first_put = threading.Event()
+
+    async def put(self, items):
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+        try:
+            return await super().put(items)
+        finally:
+            self.active -= 1
+            self.first_put.set()
+
+
+async def test_tier_writes_start_while_store_is_still_copying(layout):
+    """Write-behind: the first chunk reaches the lower tier before the store has copied its last
+    chunk (the writer does not wait for the whole prompt); every chunk is written, no pin is left."""
+    t = CountingTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    kv = FakeKV(3 * CHUNK)
+    seen_during_store: list[bool] = []
+
+    def source(index: int, start: int, end: int):
+        if index == 2:  # runs on the copy thread; the event loop is free to start writes
+            seen_during_store.append(t.first_put.wait(timeout=5))
+        return kv.source(index, start, end)
+
+    await eng.store(b, list(range(3 * CHUNK)), source)
+    await eng.flush()
+    assert seen_during_store == [True] and len(t.blobs) == 3
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_writes_overlap_up_to_the_in_flight_bound(layout, monkeypatch):
+    """Queued chunks are written several at a time, never more than the bound, all of them in the end."""
+    monkeypatch.setattr(engine_module, "_WRITES_IN_FLIGHT", 3)
+    t = CountingTransport()
+    t.put_delay = 0.05
+    eng = CacheEngine(make_config(capacity=16 * layout.nbytes()), transports=[t])
+    await eng.start()
+    b = eng.bind(Namespace(model="m"), layout)
+    await eng.store(b, list(range(10 * CHUNK)), FakeKV(10 * CHUNK).source)
+    await eng.flush()
+    assert t.most_active == 3 and len(t.blobs) == 10 and eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_a_store_that_fails_midway_writes_what_it_copied(layout):
+    """The source raises at the third chunk: the store raises, the two chunks copied (and already handed
+    to the writer) are in memory and below it, and no pin is left."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    kv = FakeKV(4 * CHUNK)
+
+    def source(index: int, start: int, end: int):
+        if index == 2:
+            raise RuntimeError("model state gone")
+        return kv.source(index, start, end)
+
+    with pytest.raises(RuntimeError, match="model state gone"):
+        await eng.store(b, list(range(4 * CHUNK)), source)
+    await eng.flush()
+    assert len(t.blobs) == 2 and len(eng.memory) == 2 and eng.memory.total_pins() == 0
+    res = await eng.lookup(b, "r", list(range(4 * CHUNK)))
+    assert res.matched_tokens == 2 * CHUNK
+    await eng.release(res)
     await eng.close()
