@@ -162,4 +162,5 @@ def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
     """
     if pin_memory:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    # Private: a forked child gets a copy-on-write view, never a window into this cache.
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)

@@ -49,7 +49,7 @@ class BufferPool:
             else:
                 mapping = None
         if mapping is None:
-            mapping = mmap.mmap(-1, capacity)
+            mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE)  # copy-on-write across fork
         exporter = np.frombuffer(mapping, dtype=np.uint8)
         weakref.finalize(exporter, self._give_back, mapping, capacity).atexit = False
         return exporter.data[:size]  # a view whose exporter is ``exporter``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -61,3 +62,16 @@ def test_large_slots_are_page_aligned_small_ones_stay_dense():
     assert all(x.nbytes % PAGE == 0 and x.nbytes >= LARGE_SLOT + 1000 for x in large if x is not None)
     small = [a.allocate(100) for _ in range(10)]
     assert all(x is not None and x.nbytes == 128 for x in small)
+
+
+def test_a_forked_child_cannot_write_into_the_parents_arena():
+    """The arena is private memory: a child forked after it was allocated (e.g. by a multiprocessing
+    engine) writes into its own copy, never into the parent's cache."""
+    a = SlabAllocator(1 << 20, 1 << 16, prefault=True)
+    pid = os.fork()
+    if pid == 0:  # child
+        a.arena[:4096] = 7
+        os._exit(0 if int(a.arena[0]) == 7 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(a.arena[:4096].max()) == 0

@@ -225,7 +225,7 @@ class RecordFiles:
     def _stage(self) -> memoryview:
         stage = getattr(self._local, "stage", None)
         if stage is None:
-            stage = self._local.stage = memoryview(mmap.mmap(-1, STAGE_BYTES))
+            stage = self._local.stage = memoryview(mmap.mmap(-1, STAGE_BYTES, flags=mmap.MAP_PRIVATE))
         return stage
 
     def _write_direct(self, fd: int, parts: Sequence[memoryview], nbytes: int) -> None:
