@@ -527,7 +527,7 @@ def run(side: Side, args: argparse.Namespace) -> dict[str, Any]:
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tokens", type=int, default=32768, help="prompt length for hashing, control and L1 rows")
-    ap.add_argument("--disk-tokens", type=int, default=8192,
+    ap.add_argument("--disk-tokens", type=int, default=32768,
                     help="prompt length for disk rows (0: skip); its first tokens of the same buffer")
     ap.add_argument("--repeats", type=int, default=2, help="L1 rounds (raw copy, store, retrieve interleaved)")
     ap.add_argument("--disk-repeats", type=int, default=1, help="disk rounds per mode (buffered, O_DIRECT)")
