@@ -679,8 +679,9 @@ class CacheEngine:
             for codec, transports in self._tiers_by_codec.items():
                 gathered = [isinstance(t, WritesGathered) for t in transports]
                 record = await asyncio.to_thread(self._encode, binding, entry, codec, joined=not all(gathered))
+                parts = (record.header, record.payload)
                 results = await asyncio.gather(*(
-                    t.put_parts([(record.key, (record.header, record.payload))]) if gathers  # type: ignore[attr-defined]
+                    t.put_parts([(record.key, parts)]) if gathers  # type: ignore[attr-defined]
                     else t.put([(record.key, record.joined)])
                     for t, gathers in zip(transports, gathered)), return_exceptions=True)  # none still reads the slot
                 for transport, result in zip(transports, results):

@@ -18,8 +18,9 @@ buffers, offsets and lengths. A record arrives as parts (the engine passes
 its header and the memory slot that holds the payload, which the record
 format and the slab allocator both put on page boundaries): page-aligned
 runs are written straight from the caller's memory, anything else goes
-through a reused per-thread aligned staging buffer. The last block is padded and the file truncated back to the exact record length, so
-every file holds exactly one record. A filesystem that refuses ``O_DIRECT``
+through a reused per-thread aligned staging buffer. The last block is
+padded and the file truncated back to the exact record length, so every
+file holds exactly one record. A filesystem that refuses ``O_DIRECT``
 (EINVAL at open or at the first write) turns it off for the life of the
 object; small records always use buffered I/O.
 

@@ -251,7 +251,8 @@ class LocalDiskTransport:
         try:
             header = decode_header(views[0] if views else b"", expect_namespace=key.namespace)
         except IntegrityError as exc:
-            raise InvalidRequestError(f"put of a malformed record (its first part must hold the header): {exc}") from None
+            raise InvalidRequestError(
+                f"put of a malformed record (its first part must hold the header): {exc}") from None
         if header.key != key or header.record_length != sum(v.nbytes for v in views):
             raise InvalidRequestError("put of a record whose header does not match its key or length")
         return views
