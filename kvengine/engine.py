@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -117,6 +118,9 @@ class CacheEngine:
         self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
         self._write_slots: asyncio.Semaphore | None = None
         self._writes: set[asyncio.Future[None]] = set()  # write-behind tier writes in flight
+        #: One thread encodes (checksums, compresses) for every tier write: at most one core, whatever
+        #: the number of writes in flight, so a store's copies are left a core on small machines.
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvengine-encode")
         self._tiers_by_codec: dict[Codec, list[ChunkTransport]] = {}
         for transport, codec in self._tiers:  # each record is encoded once per codec, not once per tier
             self._tiers_by_codec.setdefault(codec, []).append(transport)
@@ -174,6 +178,7 @@ class CacheEngine:
                 await task
         if self._writes:  # never close memory under a write still reading it
             await asyncio.wait(list(self._writes))
+        self._encoder.shutdown(wait=False)
         for res in self.reservations.all():
             self._end(res)
         for transport in self.transports:
@@ -678,7 +683,8 @@ class CacheEngine:
         try:
             for codec, transports in self._tiers_by_codec.items():
                 gathered = [isinstance(t, WritesGathered) for t in transports]
-                record = await asyncio.to_thread(self._encode, binding, entry, codec, joined=not all(gathered))
+                record = await asyncio.get_running_loop().run_in_executor(
+                    self._encoder, partial(self._encode, binding, entry, codec, joined=not all(gathered)))
                 parts = (record.header, record.payload)
                 results = await asyncio.gather(*(
                     t.put_parts([(record.key, parts)]) if gathers  # type: ignore[attr-defined]
