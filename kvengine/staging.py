@@ -30,5 +30,3 @@ class StagedStore:
     rejected_chunks: int
     entries: tuple[MemoryEntry, ...]
     committed: bool = False
-    #: Leading entries already committed and handed to the tier writer while the rest is filled.
-    published: int = 0
