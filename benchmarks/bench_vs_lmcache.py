@@ -267,8 +267,7 @@ def build_rows(kv: dict[str, Any], lm: dict[str, Any]) -> list[dict[str, Any]]:
 
     def add(what: str, unit: str, higher: bool, get: Callable[[dict[str, Any]], float | None], *,
             limit: Callable[[dict[str, Any]], float] | None = None,
-            vs_limit: Callable[[dict[str, Any]], float] | None = None, ratio: bool = True,
-            target: str | None = None) -> None:
+            vs_limit: Callable[[dict[str, Any]], float] | None = None, ratio: bool = True) -> None:
         k, m = get(kv), get(lm)
         row: dict[str, Any] = {"what": what, "unit": unit, "higher_is_better": higher, "kvengine": k, "lmcache": m}
         row["kvengine_ahead_x"] = (_ratio(k, m) if higher else _ratio(m, k)) if ratio else None
@@ -279,9 +278,7 @@ def build_rows(kv: dict[str, Any], lm: dict[str, Any]) -> list[dict[str, Any]]:
             # Each side ran at another time on a noisy machine: comparing fractions of the limit each
             # measured alongside itself cancels the drift between the two processes.
             row["kvengine_ahead_normalised_x"] = _ratio(row["kvengine_vs_limit"], row["lmcache_vs_limit"])
-        if target is not None:
-            row["target"] = target
-        elif k is None or m is None:
+        if k is None or m is None:
             row["target"] = "n/a"
         elif not ratio and abs(k - m) <= TIE_MB:
             row["target"] = "tie"  # both within measurement resolution of each other
@@ -327,11 +324,10 @@ def build_rows(kv: dict[str, Any], lm: dict[str, Any]) -> list[dict[str, Any]]:
             add(f"disk persist (store until durable), {label}", "GB/s", True,
                 lambda r, m=mode: r["disk"][m]["persist_gbps"], limit=lambda r: best(r, "write"),
                 vs_limit=lambda r, m=mode: r["disk"][m]["persist_gbps"] / best(r, "write"))
-        # Not one of the rows, shown for the trade it measures: kvengine starts the disk writes while
-        # store still copies (write-behind), which makes the data durable sooner but shares the 2 cores.
+        # Not one of the rows: what a caller waits for when a disk tier is attached (write-behind),
+        # shown because starting the disk writes during the copies would trade it against persist time.
         add("store call returns, disk attached (write-behind)", "ms", False,
-            lambda r: 1e3 * statistics.mean([r["disk"][m]["store_returned_s"] for m in ("buffered", "direct")]),
-            target="trade-off (see text)")
+            lambda r: 1e3 * statistics.mean([r["disk"][m]["store_returned_s"] for m in ("buffered", "direct")]))
         for mode, label in (("buffered", "buffered"), ("direct", "O_DIRECT mode")):
             add(f"disk read (cold cache, lookup + retrieve), {label}", "GB/s", True,
                 lambda r, m=mode: r["disk"][m]["read_gbps"], limit=lambda r: best(r, "read"),
