@@ -30,3 +30,5 @@ class StagedStore:
     rejected_chunks: int
     entries: tuple[MemoryEntry, ...]
     committed: bool = False
+    #: Leading entries already committed and handed to the tier writes while the rest was filled.
+    published: int = 0

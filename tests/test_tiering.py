@@ -7,6 +7,7 @@ transport has its own tests under tests/transports/.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -297,4 +298,52 @@ async def test_a_store_that_fails_midway_keeps_what_it_copied_in_memory_only(lay
     res = await eng.lookup(b, "r", list(range(4 * CHUNK)))
     assert res.matched_tokens == 2 * CHUNK
     await eng.release(res)
+    await eng.close()
+
+
+async def test_write_through_starts_each_chunks_writes_as_soon_as_it_is_copied(layout):
+    """Write-through: the caller waits for the tiers anyway, so the first chunk reaches the lower tier
+    while the store is still copying later ones; on return every chunk is below, no pin is left."""
+    t = DictTransport()
+    first_put = threading.Event()
+    real_put = t.put
+
+    async def put(items):
+        try:
+            return await real_put(items)
+        finally:
+            first_put.set()
+
+    t.put = put  # type: ignore[method-assign]
+    eng = await make_engine(t, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    kv = FakeKV(3 * CHUNK)
+    seen_during_copy: list[bool] = []
+
+    def source(index: int, start: int, end: int):
+        if index == 2:  # on the copy thread; the event loop is free to run the first chunk's write
+            seen_during_copy.append(first_put.wait(timeout=5))
+        return kv.source(index, start, end)
+
+    await eng.store(b, list(range(3 * CHUNK)), source)
+    assert seen_during_copy == [True] and len(t.blobs) == 3 and eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_write_through_store_that_fails_midway_has_written_what_it_copied(layout):
+    """Write-through, the source raises at the third chunk: by the time the error reaches the caller,
+    the two chunks copied are in memory and below it; no pin is left."""
+    t = DictTransport()
+    eng = await make_engine(t, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    kv = FakeKV(4 * CHUNK)
+
+    def source(index: int, start: int, end: int):
+        if index == 2:
+            raise RuntimeError("model state gone")
+        return kv.source(index, start, end)
+
+    with pytest.raises(RuntimeError, match="model state gone"):
+        await eng.store(b, list(range(4 * CHUNK)), source)
+    assert len(t.blobs) == 2 and len(eng.memory) == 2 and eng.memory.total_pins() == 0
     await eng.close()
