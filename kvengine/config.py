@@ -87,7 +87,8 @@ class EngineConfig(_Section):
     #: A reservation not loaded or released within this time is reclaimed.
     lease_seconds: float = Field(default=30.0, gt=0)
     #: write_behind: stores return once in memory, lower tiers fill in the
-    #: background; write_through: stores return once every tier has the chunk.
+    #: background; write_through: stores return once every tier has the chunk
+    #: (each chunk's tier writes start as soon as it is copied).
     write_mode: Literal["write_behind", "write_through"] = "write_behind"
     #: Bound on queued background writes (besides the few being written); beyond it they are dropped (counted).
     max_pending_writes: int = Field(default=256, gt=0)
