@@ -278,29 +278,6 @@ async def test_writes_overlap_up_to_the_in_flight_bound(layout, monkeypatch):
     await eng.close()
 
 
-async def test_a_store_that_fails_midway_keeps_what_it_copied_in_memory_only(layout):
-    """The source raises at the third chunk: the store raises, the two chunks copied are served from
-    memory, nothing half-stored reaches the lower tier, and no pin is left."""
-    t = DictTransport()
-    eng = await make_engine(t)
-    b = eng.bind(Namespace(model="m"), layout)
-    kv = FakeKV(4 * CHUNK)
-
-    def source(index: int, start: int, end: int):
-        if index == 2:
-            raise RuntimeError("model state gone")
-        return kv.source(index, start, end)
-
-    with pytest.raises(RuntimeError, match="model state gone"):
-        await eng.store(b, list(range(4 * CHUNK)), source)
-    await eng.flush()
-    assert not t.blobs and len(eng.memory) == 2 and eng.memory.total_pins() == 0
-    res = await eng.lookup(b, "r", list(range(4 * CHUNK)))
-    assert res.matched_tokens == 2 * CHUNK
-    await eng.release(res)
-    await eng.close()
-
-
 async def test_write_through_starts_each_chunks_writes_as_soon_as_it_is_copied(layout):
     """Write-through: the caller waits for the tiers anyway, so the first chunk reaches the lower tier
     while the store is still copying later ones; on return every chunk is below, no pin is left."""
@@ -330,11 +307,13 @@ async def test_write_through_starts_each_chunks_writes_as_soon_as_it_is_copied(l
     await eng.close()
 
 
-async def test_write_through_store_that_fails_midway_has_written_what_it_copied(layout):
-    """Write-through, the source raises at the third chunk: by the time the error reaches the caller,
-    the two chunks copied are in memory and below it; no pin is left."""
+@pytest.mark.parametrize(("write_mode", "below"), [("write_behind", 0), ("write_through", 2)])
+async def test_a_store_that_fails_midway_keeps_what_it_copied(layout, write_mode, below):
+    """The source raises at the third chunk: the store raises; the two chunks copied are served from
+    memory. Write-behind hands nothing of a failed store to the lower tier; write-through has already
+    written what it copied by the time the error reaches the caller. No pin is left."""
     t = DictTransport()
-    eng = await make_engine(t, write_mode="write_through")
+    eng = await make_engine(t, write_mode=write_mode)
     b = eng.bind(Namespace(model="m"), layout)
     kv = FakeKV(4 * CHUNK)
 
@@ -345,5 +324,10 @@ async def test_write_through_store_that_fails_midway_has_written_what_it_copied(
 
     with pytest.raises(RuntimeError, match="model state gone"):
         await eng.store(b, list(range(4 * CHUNK)), source)
-    assert len(t.blobs) == 2 and len(eng.memory) == 2 and eng.memory.total_pins() == 0
+    assert len(t.blobs) == below
+    await eng.flush()
+    assert len(t.blobs) == below and len(eng.memory) == 2 and eng.memory.total_pins() == 0
+    res = await eng.lookup(b, "r", list(range(4 * CHUNK)))
+    assert res.matched_tokens == 2 * CHUNK
+    await eng.release(res)
     await eng.close()
