@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -121,9 +121,10 @@ class CacheEngine:
         #: One thread encodes (checksums, compresses) for every tier write: at most one core, whatever
         #: the number of writes in flight, so a store's copies are left a core on small machines.
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvengine-encode")
-        self._tiers_by_codec: dict[Codec, list[ChunkTransport]] = {}
+        #: codec -> its tiers, each with whether it takes records as parts (:class:`WritesGathered`)
+        self._tiers_by_codec: dict[Codec, list[tuple[ChunkTransport, bool]]] = {}
         for transport, codec in self._tiers:  # each record is encoded once per codec, not once per tier
-            self._tiers_by_codec.setdefault(codec, []).append(transport)
+            self._tiers_by_codec.setdefault(codec, []).append((transport, isinstance(transport, WritesGathered)))
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._memory_stored_bytes = self.metrics.stored_bytes.labels(tier="memory")
@@ -385,16 +386,7 @@ class CacheEngine:
                 launch()
             while inflight:
                 read, pending = inflight.popleft()
-                try:
-                    header = await pending
-                except BaseException:
-                    read.discard()
-                    raise
-                finally:
-                    read.placed.set()  # also when the transport never asked for a place (a miss)
-                entry = await read.admit(header)
-                if entry is AdmitRejected.CORRUPT:
-                    await transport.delete([read.key])
+                entry = await self._settle(transport, read, pending)
                 if not isinstance(entry, MemoryEntry):
                     break
                 promoted.append(entry)
@@ -414,14 +406,22 @@ class CacheEngine:
         """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
         deleted from ``transport``. Used for keyed chunks."""
         read = _PlacedRead(self, binding, key, start, transport.name, None)
+        return await self._settle(transport, read, transport.get_into(key, read.place))
+
+    @staticmethod
+    async def _settle(transport: ReadsInPlace, read: _PlacedRead,
+                      pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:
+        """Wait for a placed read and admit it; a corrupt record is deleted from ``transport``."""
         try:
-            header = await transport.get_into(key, read.place)
+            header = await pending
         except BaseException:
             read.discard()
             raise
+        finally:
+            read.placed.set()  # also when the transport never asked for a place (a miss)
         entry = await read.admit(header)
         if entry is AdmitRejected.CORRUPT:
-            await transport.delete([key])
+            await transport.delete([read.key])
         return entry
 
     # -- load / release ------------------------------------------------------------
@@ -695,16 +695,16 @@ class CacheEngine:
     async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry) -> None:
         """Encode a pinned entry once per codec, put it to every tier of that codec; unpin."""
         try:
-            for codec, transports in self._tiers_by_codec.items():
-                gathered = [isinstance(t, WritesGathered) for t in transports]
+            for codec, tiers in self._tiers_by_codec.items():
+                joined = not all(gathers for _, gathers in tiers)  # some tier needs whole records
                 record = await asyncio.get_running_loop().run_in_executor(
-                    self._encoder, partial(self._encode, binding, entry, codec, joined=not all(gathered)))
+                    self._encoder, partial(self._encode, binding, entry, codec, joined=joined))
                 parts = (record.header, record.payload)
                 results = await asyncio.gather(*(
                     t.put_parts([(record.key, parts)]) if gathers  # type: ignore[attr-defined]
                     else t.put([(record.key, record.joined)])
-                    for t, gathers in zip(transports, gathered)), return_exceptions=True)  # none still reads the slot
-                for transport, result in zip(transports, results):
+                    for t, gathers in tiers), return_exceptions=True)  # none still reads the slot
+                for (transport, _), result in zip(tiers, results):
                     if isinstance(result, BaseException):  # a transport bug: counted as a failed put
                         self.metrics.log_once(f"put:{transport.name}", "kvengine: %s put raised %s: %s",
                                               transport.name, type(result).__name__, result)

@@ -271,7 +271,7 @@ class RecordFiles:
             if size > max_bytes:
                 self._checked(fd, key, partial(_raise, IntegrityError("oversized", f"{size} B file")))
             buf = self.buffers.take(size)
-            got = _read_all(fd, buf, size)
+            got = _read_all(fd, buf[:size])
             if size >= DIRECT_MIN_BYTES:  # the memory tier is the cache: do not keep a second copy
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             view = buf[:got]
@@ -399,15 +399,15 @@ def _write_buffered(fd: int, parts: Sequence[memoryview], *, streamed: bool) -> 
             off += piece.nbytes
 
 
-def _read_all(fd: int, buf: memoryview, size: int) -> int:
-    """Fill ``buf[:size]`` from offset 0 until ``size`` bytes or EOF; bytes read."""
+def _read_all(fd: int, buf: memoryview, offset: int = 0) -> int:
+    """Fill ``buf`` from file ``offset`` until it is full or the file ends; bytes read."""
     got = 0
-    while got < size:
-        k = os.preadv(fd, [buf[got:size]], got)
+    while got < buf.nbytes:
+        k = os.preadv(fd, [buf[got:]], offset + got)
         if k == 0:
             break
         got += k
-    return min(got, size)
+    return got
 
 
 def _raise(exc: Exception) -> None:
@@ -432,11 +432,7 @@ def _read_payload_into(fd: int, key: ChunkKey, out: memoryview | Placement) -> R
     view = dest[:n]
     got = max(0, min(len(head) - start, n))  # the header read brought the payload's first bytes
     view[:got] = head[start : start + got]
-    while got < n:
-        k = os.preadv(fd, [view[got:]], start + got)
-        if k == 0:
-            break
-        got += k
+    got += _read_all(fd, view[got:], start + got)
     verify_payload(header, view[:got])
     return header
 
