@@ -14,9 +14,7 @@ Run: .venv/bin/python benchmarks/bench_codecs.py [--threads 2] [--repeats 5]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +31,9 @@ from kvengine.compression.entropy import entropy_bound
 from kvengine.compression.quality import FAMILIES, cache_quality, synthetic_kv, tiny_model
 from kvengine.layout import KVCategory, dtype_code
 from kvengine.record import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import print_header, write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "codecs.json"
 Payload = tuple[bytes, list[TensorDescriptor]]
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if load_before > (os.cpu_count() or 1) / 2:
         print("warning: the machine is busy; GB/s figures will be low")
     torch.set_num_threads(args.threads)
+    print_header()
     registry = default_codecs(args.threads)
     codecs = [registry.by_name(n) for n in registry.names() if n != "raw"]
     codecs.sort(key=lambda c: c.codec_id)
@@ -163,20 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     quality_rows = bench_quality(quality_codecs, families, args.steps) if families else []
 
     report = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
-                    "torch": torch.__version__, "blosc2": blosc2.__version__,
-                    "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2)},
+        "machine": {"blosc2": blosc2.__version__, "load_average_before": round(load_before, 2),
+                    "load_average_after": round(os.getloadavg()[0], 2)},
         "threads": args.threads, "repeats": args.repeats, "statistic": "median (and best) of repeats",
         "entropy_bound": "order-0 Shannon entropy per byte plane, per run of equal item size",
         "throughput": "raw (decoded) bytes / wall seconds, 1 GB = 1e9 B",
         "codecs": data_rows, "quality": quality_rows,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, args.out)
-    print(f"\nwrote {args.out} in {report['seconds']} s")
+    print(f"\nwrote {write_json(args.out.resolve(), report)} in {report['seconds']} s")
     return 0
 
 

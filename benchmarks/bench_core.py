@@ -9,14 +9,13 @@ headline numbers are ratios (the machine is shared and noisy).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from _util import median_time, print_table, write_json  # noqa: E402
+from _util import median_time, print_header, print_table, write_json  # noqa: E402
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec  # noqa: E402
 from kvengine.hashing import prefix_hashes  # noqa: E402
@@ -181,11 +180,12 @@ def main() -> int:
     ap.add_argument("--skip-per-layer", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print_header()
     rows = bench_hashing(args.tokens, args.repeats)
     ctl_rows, ctl = bench_control(args.tokens, args.repeats)
     l1_rows, l1 = bench_l1(args.tokens, args.repeats, per_layer=False)
     rows += ctl_rows + l1_rows
-    results = {"machine": platform.platform(), "threads": args.threads, "tokens": args.tokens,
+    results = {"threads": args.threads, "tokens": args.tokens,
                "hashing_mtoks": {r[0]: r[1] for r in rows[:3]}, "control": ctl, "l1_stacked": l1}
     if not args.skip_per_layer:
         pl_rows, pl = bench_l1(args.tokens, args.repeats, per_layer=True)

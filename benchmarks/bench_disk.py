@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -47,8 +45,10 @@ from kvengine.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.layout import KVCategory, dtype_code
 from kvengine.record import TensorDescriptor, encode_header
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import print_header, write_json  # noqa: E402
+
 NS = Namespace(model="bench/disk").digest()
-RESULTS = Path(__file__).parent / "results" / "disk.json"
 
 
 def make_record(payload: bytes) -> tuple[ChunkKey, bytes]:
@@ -216,6 +216,7 @@ async def main() -> None:
     ap.add_argument("--direct-io", choices=["auto", "off"], default="auto", help="transport O_DIRECT writes")
     ap.add_argument("--read-pool-mib", type=int, default=256, help="transport read buffer pool (0: off)")
     args = ap.parse_args()
+    print_header()
 
     root = Path(tempfile.mkdtemp(prefix="kvengine-bench-disk-", dir=args.dir))
     try:
@@ -262,14 +263,12 @@ async def main() -> None:
         print(f"{k:28s} {v:12.2f}")
     print(f"\nindex rebuild of {rebuild['chunks']} chunks ({rebuild['filesystem']}): "
           f"cold cache {rebuild['cold_s']:.2f} s, warm {rebuild['warm_s']:.2f} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    path = write_json("disk.json", {
         "config": {**{k: str(v) for k, v in vars(args).items()}, "records": count, "record_bytes": len(records[0])},
         "cache_eviction": method,
         "samples_gbps": samples, "median_gbps": med, "median_ratios": ratios, "rebuild": rebuild,
-    }, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    })
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -25,14 +25,16 @@ prefill takes about a minute; the ratio hit/ideal is what the target is about.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import print_header, write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hf_ttft.json"
 
@@ -53,26 +55,6 @@ def _ideal_ttft(model, prefix_layers, suffix: torch.Tensor, start: int) -> tuple
     return time.perf_counter() - t0, token
 
 
-def _machine() -> dict[str, object]:
-    import os
-
-    flags: set[str] = set()
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "cpu": model, "cpu_count": os.cpu_count(),
-            "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}), "avx512": "avx512f" in flags,
-            # TTFT medians are only meaningful on an otherwise idle machine; record how busy it was.
-            "load_average_at_end": os.getloadavg()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5, help="hit/ideal pairs (after one warm-up pair)")
@@ -87,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--prefix must be a multiple of --chunk-size and shorter than --prompt")
 
     torch.set_num_threads(args.threads)
+    print_header()
     from kvengine import KVEngine
     from kvengine.integrations.hf import attach
     from kvengine.integrations.hf.tiny_models import build_llama
@@ -173,14 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         "median_hit_restore_s": statistics.median(hit_restore),
         "hit_first_token_equals_ideal": all(same_first_token),
         "prefix_kv_bytes": args.prefix * attached.spec.bytes_per_token,
-        "machine": _machine(),
+        # TTFT medians are only meaningful on an otherwise idle machine; record how busy it was.
+        "machine": {"load_average_at_end": os.getloadavg()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_json(args.out.resolve(), result)
     print(f"TTFT median: no hit {med['no_hit']:.3f}s | engine hit {med['hit']:.3f}s | ideal {med['ideal']:.3f}s "
           f"-> hit/ideal {result['hit_over_ideal']:.3f} (paired {result['median_paired_hit_over_ideal']:.3f}; target "
           f"<= 1.1: {'met' if result['target_met'] else 'MISSED'}), "
-          f"no-hit/hit {result['no_hit_over_hit']:.1f}x; wrote {args.out}")
+          f"no-hit/hit {result['no_hit_over_hit']:.1f}x; wrote {path}")
     return 0
 
 

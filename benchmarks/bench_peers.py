@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import statistics
 import struct
@@ -43,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _util import print_table, write_json  # noqa: E402
+from _util import print_header, print_table, write_json  # noqa: E402
 
 RECORD_BYTES = 32 << 20
 SMALL_BYTES = 4096
@@ -329,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             _peer_server(role.removesuffix("-server"), rest[0])
         return 0
 
+    print_header()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     clients = {"zmq": PeerClient("zmq", args.transfers, args.rounds)}
     cases: list[tuple[str, Callable[[], dict[str, float] | None]]] = [
@@ -371,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table("Ratios (targets: zmq/tcp >= 0.8, ucx sm / ucx_perftest sm >= 0.5)", ["ratio", "value"],
                 [[k, v if v is not None else "n/a"] for k, v in ratios.items()])
     path = write_json("peers.json", {
-        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_1min_at_end": os.getloadavg()[0]},
+        "machine": {"loadavg_1min_at_end": os.getloadavg()[0]},
         "config": {"record_bytes": RECORD_BYTES, "small_bytes": SMALL_BYTES, "repeats": args.repeats,
                    "transfers": args.transfers, "rounds": args.rounds, "ucx": ucx_ok},
         "samples": samples, "medians": med, "ratios": ratios,

@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -54,7 +52,7 @@ sglang_env.install_shims()
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheFile  # noqa: E402
 
-from _util import print_table, write_json  # noqa: E402
+from _util import print_header, print_table, write_json  # noqa: E402
 from kvengine.integrations.sglang import extra_config  # noqa: E402
 from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage  # noqa: E402
 
@@ -211,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the first also runs the disk backends and HiCacheFile")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    print_header()
     root = Path(tempfile.mkdtemp(prefix="bench-sglang-", dir=args.dir))
     results: dict = {}
     try:
@@ -228,8 +227,6 @@ def main(argv: list[str] | None = None) -> int:
                 ["layout", "backend", "set pages/s", "set GB/s", "get pages/s", "get GB/s", "set x file",
                  "get x file"], rows)
     path = write_json("sglang.json", {
-        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__},
         "config": {"pages_per_batch": PAGES, "rounds": args.rounds, "layers": args.layers, "heads": args.heads,
                    "head_dim": args.head_dim, "page": args.page, "dtype": "bfloat16", "memory": args.memory,
                    "torch_threads": args.threads, "dir": str(root.parent)},

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_table, write_json  # noqa: E402
+from _util import print_header, print_table, write_json  # noqa: E402
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec  # noqa: E402
 
@@ -116,6 +116,7 @@ def main() -> int:
     ap.add_argument("--tiers", default="disk,peer")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    print_header()
     layout = ChunkLayout(CHUNK, (TensorSpec(name="kv", group=0, category=KVCategory.FULL_ATTENTION,
                                             dtype=torch.bfloat16, shape=(32, 2, CHUNK, 8, 128), token_dim=2),))
     kv = kv_like(args.tokens)
@@ -147,7 +148,7 @@ def main() -> int:
         results[tier] = data
         print_table(f"{tier} tier with compression, {gb:.2f} GB of bf16 KV, write-through store + cold load, medians",
                     ["codec", "ratio", "store GB/s", "load GB/s", "store vs raw", "load vs raw"], rows)
-    results["load_average"] = os.getloadavg()[0]
+    results["machine"] = {"load_average": os.getloadavg()[0]}
     print(f"\nwrote {write_json('tier_codecs.json', results)}")
     return 0
 

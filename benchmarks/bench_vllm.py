@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -51,8 +50,7 @@ from typing import Any
 
 from kvengine.metrics import scrape
 
-RESULTS = Path(__file__).resolve().parent / "results" / "vllm.json"
-PREFIX, TAIL, CHUNK = 3584, 512, 256
+PREFIX, TAIL = 3584, 512
 MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
              num_key_value_heads=4, head_dim=64)
 THREAD_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -95,7 +93,7 @@ def worker(mode: str, model: str, disk: str, repeats: int, batch: int, decode: i
         args["kv_transfer_config"] = {
             "kv_connector": "KVEngineConnector", "kv_connector_module_path": "kvengine.integrations.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kvengine": {"chunk_size": CHUNK, "memory": {"capacity_bytes": "1GiB"},
+            "kv_connector_extra_config": {"kvengine": {"memory": {"capacity_bytes": "1GiB"},
                                                        "disk": {"path": disk}, "metrics_port": port}}}
     t0 = time.perf_counter()
     llm = LLM(**args)
@@ -173,7 +171,10 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _util import print_header, write_json
     from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    print_header()  # the driver's; the workers' threads are set by THREAD_ENV
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     model = str(build_model_dir(work / "llama80m", "llama", vocab_size=4096, dtype="bfloat16", **MODEL))
@@ -205,14 +206,13 @@ def main() -> int:
     data = {
         "benchmark": "vllm_connector_ttft",
         "model": {"family": "llama", **MODEL, "vocab": 4096, "dtype": "bfloat16", "params_m": 81},
-        "workload": {"prompt_tokens": PREFIX + TAIL, "shared_prefix": PREFIX, "chunk_size": CHUNK,
+        "workload": {"prompt_tokens": PREFIX + TAIL, "shared_prefix": PREFIX, "chunk_size": "auto",
                      "repeats": args.repeats, "cold_repeats": args.cold_repeats, "batch": args.batch,
                      "decode_tokens": args.decode},
-        "env": {**THREAD_ENV, "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "env": THREAD_ENV,
         "summary": summary, "runs": runs,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
+    path = write_json("vllm.json", data)
     print("\nTTFT, 4096-token prompt sharing 3584 tokens")
     print(f"  paired (one process, back to back): connector fresh-engine disk hit {paired_fresh:.3f} s, "
           f"vLLM prefix-cache hit {paired_prefix:.3f} s -> {paired_fresh / paired_prefix:.2f}x")
@@ -221,7 +221,7 @@ def main() -> int:
     for name, v in rows:
         print(f"  {name:36s} {v:7.3f} s  ({v / prefix_hit:4.2f}x prefix-cache hit, separate processes)")
     print("throughput (output tok/s):", {k: round(v, 1) for k, v in summary["throughput_output_tok_per_s"].items()})
-    print(f"target met: {summary['target_met']}  -> {RESULTS}")
+    print(f"target met: {summary['target_met']}  -> {path}")
     return 0
 
 

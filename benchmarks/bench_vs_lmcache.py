@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -41,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import lmcache_side as driver  # noqa: E402  (system-neutral driver; imports no LMCache at module level)
-from _util import write_json  # noqa: E402
+from _util import print_header, write_json  # noqa: E402
 from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport  # noqa: E402
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, MemoryConfig, Namespace, TensorSpec  # noqa: E402
@@ -356,6 +355,12 @@ def _fmt(v: float | None, digits: int = 3) -> str:
     return f"{v:.{digits}g}"
 
 
+def machine_line(kv: dict[str, Any], lm: dict[str, Any]) -> str:
+    """Where the two sides ran, from their own results, so the doc never shows figures without their machine."""
+    k, m = (r.get("machine", {}).get("summary", "not recorded") for r in (kv, lm))
+    return f"Machine: {k}." if k == m else f"Machine: kvengine side {k}; LMCache side {m}."
+
+
 def markdown(rows: list[dict[str, Any]], limits: list[tuple[str, float, float]], kv: dict[str, Any],
              lm: dict[str, Any], command: str) -> str:
     disk = kv.get("disk", {})
@@ -364,6 +369,8 @@ def markdown(rows: list[dict[str, Any]], limits: list[tuple[str, float, float]],
         BEGIN,
         "",
         f"Command: `{command}`",
+        "",
+        machine_line(kv, lm),
         "",
         (f"Prompt: {l1['tokens']:,} tokens ({l1['bytes'] / 1e9:.2f} GB of KV; 32 layers x 8 KV heads x "
          f"head_dim 128, bf16, 256-token chunks of {l1['bytes'] // (l1['tokens'] // 256) / 2**20:.0f} MiB)"
@@ -499,6 +506,7 @@ def main() -> int:
         ap.error("--systems must name kvengine and lmcache")
     if not args.lmcache_python.exists():
         raise SystemExit(f"{args.lmcache_python} not found: run `bash scripts/setup_lmcache.sh` first")
+    print_header()
     command = shlex.join([".venv/bin/python", "benchmarks/bench_vs_lmcache.py", *sys.argv[1:]])
     t0 = time.perf_counter()
     order = [systems[i % 2 if p % 2 == 0 else 1 - i % 2] for p in range(args.passes) for i in range(2)]
@@ -511,7 +519,7 @@ def main() -> int:
     limits = limit_rows(kv, lm)
     wall = time.perf_counter() - t0
     path = write_json(args.json, {
-        "command": command, "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "command": command,
         "wall_s": wall, "order": order, "rows": rows,
         "limits": [{"what": n, "kvengine_run": a, "lmcache_run": b} for n, a, b in limits],
         "kvengine": kv, "lmcache": lm})

@@ -50,6 +50,9 @@ from typing import Any, Protocol
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import machine_info  # noqa: E402  (standard library only)
+
 POOL_SLACK = 256 * 2**20
 RING_BYTES = 512 * 2**20
 #: Threads of the parallel raw-disk baseline (as many as kvengine's disk transport uses by default).
@@ -505,6 +508,9 @@ def run(side: Side, args: argparse.Namespace) -> dict[str, Any]:
                               "pid": os.getpid(), "torch": torch.__version__, "threads": args.threads,
                               "shape": {"layers": shape.layers, "heads": shape.heads, "head_dim": shape.head_dim,
                                         "chunk": shape.chunk, "dtype": str(shape.dtype)}}
+    machine = machine_info()  # each side records its own (its venv's python and torch may differ)
+    result["machine"] = machine.as_dict()
+    log(f"{side.name} machine: {machine}")
     parts = set(args.parts.split(","))
     if "hashing" in parts:
         result["hashing"] = bench_hashing(side, shape, args.tokens, args.repeats)

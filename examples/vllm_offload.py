@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 
-def kv_transfer_config(disk: str, chunk_size: int) -> dict:
+def kv_transfer_config(disk: str, chunk_size: int | str) -> dict:
     """The whole integration is this dict (see docs/vllm.md for every setting)."""
     return {
         "kv_connector": "KVEngineConnector",
@@ -32,7 +32,9 @@ def kv_transfer_config(disk: str, chunk_size: int) -> dict:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "kvengine": {  # an EngineConfig; KVENGINE_* environment variables override it
-                "chunk_size": chunk_size,  # a multiple of vLLM's block size (128 on CPU)
+                # "auto": derived from the block sizes vLLM picks (they differ by model and CPU);
+                # a number must be a multiple of every block size, or the connector refuses to start.
+                "chunk_size": chunk_size,
                 "memory": {"capacity_bytes": "1GiB"},
                 "disk": {"path": disk, "capacity_bytes": "8GiB"},
             },
@@ -44,7 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF model directory or id (default: a tiny random Llama built here)")
     ap.add_argument("--disk", default=str(Path(tempfile.gettempdir()) / "kvengine-vllm-example"))
-    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--chunk-size", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="tokens per chunk, or 'auto' (default)")
     ap.add_argument("--requests", type=int, default=4)
     args = ap.parse_args()
 

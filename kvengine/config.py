@@ -154,15 +154,9 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(
-    source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-) -> EngineConfig:
-    """Build an :class:`EngineConfig` from a dict, a YAML path or nothing, plus the environment.
-
-    Pass ``environ={}`` to ignore the process environment.
-    """
+def _read(source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+          environ: Mapping[str, str] | None) -> dict[str, Any]:
+    """The merged, not yet validated settings of ``source`` and the environment."""
     if isinstance(source, EngineConfig):
         data: dict[str, Any] = source.model_dump()
     elif source is None:
@@ -178,8 +172,50 @@ def load_config(
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"configuration file {path} must hold a mapping, got {type(loaded).__name__}")
         data = dict(loaded)
-    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+    return _merge(data, _env_overrides(os.environ if environ is None else environ))
+
+
+def _validate(data: Mapping[str, Any]) -> EngineConfig:
     try:
         return EngineConfig.model_validate(data)
     except ValidationError as exc:
         raise _error(exc) from None
+
+
+def load_config(
+    source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> EngineConfig:
+    """Build an :class:`EngineConfig` from a dict, a YAML path or nothing, plus the environment.
+
+    Pass ``environ={}`` to ignore the process environment.
+    """
+    return _validate(_read(source, environ))
+
+
+#: ``chunk_size`` value asking an integration to derive the chunk size from its engine's block size.
+AUTO_CHUNK = "auto"
+
+
+def load_config_auto_chunk(
+    source: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[EngineConfig, int | None]:
+    """As :func:`load_config`, for integrations that derive the chunk size from the inference
+    engine's block or page size, which only that engine knows (and which differs by platform).
+
+    Returns the configuration and the explicitly requested chunk size, or None when ``chunk_size``
+    is unset or ``"auto"`` (the configuration then holds the default until the integration resolves it).
+    """
+    data = _read(source, environ)
+    requested = data.pop("chunk_size", AUTO_CHUNK)
+    if requested is None or requested == AUTO_CHUNK:
+        return _validate(data), None
+    _validate(data)  # errors elsewhere in the config first, as load_config would report them
+    try:
+        config = _validate({**data, "chunk_size": requested})
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (or {AUTO_CHUNK!r}: derived from the inference engine's block size)") from None
+    return config, config.chunk_size

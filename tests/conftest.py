@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvengine import ChunkLayout, EngineConfig, KVCategory, Namespace, TensorSpec, load_config
 
 CHUNK = 16
+
+# KVENGINE_* variables of the machine running the suite would override every engine the tests build
+# (and those of the vLLM/SGLang subprocesses, which inherit the environment): the suite sets its own.
+for _name in [n for n in os.environ if n.startswith("KVENGINE_")]:
+    del os.environ[_name]
 
 
 def make_layout(chunk: int = CHUNK, layers: int = 2, heads: int = 2, dim: int = 4,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvengine.config import load_config
+from kvengine.config import load_config, load_config_auto_chunk
 from kvengine.errors import ConfigError
 
 
@@ -54,3 +54,31 @@ def test_bad_yaml_file(tmp_path):
     path.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(path, environ={})
+
+
+@pytest.mark.parametrize("data, env, expected", [
+    ({}, {}, None),
+    ({"chunk_size": "auto"}, {}, None),
+    ({"chunk_size": None}, {}, None),
+    ({"chunk_size": 512}, {}, 512),
+    ({"chunk_size": "512"}, {}, 512),
+    ({"chunk_size": 512}, {"KVENGINE_CHUNK_SIZE": "auto"}, None),
+    ({}, {"KVENGINE_CHUNK_SIZE": "768"}, 768),
+])
+def test_auto_chunk_loading_tells_auto_from_an_explicit_size(data, env, expected):
+    """Integrations that derive the chunk size from their engine see "auto" (or unset) as None, an
+    explicit size as that size, whichever source set it; the rest of the config loads as usual."""
+    cfg, chunk = load_config_auto_chunk({**data, "memory": {"capacity_bytes": "64MiB"}}, environ=env)
+    assert chunk == expected and cfg.memory.capacity_bytes == 64 << 20
+
+
+@pytest.mark.parametrize("value", [0, -1, "big", 1.5])
+def test_auto_chunk_loading_refuses_other_values_naming_chunk_size_and_auto(value):
+    with pytest.raises(ConfigError, match=r"chunk_size: .*\(or 'auto'"):
+        load_config_auto_chunk({"chunk_size": value}, environ={})
+
+
+def test_auto_is_not_a_chunk_size_for_the_core_engine():
+    """The core engine has no block size to derive from: "auto" is refused there, naming the key."""
+    with pytest.raises(ConfigError, match="chunk_size"):
+        load_config({"chunk_size": "auto"}, environ={})

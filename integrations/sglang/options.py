@@ -6,7 +6,8 @@ Extra config keys (``--hicache-storage-backend-extra-config``, JSON):
   ``interface_v1`` (set it to 1: the zero-copy path).
 * ``kvengine_config``: kvengine's configuration, a mapping or a YAML path
   (``KVENGINE_*`` environment variables override it as usual). Its
-  ``chunk_size`` is the page size; leave it unset.
+  ``chunk_size`` is SGLang's page size: leave it unset (or ``"auto"``); an
+  explicit value other than the page size is refused, naming the page size.
 * ``model``: the model identity to namespace pages by (default: SGLang's
   ``model_name``, i.e. ``--served-model-name`` or the model path).
 * ``model_fingerprint``: anything that tells apart two models served under
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvengine.config import EngineConfig, load_config
+from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 from kvengine.keyed import keyed_namespace
 from kvengine.keys import Namespace
@@ -37,12 +38,14 @@ OWN_KEYS = frozenset({"kvengine_config", "model", "model_fingerprint", "disk_tra
 DISK_TRANSPORT_KEYS = frozenset({"direct_io", "io_threads", "read_pool_bytes"})
 #: Name of the key scheme: SGLang's page hashes (sha256 chains over token ids, hex).
 KEY_SCHEME = "sglang-page-hash"
-_DEFAULT_CHUNK = EngineConfig.model_fields["chunk_size"].default
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackendOptions:
+    #: The cache engine's settings; its ``chunk_size`` is set by :meth:`engine_for`.
     engine: EngineConfig
+    #: The requested chunk size (None: "auto", SGLang's page size).
+    chunk_size: int | None = None
     model: str | None = None
     model_fingerprint: str = ""
     zero_copy: bool = False
@@ -68,15 +71,16 @@ class BackendOptions:
         if not isinstance(disk, Mapping) or set(disk) - DISK_TRANSPORT_KEYS:
             raise ConfigError(f"extra config 'disk_transport' must be a mapping with keys from "
                               f"{sorted(DISK_TRANSPORT_KEYS)}, got {disk!r}")
-        return cls(engine=load_config(source), model=model, model_fingerprint=fingerprint,
+        engine, chunk_size = load_config_auto_chunk(source)
+        return cls(engine=engine, chunk_size=chunk_size, model=model, model_fingerprint=fingerprint,
                    zero_copy=bool(int(extra.get("interface_v1", 0) or 0)), disk_transport=dict(disk))
 
     def engine_for(self, page_size: int) -> EngineConfig:
         """The engine configuration with ``chunk_size`` set to SGLang's page size."""
-        chunk = self.engine.chunk_size
-        if chunk not in (page_size, _DEFAULT_CHUNK):
-            raise ConfigError(f"kvengine chunk_size {chunk} differs from SGLang's page size {page_size}; "
-                              "leave chunk_size unset (the backend uses the page size)")
+        if self.chunk_size not in (None, page_size):
+            raise ConfigError(f"kvengine chunk_size {self.chunk_size} differs from SGLang's page size "
+                              f"{page_size} (a kvengine chunk is one SGLang page); set it to {page_size} "
+                              "or 'auto', or leave it unset")
         return EngineConfig.model_validate({**self.engine.model_dump(), "chunk_size": page_size})
 
 

@@ -33,7 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvengine.errors import ConfigError, UnsupportedModelError
 
-from .layout import GroupKind, check_chunk_size, plan_groups
+from .layout import AUTO_CHUNK_TARGET, GroupKind, plan_groups, resolve_chunk_size
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
@@ -88,12 +88,20 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_config(vllm_config)
         options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         plans = plan_groups(kv_cache_config)
-        check_chunk_size(plans, options.engine.chunk_size)
+        requested = options.chunk_size
+        options = options.with_chunk_size(resolve_chunk_size(plans, requested))
+        if role == KVConnectorRole.SCHEDULER:  # once per engine, not per half
+            logger.info("kvengine: chunk_size %d tokens (%s; block sizes of the KV cache groups: %s)",
+                        options.engine.chunk_size, "explicit" if requested is not None else
+                        f"auto: least common multiple of the block sizes, at least {AUTO_CHUNK_TARGET}",
+                        [p.block_size for p in plans])
         # vLLM maps failed blocks back to requests only for single-group models;
         # with several groups, loads are asynchronous so failures go per request.
         asynchronous = len(plans) > 1
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        #: the block size the engine core resolved from the KV cache groups (see _keep_block_size)
+        self._block_size = int(vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, asynchronous=asynchronous,
                                             lookup_wait_s=options.lookup_wait_s,
@@ -164,7 +172,28 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        self._keep_block_size()
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _keep_block_size(self) -> None:
+        """Undo a reset of the scheduler's block size (a vLLM 0.32 defect of its multiprocess engine).
+
+        The engine-core process sets ``cache_config.block_size`` from the KV cache groups (for a
+        hybrid model, the attention block enlarged to hold a recurrent-state page: 384 tokens on
+        an AVX-512 bf16 CPU), builds the scheduler (and this connector), and then re-runs
+        ``VllmConfig.__post_init__``, whose CPU platform hook puts the block size back to its
+        default (128). The scheduler reads that field when it splits prefills in
+        ``mamba_cache_mode='align'``, so it then ends them on 128-token multiples where no state
+        block ends: no recurrent state is materialized where it can be cached, by vLLM's own prefix
+        cache or by kvengine. The in-process engine never re-runs it and keeps the resolved value,
+        which is what this restores, before each lookup (the scheduler asks before it splits).
+        """
+        cache_config = self._vllm_config.cache_config
+        if cache_config.block_size != self._block_size:
+            logger.warning("kvengine: vLLM reset the scheduler's block size to %d after start-up; restoring the "
+                           "block size of its KV cache groups (%d) so prefills end on block boundaries",
+                           cache_config.block_size, self._block_size)
+            cache_config.block_size = self._block_size
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None

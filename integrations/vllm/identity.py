@@ -6,8 +6,10 @@
   (name, size, first and last MiB of each), so two random models built with
   different seeds in the same place never share chunks.
 * ``kv_spec_fingerprint`` -- every KV cache group's spec and layers.
-* ``layout_id`` -- vLLM version, attention backends, KV cache layout and
-  kernel page split (see :mod:`.layout`).
+* ``layout_id`` -- vLLM version, attention backends, KV cache layout,
+  kernel page split, and by name every per-platform choice that changes the
+  bytes: block sizes, cache and state dtypes, state shapes and the conv
+  state layout (:func:`.layout.platform_choices`).
 * ``rank`` / ``world_size`` -- tensor-parallel position.
 * ``cache_salt`` -- per request, from vLLM's ``cache_salt`` (a separate binding each).
 """

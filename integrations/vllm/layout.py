@@ -61,6 +61,10 @@ class GroupPlan:
     block_size: int
     layer_names: tuple[str, ...]
     sliding_window: int | None = None
+    #: the cache dtype vLLM chose for the group (attention pages), or each state tensor's dtype
+    dtypes: tuple[str, ...] = ()
+    #: STATE groups: each state tensor's shape per block (conv, then recurrent state)
+    state_shapes: tuple[tuple[int, ...], ...] = ()
     #: bytes of one layer's state (conv + recurrent) in a block of a STATE group
     state_bytes: int = 0
 
@@ -75,6 +79,10 @@ STATE_REFUSAL = (
     "recurrent (Mamba / linear-attention) state is reusable only at a position where vLLM materialized it; "
     "with mamba_cache_mode 'none' vLLM keeps one running state per request and materializes none. Enable "
     "prefix caching (vLLM then uses mamba_cache_mode 'align': a state at block-aligned chunk ends)")
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _refuse(what: str, why: str) -> UnsupportedModelError:
@@ -103,12 +111,13 @@ def _plan_one(group_id: int, spec: object, layer_names: Iterable[str]) -> GroupP
         if spec.non_causal:
             raise _refuse(where, "non-causal attention: a prefix's KV depends on tokens after it")
         # A sliding window recorded on a FullAttentionSpec keeps every block (hybrid allocator off).
-        return GroupPlan(group_id=group_id, kind=GroupKind.FULL, block_size=spec.block_size, layer_names=layers)
+        return GroupPlan(group_id=group_id, kind=GroupKind.FULL, block_size=spec.block_size, layer_names=layers,
+                         dtypes=(_dtype_name(spec.dtype),))
     if type(spec) is SlidingWindowSpec:
         if spec.extra_retained_tokens:
             raise _refuse(where, "extra_retained_tokens (multi-token speculative prefill) is not supported")
         return GroupPlan(group_id=group_id, kind=GroupKind.SLIDING, block_size=spec.block_size,
-                         layer_names=layers, sliding_window=spec.sliding_window)
+                         layer_names=layers, sliding_window=spec.sliding_window, dtypes=(_dtype_name(spec.dtype),))
     if type(spec) is MambaSpec:
         if spec.mamba_cache_mode != "align":
             raise _refuse(where, f"mamba_cache_mode={spec.mamba_cache_mode!r}: {STATE_REFUSAL}")
@@ -116,6 +125,8 @@ def _plan_one(group_id: int, spec: object, layer_names: Iterable[str]) -> GroupP
             raise _refuse(where, "speculative or prefill-checkpoint state blocks move the state of a position "
                                  "to another block; not validated")
         return GroupPlan(group_id=group_id, kind=GroupKind.STATE, block_size=spec.block_size, layer_names=layers,
+                         dtypes=tuple(_dtype_name(d) for d in spec.dtypes),
+                         state_shapes=tuple(tuple(int(n) for n in shape) for shape in spec.shapes),
                          state_bytes=spec.state_content_size_bytes)
     raise _refuse(where, f"spec class {name} has not been validated for reuse "
                          "(supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode)")
@@ -137,15 +148,33 @@ def plan_groups(kv_cache_config: object) -> tuple[GroupPlan, ...]:
     return tuple(plans)
 
 
-def check_chunk_size(plans: Iterable[GroupPlan], chunk_size: int) -> None:
-    """Chunks must cover whole blocks of every group (the engine's unit is a page)."""
+#: The smallest chunk ``chunk_size: "auto"`` picks (tokens): large enough that per-chunk costs
+#: (hashing, a record, a lookup step) stay small next to the copy, small enough to match short prefixes.
+AUTO_CHUNK_TARGET = 256
+
+
+def resolve_chunk_size(plans: Iterable[GroupPlan], requested: int | None) -> int:
+    """The chunk size: ``requested`` if it covers whole blocks of every group (else refused, naming a
+    valid value), or for ``None`` ("auto") the smallest multiple of every group's block size (their
+    least common multiple) that is at least :data:`AUTO_CHUNK_TARGET`.
+
+    Chunks must cover whole blocks of every group: the engine's unit is a page. vLLM picks the block
+    sizes at start-up, per model, dtype and platform (a hybrid model's attention block grows to hold
+    its recurrent state page, whose size follows the platform's state dtype), so only "auto" is
+    portable across machines.
+    """
     sizes = sorted({p.block_size for p in plans})
     need = math.lcm(*sizes)
-    if chunk_size <= 0 or chunk_size % need:
-        raise _refuse("chunk_size", f"kvengine chunk_size {chunk_size} must be a positive multiple of vLLM's "
-                                    f"block size{'s' if len(sizes) > 1 else ''} {sizes}; set "
-                                    f"kv_connector_extra_config['kvengine']['chunk_size'] to e.g. "
-                                    f"{need * max(1, chunk_size // need)}")
+    auto = need * -(-AUTO_CHUNK_TARGET // need)
+    if requested is None:
+        return auto
+    if requested <= 0 or requested % need:
+        valid = need * max(1, -(-requested // need)) if requested > 0 else auto
+        raise _refuse("chunk_size", f"kvengine chunk_size {requested} must be a positive multiple of vLLM's "
+                                    f"block size{'s' if len(sizes) > 1 else ''} {sizes} (chosen by vLLM for "
+                                    f"this model and platform); set kv_connector_extra_config['kvengine']"
+                                    f"['chunk_size'] to 'auto' (here {auto}) or e.g. {valid}")
+    return requested
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,6 +225,26 @@ class PagedLayout:
         return next((i for i, t in enumerate(self.tensors) if t.layer == owner), None)
 
 
+def platform_choices(plans: Iterable[GroupPlan], conv_state_layout: str | None) -> str:
+    """What vLLM chose for this model *on this platform* that changes the bytes of a chunk or a state,
+    by name: each group's block size and dtypes, and for recurrent state the tensors' shapes and the
+    conv state layout (``VLLM_SSM_CONV_STATE_LAYOUT``: ``SD`` is (state_len, dim), ``DS`` its
+    transpose, whose byte count and, for square states, shape are the same).
+
+    These follow the CPU (an AVX-512 bf16 machine keeps the SSM state in float32 and so picks a larger
+    block) and settings, so two machines sharing a cache differ here and never exchange chunks.
+    """
+    parts = []
+    for p in plans:
+        part = f"g{p.group_id}:{p.kind.value}:block={p.block_size}:dtypes={','.join(p.dtypes)}"
+        if p.kind is GroupKind.SLIDING:
+            part += f":window={p.sliding_window}"
+        if p.kind is GroupKind.STATE:
+            part += f":shapes={'|'.join('x'.join(map(str, s)) for s in p.state_shapes)}:conv={conv_state_layout}"
+        parts.append(part)
+    return ";".join(parts)
+
+
 def spec_fingerprint(kv_cache_config: object) -> str:
     """Digest of every group's spec (class, geometry, dtype, window) and layer names."""
     desc = [[type(g.kv_cache_spec).__name__, repr(g.kv_cache_spec), list(g.layer_names)]
@@ -212,13 +261,15 @@ def derive_layout(
     num_blocks: int,
     chunk_size: int,
     fingerprint: str,
+    conv_state_layout: str | None = None,
 ) -> PagedLayout:
     """The chunk layout of a model whose caches vLLM registered as ``kv_caches``.
 
     ``backends`` maps each layer to its declared backend name; ``kv_layout``
-    is the resolved :class:`KVCacheLayout` name.
+    is the resolved :class:`KVCacheLayout` name; ``conv_state_layout`` is
+    vLLM's conv state layout (``SD``/``DS``), required with a state group.
     """
-    check_chunk_size(plans, chunk_size)
+    resolve_chunk_size(plans, chunk_size)
     if kv_layout not in KV_LAYOUTS:
         raise _refuse("KV cache layout", f"{kv_layout!r} has not been validated (supported: {sorted(KV_LAYOUTS)})")
     specs: list[tuple[TensorSpec, PagedTensor]] = []
@@ -230,6 +281,9 @@ def derive_layout(
     states: list[StateTensor] = []
     for plan in plans:
         if plan.kind is GroupKind.STATE:
+            if conv_state_layout not in ("SD", "DS"):
+                raise _refuse(f"KV cache group {plan.group_id}", f"conv state layout {conv_state_layout!r} is "
+                                                                 "unknown (expected 'SD' or 'DS')")
             states += [_state_tensor(plan, layer, kv_caches, backends, num_blocks) for layer in plan.layer_names]
             used_backends |= {backends[layer] for layer in plan.layer_names}
             continue
@@ -252,7 +306,8 @@ def derive_layout(
     specs.sort(key=lambda s: -s[0].itemsize)
     chunk = ChunkLayout(chunk_size, tuple(s for s, _ in specs))
     ratios = sorted({(t.group_id, t.kernel_ratio) for _, t in specs})
-    layout_id = f"vllm:{'+'.join(sorted(used_backends))}:{kv_layout}:kernel{ratios}"
+    layout_id = f"vllm:{'+'.join(sorted(used_backends))}:{kv_layout}:kernel{ratios}:" \
+                f"{platform_choices(plans, conv_state_layout if states else None)}"
     if states:
         layout_id += f":state{sorted({t.nbytes for t in states})}"
     return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint, aliases, tuple(states))

@@ -4,8 +4,10 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
 
 * ``kvengine`` -- the :class:`~kvengine.config.EngineConfig` of the worker's
   cache engine: a dict or a YAML path. ``KVENGINE_*`` environment variables
-  override it, as everywhere in kvengine. ``chunk_size`` must be a multiple
-  of vLLM's block size (of every KV cache group's block size).
+  override it, as everywhere in kvengine. ``chunk_size`` is ``"auto"`` by
+  default: derived from the block sizes vLLM chose (see
+  :func:`~.layout.resolve_chunk_size`); an explicit value must be a multiple
+  of every KV cache group's block size, or the connector refuses to start.
 * ``lookup_wait_ms`` -- how long the scheduler waits for a lookup answer from
   the worker before it tells vLLM "not known yet" (``None``: vLLM asks again
   next step). Default 200.
@@ -15,10 +17,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from kvengine.config import EngineConfig, load_config
+from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 
 _KEYS = ("kvengine", "lookup_wait_ms")
@@ -26,7 +28,10 @@ _KEYS = ("kvengine", "lookup_wait_ms")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConnectorOptions:
+    #: The cache engine's settings; its ``chunk_size`` is final only after :meth:`with_chunk_size`.
     engine: EngineConfig
+    #: The requested chunk size (None: "auto", derived from vLLM's block sizes).
+    chunk_size: int | None = None
     lookup_wait_s: float = 0.2
 
     def __post_init__(self) -> None:
@@ -49,4 +54,10 @@ class ConnectorOptions:
             wait_s = float(wait_ms) / 1000
         except (TypeError, ValueError):
             raise ConfigError(f"lookup_wait_ms must be a number, got {wait_ms!r}") from None
-        return cls(engine=load_config(source), lookup_wait_s=wait_s)
+        engine, chunk_size = load_config_auto_chunk(source)
+        return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s)
+
+    def with_chunk_size(self, chunk_size: int) -> ConnectorOptions:
+        """These options with the chunk size resolved against vLLM's block sizes."""
+        engine = EngineConfig.model_validate({**self.engine.model_dump(), "chunk_size": chunk_size})
+        return replace(self, engine=engine, chunk_size=chunk_size)

@@ -44,7 +44,7 @@ from kvengine.reservations import Reservation
 from kvengine.types import ModelBinding
 
 from .channel import LookupService
-from .layout import GroupPlan, PagedLayout
+from .layout import GroupKind, GroupPlan, PagedLayout
 from .metadata import ChannelAddress, SaveSpec, StepMetadata
 from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
@@ -204,6 +204,7 @@ class WorkerSide:
             num_blocks=self._kv_cache_config.num_blocks,  # type: ignore[attr-defined]
             chunk_size=self._options.engine.chunk_size,
             fingerprint=spec_fingerprint(self._kv_cache_config),
+            conv_state_layout=_conv_state_layout() if any(p.kind is GroupKind.STATE for p in self._plans) else None,
         )
         self._copier = PagedCopier(self.layout, kv_caches)
         self._stage_of = {name: i for name in kv_caches if (i := self.layout.tensor_index(name)) is not None}
@@ -233,6 +234,14 @@ class WorkerSide:
     def _metrics(self) -> None:
         assert self.engine is not None and self.desk is not None
         r, desk = self.engine.metrics.registry, self.desk
+        assert self.layout is not None
+        # What vLLM chose at start-up (it varies by model, dtype and platform), for operators and tests.
+        Gauge("kvengine_vllm_chunk_tokens", "Tokens per kvengine chunk (chunk_size, resolved)",
+              registry=r).set(self.layout.chunk.chunk_size)
+        blocks = Gauge("kvengine_vllm_block_tokens", "Block size vLLM chose per KV cache group", ["group", "kind"],
+                       registry=r)
+        for plan in self.layout.groups:
+            blocks.labels(group=str(plan.group_id), kind=plan.kind.value).set(plan.block_size)
         Gauge("kvengine_vllm_reservations_held", "Reservations the worker holds for the scheduler",
               registry=r).set_function(lambda: len(desk))
         Gauge("kvengine_vllm_pinned_chunks", "Pins on memory-tier chunks (reservations and queued writes)",
@@ -403,6 +412,13 @@ class WorkerSide:
             self.engine.close(flush=True)  # queued disk writes are completed
             self.engine = None
             logger.info("kvengine: worker cache engine closed")
+
+
+def _conv_state_layout() -> str:
+    """vLLM's conv state layout in this process (its CPU platform picks it per ISA unless set)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    return str(get_conv_state_layout())
 
 
 def _layer_backends(vllm_config: object, plans: tuple) -> dict[str, str]:

@@ -204,10 +204,25 @@ def test_bad_extra_config_is_refused() -> None:
     _, host = sglang_env.make_mha_pools("page_first")
     with pytest.raises(ConfigError, match="allowed"):
         KVEngineHiCacheStorage(sglang_env.storage_config(extra=extra_config(kvengine_confg={})), {})
-    backend = KVEngineHiCacheStorage(
-        sglang_env.storage_config(extra=extra_config(kvengine_config={"chunk_size": 64})), {})
-    with pytest.raises(ConfigError, match="page size"):
-        backend.register_mem_pool_host(host)
+    # Any explicit chunk_size but the page size is refused, the engine's former default (256) too.
+    for chunk in (64, 256):
+        backend = KVEngineHiCacheStorage(
+            sglang_env.storage_config(extra=extra_config(kvengine_config={"chunk_size": chunk})), {})
+        with pytest.raises(ConfigError, match=f"chunk_size {chunk} differs from SGLang's page size {PAGE}"):
+            backend.register_mem_pool_host(host)
+
+
+@pytest.mark.parametrize("chunk", ["auto", PAGE, None])
+def test_chunk_size_auto_or_the_page_size_is_the_page_size(chunk: object) -> None:
+    """chunk_size "auto", unset or equal to SGLang's page size: the engine's chunk is one page."""
+    _, host = sglang_env.make_mha_pools("page_first")
+    kv_config = {"memory": {"capacity_bytes": "16MiB"}} | ({} if chunk is None else {"chunk_size": chunk})
+    backend = KVEngineHiCacheStorage(sglang_env.storage_config(extra=extra_config(kvengine_config=kv_config)), {})
+    backend.register_mem_pool_host(host)
+    try:
+        assert backend.kv.config.chunk_size == host.page_size == PAGE
+    finally:
+        backend.close()
 
 
 # -- namespaces -----------------------------------------------------------------------------------

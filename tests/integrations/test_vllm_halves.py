@@ -81,15 +81,50 @@ def test_quantized_kv_is_refused():
         plan_groups(config_of(spec("FullAttentionSpec", kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)))
 
 
-def test_chunk_size_must_be_a_multiple_of_every_block_size():
+@pytest.mark.parametrize("block_sizes, auto", [
+    ((16,), 256), ((128,), 256), ((384,), 384), ((544,), 544), ((96, 64), 384), ((32, 1152), 1152), ((100,), 300),
+])
+def test_auto_chunk_size_is_the_smallest_common_multiple_of_the_block_sizes_at_least_the_target(block_sizes, auto):
+    """chunk_size "auto": the least common multiple of every group's block size, scaled up to at least
+    AUTO_CHUNK_TARGET tokens; an explicit multiple is kept as it is."""
+    from kvengine.integrations.vllm.layout import AUTO_CHUNK_TARGET, plan_groups, resolve_chunk_size
+
+    plans = plan_groups(config_of(*(spec("FullAttentionSpec", block_size=b) for b in block_sizes)))
+    chosen = resolve_chunk_size(plans, None)
+    assert chosen == auto and chosen >= AUTO_CHUNK_TARGET and all(chosen % b == 0 for b in block_sizes)
+    assert resolve_chunk_size(plans, 2 * auto) == 2 * auto
+
+
+@pytest.mark.parametrize("requested, valid", [(192, 256), (0, 256), (-128, 256), (64, 128)])
+def test_explicit_chunk_size_that_does_not_cover_whole_blocks_is_refused_naming_a_valid_value(requested, valid):
     from kvengine.errors import UnsupportedModelError
-    from kvengine.integrations.vllm.layout import check_chunk_size, plan_groups
+    from kvengine.integrations.vllm.layout import plan_groups, resolve_chunk_size
 
     plans = plan_groups(config_of(spec("FullAttentionSpec", block_size=128)))
-    check_chunk_size(plans, 256)
-    with pytest.raises(UnsupportedModelError, match=r"chunk_size 192 must be a positive multiple of vLLM's block "
-                                                    r"size \[128\].*e\.g\. 128"):
-        check_chunk_size(plans, 192)
+    with pytest.raises(UnsupportedModelError, match=rf"chunk_size {requested} must be a positive multiple of "
+                                                    rf"vLLM's block size \[128\].*'auto' \(here 256\) or e\.g\. "
+                                                    rf"{valid}\b"):
+        resolve_chunk_size(plans, requested)
+
+
+def test_connector_options_read_auto_explicit_and_environment_chunk_sizes(monkeypatch):
+    """chunk_size unset or "auto" (in the section or KVENGINE_CHUNK_SIZE) means auto; a number is kept;
+    anything else is a ConfigError naming chunk_size and 'auto'."""
+    from kvengine.errors import ConfigError
+    from kvengine.integrations.vllm.options import ConnectorOptions
+
+    monkeypatch.delenv("KVENGINE_CHUNK_SIZE", raising=False)
+    assert ConnectorOptions.from_extra_config({}).chunk_size is None
+    assert ConnectorOptions.from_extra_config({"kvengine": {"chunk_size": "auto"}}).chunk_size is None
+    assert ConnectorOptions.from_extra_config({"kvengine": {"chunk_size": 768}}).chunk_size == 768
+    monkeypatch.setenv("KVENGINE_CHUNK_SIZE", "auto")
+    assert ConnectorOptions.from_extra_config({"kvengine": {"chunk_size": 768}}).chunk_size is None
+    monkeypatch.setenv("KVENGINE_CHUNK_SIZE", "512")
+    options = ConnectorOptions.from_extra_config({})
+    assert options.chunk_size == 512 and options.with_chunk_size(512).engine.chunk_size == 512
+    monkeypatch.setenv("KVENGINE_CHUNK_SIZE", "big")
+    with pytest.raises(ConfigError, match="chunk_size.*'auto'"):
+        ConnectorOptions.from_extra_config({})
 
 
 def _derive(backend: str = "CPU_ATTN", layout: str = "LBHNC", chunk: int = 2 * BS, caches=None):
@@ -116,6 +151,42 @@ def test_kernel_pages_smaller_than_blocks():
     backing = torch.zeros(32, 2, BS // 2, 64)
     layout = _derive(caches={"l0": backing, "l1": backing})
     assert layout.tensors[0].kernel_ratio == 2 and layout.chunk.tensors[0].shape == (4, 2, BS // 2, 64)
+
+
+def _derive_hybrid(conv: str | None, *, block: int = BS, state_dtypes=(torch.bfloat16, torch.bfloat16),
+                   shapes=((3, 8), (2, 4, 4))):
+    """A recurrent-state group next to a full-attention group, as vLLM registers Qwen3-Next's."""
+    import vllm.v1.kv_cache_interface as kvi
+
+    from kvengine.integrations.vllm.layout import derive_layout, plan_groups
+
+    state = kvi.MambaSpec(block_size=block, shapes=shapes, dtypes=state_dtypes, mamba_cache_mode="align")
+    plans = plan_groups(config_of(state, spec("FullAttentionSpec", block_size=block)))
+    caches = {"l0": torch.zeros(16, 4096, dtype=torch.int8), "l1": torch.zeros(16, 2, block, 64)}
+    return derive_layout(plans, caches, {"l0": "GDN_ATTN", "l1": "CPU_ATTN"}, "LBHNC", num_blocks=16,
+                         chunk_size=block, fingerprint="fp", conv_state_layout=conv)
+
+
+def test_every_per_platform_choice_is_named_in_the_layout_id():
+    """The conv state layout (SD/DS: same bytes, transposed), the state dtypes (float32 on AVX-512 bf16
+    CPUs, the model dtype elsewhere), state shapes and block sizes each change the layout id by name,
+    so two machines that chose differently never share a chunk or a state."""
+    sd = _derive_hybrid("SD")
+    assert "conv=SD" in sd.layout_id and "block=32" in sd.layout_id and "dtypes=bfloat16,bfloat16" in sd.layout_id
+    variants = [_derive_hybrid("DS"), _derive_hybrid("SD", state_dtypes=(torch.bfloat16, torch.float32)),
+                _derive_hybrid("SD", shapes=((8, 3), (2, 4, 4))), _derive_hybrid("SD", block=64)]
+    ids = {sd.layout_id} | {v.layout_id for v in variants}
+    assert len(ids) == 5
+    # SD and DS states have the same byte count: only the name tells them apart.
+    assert _derive_hybrid("DS").states == sd.states
+
+
+def test_a_state_group_without_a_known_conv_layout_is_refused():
+    from kvengine.errors import UnsupportedModelError
+
+    for conv in (None, "XY"):
+        with pytest.raises(UnsupportedModelError, match="conv state layout"):
+            _derive_hybrid(conv)
 
 
 @pytest.mark.parametrize("kw, match", [

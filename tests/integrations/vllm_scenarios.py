@@ -18,8 +18,13 @@ runs several scenarios and writes one JSON report):
   hits), Gemma2 (sliding window + full attention, two KV cache groups), and
   Qwen3-Next (hybrid linear + full attention: refused).
 
-Every engine runs with vLLM's prefix cache off, so every cached token is the
-connector's.
+Every engine runs with vLLM's prefix cache off (Qwen3-Next's excepted), so
+every cached token is the connector's. No scenario fixes a block or chunk
+size: vLLM picks block sizes per model, dtype and CPU, the connector derives
+its chunk size from them (``chunk_size: "auto"``), and the reports carry the
+values that were chosen (``kvengine_vllm_chunk_tokens`` and
+``kvengine_vllm_block_tokens`` in each engine's metrics) for the tests to
+derive their expectations from.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from typing import Any
 
 from kvengine.metrics import scrape
 
-CHUNK = 256
 STRESS_TOKENS = 96
+#: KV token slots of the stress engine (its block count follows vLLM's block size): few enough to preempt.
+STRESS_KV_TOKENS = 2560
 CONNECTOR = "kvengine.integrations.vllm.connector"
 
 
@@ -57,12 +63,6 @@ def prompt(seed: int, n: int, prefix: list[int] | None = None) -> list[int]:
     rng = random.Random(seed)
     head = list(prefix or [])
     return head + [rng.randrange(3, 512) for _ in range(n - len(head))]
-
-
-def expected_hit(n: int, stored: int | None = None) -> int:
-    """Tokens a request of ``n`` tokens can load when its first ``stored`` tokens' chunks are cached."""
-    limit = (n - 1) // CHUNK * CHUNK
-    return limit if stored is None else min(limit, stored // CHUNK * CHUNK)
 
 
 def kv_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -121,12 +121,15 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: 
     return [dict(done[rid], wall=wall) if rid in done else None for rid in ids]
 
 
-def reference(model: str, prompts: list[list[int]], dtype: str = "float32", max_tokens: int = 16) -> list[list[int]]:
-    """Greedy outputs of vLLM without any connector (in-process engine, cheap to start)."""
+def reference(model: str, prompts: list[list[int]], dtype: str = "float32",
+              max_tokens: int = 16) -> tuple[list[list[int]], int]:
+    """Greedy outputs of vLLM without any connector (in-process engine, cheap to start), and the
+    block size vLLM chose for the model."""
     set_topology(in_process=True)
     engine = start(engine_args(model, dtype=dtype))
     try:
-        return [o["tokens"] for o in run(engine, prompts, max_tokens)]  # type: ignore[index]
+        outs = [o["tokens"] for o in run(engine, prompts, max_tokens)]  # type: ignore[index]
+        return outs, int(engine.vllm_config.cache_config.block_size)
     finally:
         shutdown(engine)
 
@@ -188,19 +191,18 @@ def scenario_first(work: Path) -> dict[str, Any]:
               for i in range(20)]
     report: dict[str, Any] = {"base": base, "shared": shared}
     t0 = time.perf_counter()
-    refs = reference(model, base + shared)
+    refs, block = reference(model, base + shared)
     report["ref_base"], report["ref_shared"] = refs[:3], refs[3:]
-    report["ref_stress"] = reference(model, stress, max_tokens=STRESS_TOKENS)
+    report["ref_stress"], _ = reference(model, stress, max_tokens=STRESS_TOKENS)
     report["t_reference"] = time.perf_counter() - t0
 
     # -- main connector engine, default topology (scheduler and worker in separate processes) --
     set_topology(in_process=False)
     port = free_port()
-    extra = {"kvengine": {"chunk_size": CHUNK, "memory": {"capacity_bytes": "64MiB"}, "disk": {"path": str(disk)},
-                          "metrics_port": port}}
+    extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "disk": {"path": str(disk)}, "metrics_port": port}}
     t0 = time.perf_counter()
-    engine = start(engine_args(model, connector=extra, num_gpu_blocks_override=20, disable_log_stats=False),
-                   stat_loggers=[make_stat_logger_class()])
+    engine = start(engine_args(model, connector=extra, num_gpu_blocks_override=-(-STRESS_KV_TOKENS // block),
+                               disable_log_stats=False), stat_loggers=[make_stat_logger_class()])
     report["t_start_mp"] = time.perf_counter() - t0
     try:
         report["cold"] = run(engine, base)
@@ -211,8 +213,8 @@ def scenario_first(work: Path) -> dict[str, Any]:
         report["metrics_warm"] = m_warm
         report["loaded_warm"] = delta(m_warm, m_cold, "kvengine_loaded_tokens_total")
 
-        # -- stress: 20 requests of 5-7 blocks growing by one while decoding, max_num_seqs 4, 20 blocks
-        # of 128 tokens (so requests are preempted), 4 aborts: two early ones (running by step 3) and
+        # -- stress: 20 requests of 632-888 tokens growing by 96 while decoding, max_num_seqs 4, KV
+        # slots for 2560 tokens (so requests are preempted), 4 aborts: two early ones (running by step 3) and
         # two late ones (still waiting) --
         before, stats_before = scrape(port), dict(CaptureStats.totals)
         aborted = frozenset({1, 2, len(stress) - 2, len(stress) - 1})
@@ -242,8 +244,7 @@ def scenario_first(work: Path) -> dict[str, Any]:
         return lookup(self, *args)
 
     port = free_port()
-    engine = start(engine_args(model, connector={"kvengine": {"chunk_size": CHUNK, "metrics_port": port},
-                                                 "lookup_wait_ms": 1}))
+    engine = start(engine_args(model, connector={"kvengine": {"metrics_port": port}, "lookup_wait_ms": 1}))
     ReservationDesk.lookup = slow_lookup  # type: ignore[method-assign]
     try:
         report["inflight"] = {"cold": run(engine, base), "warm": run(engine, base), "metrics": scrape(port)}
@@ -259,7 +260,7 @@ def scenario_first(work: Path) -> dict[str, Any]:
         scatter(self, i, view, *args)
 
     port = free_port()
-    engine = start(engine_args(model, connector={"kvengine": {"chunk_size": CHUNK, "metrics_port": port}}))
+    engine = start(engine_args(model, connector={"kvengine": {"metrics_port": port}}))
     PagedCopier.scatter_from = failing_scatter  # type: ignore[method-assign]
     try:
         report["faults"] = {"cold": run(engine, base), "warm": run(engine, base), "metrics": scrape(port)}
@@ -278,8 +279,8 @@ def scenario_second(work: Path) -> dict[str, Any]:
     # -- a later, fresh engine process on the same disk directory --
     set_topology(in_process=False)
     port = free_port()
-    extra = {"kvengine": {"chunk_size": CHUNK, "memory": {"capacity_bytes": "64MiB"},
-                          "disk": {"path": str(work / "disk")}, "metrics_port": port}}
+    extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "disk": {"path": str(work / "disk")},
+                          "metrics_port": port}}
     t0 = time.perf_counter()
     engine = start(engine_args(model, connector=extra))
     report["t_start_mp"] = time.perf_counter() - t0
@@ -294,11 +295,10 @@ def scenario_second(work: Path) -> dict[str, Any]:
     base = [prompt(21, 700), prompt(22, 300), prompt(23, 1100)]
     shared = [prompt(30, 1000, base[0][:650]), prompt(31, 1200, base[2][:1030])]
     report["gemma_base"], report["gemma_shared"] = base, shared
-    refs = reference(gemma, base + shared)
-    report["gemma_ref"] = refs
+    report["gemma_ref"], _ = reference(gemma, base + shared)
     set_topology(in_process=True)
     port = free_port()
-    engine = start(engine_args(gemma, connector={"kvengine": {"chunk_size": CHUNK, "metrics_port": port,
+    engine = start(engine_args(gemma, connector={"kvengine": {"metrics_port": port,
                                                               "memory": {"capacity_bytes": "64MiB"}}}))
     try:
         report["gemma_cold"] = run(engine, base)
@@ -306,15 +306,24 @@ def scenario_second(work: Path) -> dict[str, Any]:
         report["gemma_metrics"] = scrape(port)
     finally:
         shutdown(engine)
+    return report
 
-    # -- Qwen3-Next: linear-attention state + full attention. With prefix caching on (vLLM's
-    # mamba_cache_mode 'align') the state at block-aligned prefill ends is stored with the chunks;
-    # a fresh engine on the same disk resumes from it. Without prefix caching: refused. --
+
+def scenario_hybrid(work: Path) -> dict[str, Any]:
+    """Qwen3-Next: linear-attention state + full attention, in vLLM's default topology (scheduler and
+    worker in separate processes). With prefix caching on (vLLM's mamba_cache_mode 'align') the state at
+    block-aligned prefill ends is stored with the chunks; a fresh engine on the same disk resumes from
+    it; one whose conv state layout differs (VLLM_SSM_CONV_STATE_LAYOUT) misses. Without prefix caching:
+    refused."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    report: dict[str, Any] = {}
     qwen = str(build_model_dir(work / "qwen3_next", "qwen3_next", dtype="bfloat16"))
     base = [prompt(41, 700), prompt(42, 1100)]
     turn2 = [base[0] + prompt(43, 300), base[1][:900] + prompt(44, 200)]
     report["qwen_base"], report["qwen_turn2"] = base, turn2
     qargs = dict(dtype="bfloat16", enable_prefix_caching=True)
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
     set_topology(in_process=True)
     engine = start(engine_args(qwen, **qargs))
     try:
@@ -322,25 +331,29 @@ def scenario_second(work: Path) -> dict[str, Any]:
     finally:
         shutdown(engine)
     disk = str(work / "qwen_disk")
-    for phase in ("qwen_first", "qwen_fresh"):
+    set_topology(in_process=False)
+    for phase, conv_layout in (("qwen_first", "SD"), ("qwen_fresh", "SD"), ("qwen_other_layout", "DS")):
+        os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout  # read by the spawned engine processes
         port = free_port()
         engine = start(engine_args(qwen, **qargs, connector={"kvengine": {
-            "chunk_size": CHUNK, "metrics_port": port, "write_mode": "write_through",
-            "memory": {"capacity_bytes": "64MiB"}, "disk": {"path": disk}}}))
+            "metrics_port": port, "write_mode": "write_through", "memory": {"capacity_bytes": "64MiB"},
+            "disk": {"path": disk}}}))
         try:
             report[phase] = {"base": run(engine, base, logprobs=True), "turn2": run(engine, turn2, logprobs=True),
                              "metrics": scrape(port)}
         finally:
             shutdown(engine)
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
+    set_topology(in_process=True)  # the refusal itself reaches the caller, not only the worker's log
     try:
-        shutdown(start(engine_args(qwen, dtype="bfloat16", connector={"kvengine": {"chunk_size": CHUNK}})))
+        shutdown(start(engine_args(qwen, dtype="bfloat16", connector={"kvengine": {}})))
         report["qwen_refusal"] = None
     except Exception as exc:  # the refusal, as vLLM surfaces it
         report["qwen_refusal"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     return report
 
 
-SCENARIOS = {"first": scenario_first, "second": scenario_second}
+SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid}
 
 
 def main() -> int:
