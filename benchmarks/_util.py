@@ -126,3 +126,17 @@ def write_json(name: str | Path, data: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(out, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def drop_caches(files: list[Path]) -> str:
+    """Evict ``files`` from the page cache (all of it where allowed); returns the method that worked."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "fadvise_dontneed"

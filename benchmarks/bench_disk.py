@@ -46,7 +46,7 @@ from kvengine.layout import KVCategory, dtype_code
 from kvengine.record import TensorDescriptor, encode_header
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_header, write_json  # noqa: E402
+from _util import drop_caches, print_header, write_json  # noqa: E402
 
 NS = Namespace(model="bench/disk").digest()
 
@@ -56,20 +56,6 @@ def make_record(payload: bytes) -> tuple[ChunkKey, bytes]:
     n = len(payload)
     tensors = (TensorDescriptor(0, KVCategory.OPAQUE, dtype_code(torch.uint8), (n,), n),)
     return key, encode_header(key, (0, 256), tensors, codec_id=0, raw_length=n, payload=payload) + payload
-
-
-def drop_caches(files: list[Path]) -> str:
-    """Evict ``files`` from the page cache; returns the method that worked."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        return "fadvise_dontneed"
 
 
 def raw_write(paths: list[Path], records: list[bytes], direct: bool) -> float:

@@ -85,7 +85,8 @@ class KVEngineCase:
                                                             "capacity_bytes": "16GiB"})
         backend = KVEngineHiCacheStorage(sglang_env.storage_config(
             layout=self.layout, model_name="bench/sglang",
-            extra=extra_config(kvengine_config=config, disk_transport={"direct_io": self.direct_io})), {})
+            extra=extra_config(kvengine_config=config, disk_transport={"direct_io": self.direct_io},
+                               model_fingerprint="bench-random-pages")), {})
         backend.register_mem_pool_host(self.host)
         return backend
 

@@ -62,7 +62,8 @@ def demo() -> int:
     with tempfile.TemporaryDirectory() as disk:
         def open_backend() -> KVEngineHiCacheStorage:
             config = sglang_env.storage_config(extra=extra_config(kvengine_config={
-                "memory": {"capacity_bytes": "64MiB"}, "disk": {"path": disk}}))
+                "memory": {"capacity_bytes": "64MiB"}, "disk": {"path": disk}},
+                model_fingerprint="demo-random-pages"))  # a real server hashes its model's weight files
             backend = KVEngineHiCacheStorage(config, {})  # what SGLang's factory does ...
             backend.register_mem_pool_host(host)  # ... then it hands over the host pool
             return backend

@@ -54,6 +54,8 @@ _DELEGATED = {
     "demo": ("kvengine.integrations.hf", "run_demo", "multi-turn chat with a tiny local model, with and without the cache"),
     "inspect": ("kvengine.inspect_cmd", "main", "show a model's KV spec and reuse plan from its config.json"),
     "serve": ("kvengine.serve_cmd", "main", "run a peer endpoint that shares this node's tiers"),
+    "quarantine": ("kvengine.quarantine_cmd", "main",
+                   "list or purge a disk tier's namespaces that failed a provenance check"),
 }
 
 

@@ -54,6 +54,26 @@ class DiskConfig(_Section):
     codec: str = "raw"
 
 
+class ShadowConfig(_Section):
+    """Shadow verification: some hits are recomputed by the inference engine instead of loaded, and the
+    KV it computed is compared with the stored chunks (a mismatch quarantines the namespace).
+
+    Off by default: each shadowed hit costs its prefill. Recommended where the KV a model computes can
+    change under a cache (library, kernel or driver upgrades): ``first_hits: 4, fraction: 0.01``.
+    """
+
+    #: The first this many hits of each namespace after start are shadowed.
+    first_hits: int = Field(default=0, ge=0)
+    #: Then each hit with this probability.
+    fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    #: Seed of the sampling (a run is reproducible).
+    seed: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.first_hits > 0 or self.fraction > 0
+
+
 class PeersConfig(_Section):
     """Peer sharing tier (off unless ``peers`` or ``peers_file`` is set)."""
 
@@ -95,6 +115,7 @@ class EngineConfig(_Section):
     memory: MemoryConfig = MemoryConfig()
     disk: DiskConfig = DiskConfig()
     peers: PeersConfig = PeersConfig()
+    shadow: ShadowConfig = ShadowConfig()
     #: Serve Prometheus metrics over HTTP on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
 

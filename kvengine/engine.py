@@ -44,6 +44,7 @@ from .keys import ChunkKey, Namespace
 from .layout import ChunkLayout
 from .memory_tier import MemoryEntry, MemoryTier, Prepared
 from .metrics import EngineMetrics, TierStatsCollector
+from .quarantine import Quarantine
 from .record import RecordFlag, RecordHeader, descriptors_for, encode_header, unpack_record
 from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
@@ -115,6 +116,9 @@ class CacheEngine:
         )
         self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
         self.reservations = ReservationTable()
+        #: Namespaces whose stored KV failed a provenance check: never served (persisted with the disk tier).
+        self.quarantine = Quarantine(config.disk.path)
+        self.metrics.quarantined.set_function(lambda: len(self.quarantine))
         self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
         self._write_slots: asyncio.Semaphore | None = None
         self._writes: set[asyncio.Future[None]] = set()  # write-behind tier writes in flight
@@ -211,7 +215,22 @@ class CacheEngine:
                 "its chunks live in a separate namespace and are never served to verified readers",
                 namespace.model,
             )
-        return ModelBinding.create(namespace, layout)
+        binding = ModelBinding.create(namespace, layout)
+        self.quarantine.note_binding(namespace, binding.digest)
+        if self.is_quarantined(binding):
+            logger.error("kvengine: model %r is bound to a QUARANTINED namespace (root %s): nothing is served or "
+                         "stored for it until an operator purges it", namespace.model, binding.root)
+        return binding
+
+    def is_quarantined(self, binding: ModelBinding) -> bool:
+        return binding.root in self.quarantine
+
+    def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
+        """Never serve or store ``binding``'s namespace root again (see :mod:`.quarantine`)."""
+        self.quarantine.add(binding.namespace, reason, details)
+        for res in [r for r in self.reservations.all() if r.namespace == binding.digest]:
+            self._end(res)  # what was promised under it is withdrawn: loads of it now fail, counted
+        self.metrics.reservations_active.set(len(self.reservations))
 
     # -- lookup ----------------------------------------------------------------
     async def lookup(
@@ -228,6 +247,9 @@ class CacheEngine:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens,
                                partial=self.config.store_partial_chunks)
+        if self.is_quarantined(binding):
+            self.metrics.quarantine_refusals.labels(op="lookup").inc()
+            hashes = []
         query = (max_tokens, *hashes)
         now = self._clock()
         existing = self.reservations.get(binding.digest, request_id)
@@ -512,9 +534,13 @@ class CacheEngine:
 
     async def _reaper(self) -> None:
         interval = min(1.0, self.config.lease_seconds / 4)
+        ticks = 0
         while True:
             await asyncio.sleep(interval)
             await self.reclaim_expired()
+            ticks += 1
+            if ticks % 10 == 0:  # other processes on the same disk may have quarantined a namespace
+                await asyncio.to_thread(self.quarantine.refresh)
 
     # -- store ------------------------------------------------------------------
     async def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
@@ -610,6 +636,9 @@ class CacheEngine:
         present = rejected = 0
         entries: list[MemoryEntry] = []
         views: list[ChunkView] = []
+        if self.is_quarantined(binding):  # nothing more is added to KV that failed a provenance check
+            self.metrics.quarantine_refusals.labels(op="store").inc()
+            return StagedStore(binding, (), 0, len(hashes), ())
         for i, h in enumerate(hashes):
             token_range = (i * size, min((i + 1) * size, total))
             key = ChunkKey(binding.digest, h)

@@ -42,3 +42,8 @@ class UnsupportedModelError(KVEngineError):
 
 class AttachError(KVEngineError):
     """Attach-time verification failed; nothing will be served for this model."""
+
+
+class ModelChangedError(InvalidRequestError):
+    """An attached model's weights changed under an explicit fingerprint: kvengine cannot name the new
+    weights, and serving KV of the old ones would be wrong. Give the new weights a new fingerprint."""

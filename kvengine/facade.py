@@ -137,3 +137,14 @@ class KVEngine:
 
     def reclaim_expired(self) -> int:
         return self.run(self.core.reclaim_expired())
+
+    def is_quarantined(self, binding: ModelBinding) -> bool:
+        """Whether ``binding``'s namespace failed a provenance check (nothing of it is served)."""
+        return self.core.is_quarantined(binding)
+
+    def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
+        """Never serve or store ``binding``'s namespace again (see :mod:`kvengine.quarantine`)."""
+        async def quarantine() -> None:
+            self.core.quarantine_namespace(binding, reason, **details)
+
+        self.run(quarantine())

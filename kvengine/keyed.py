@@ -62,10 +62,11 @@ class PutOutcome(enum.Enum):
     STORED = "stored"  # copied into memory; lower tiers follow per the write mode
     PRESENT = "present"  # already in memory: nothing copied
     NO_ROOM = "no_room"  # memory is full of pinned chunks (counted)
+    REFUSED = "refused"  # the namespace is quarantined (counted)
 
     @property
     def ok(self) -> bool:
-        return self is not PutOutcome.NO_ROOM
+        return self in (PutOutcome.STORED, PutOutcome.PRESENT)
 
 
 class GetOutcome(enum.Enum):
@@ -121,8 +122,17 @@ class KeyedStore:
         return [keyed_chunk_key(self.binding, k) for k in keys]
 
     # -- exists -------------------------------------------------------------------
+    def _refused(self, op: str, n: int) -> bool:
+        """A quarantined namespace answers nothing and takes nothing (counted)."""
+        if not self.engine.is_quarantined(self.binding):
+            return False
+        self.engine.metrics.quarantine_refusals.labels(op=f"keyed_{op}").inc(n)
+        return True
+
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored in memory or (probably) in a lower tier."""
+        if self._refused("exists", len(keys)):
+            return [False] * len(keys)
         ckeys = self.chunk_keys(keys)
         found = [self.engine.memory.contains(k) for k in ckeys]
         for transport in self.engine.transports:
@@ -144,6 +154,8 @@ class KeyedStore:
         :raises InvalidRequestError: ``source`` returned tensors that do not
             match the layout (nothing of that chunk is stored).
         """
+        if self._refused("put", len(keys)):
+            return [PutOutcome.REFUSED] * len(keys)
         ckeys = self.chunk_keys(keys)
         outcomes, held = await asyncio.to_thread(self._copy_in, ckeys, source)
         if held:
@@ -193,6 +205,8 @@ class KeyedStore:
     # -- get ----------------------------------------------------------------------
     async def get(self, keys: Sequence[bytes], sink: KeyedSink) -> list[GetOutcome]:
         """Give each stored chunk to ``sink``; chunks found below memory are promoted into it."""
+        if self._refused("get", len(keys)):
+            return [GetOutcome.MISS] * len(keys)
         ckeys = self.chunk_keys(keys)
         memory = self.engine.memory
         entries: list[MemoryEntry | None] = [memory.pin(k) for k in ckeys]

@@ -34,6 +34,23 @@ class EngineMetrics:
         self.reservations_reclaimed = Counter("kvengine_reservations_reclaimed", "Reservations reclaimed after their lease", registry=r)
         self.integrity_failures = Counter("kvengine_integrity_failures", "Records that failed verification", ["reason"], registry=r)
         self.writes_dropped = Counter("kvengine_writes_dropped", "Background writes dropped", ["reason"], registry=r)
+        self.namespace_changes = Counter("kvengine_namespace_changes",
+                                         "Attached models whose weights changed, moved to a new namespace",
+                                         registry=r)
+        self.quarantined = Gauge("kvengine_quarantined_namespaces", "Namespace roots whose stored KV is never served",
+                                 registry=r)
+        self.quarantine_refusals = Counter("kvengine_quarantine_refusals",
+                                           "Lookups, stores and keyed ops refused: namespace quarantined", ["op"],
+                                           registry=r)
+        self.provenance_checks = Counter(
+            "kvengine_provenance_checks",
+            "Stored KV compared with what the reading model computes (check: canary, shadow; outcome: exact, "
+            "close = within the dtype's tolerance, mismatch = quarantined, written = first writer's canary)",
+            ["check", "outcome"], registry=r)
+        for check, outcomes in (("canary", ("exact", "close", "mismatch", "written")),
+                                ("shadow", ("exact", "close", "mismatch"))):
+            for outcome in outcomes:  # present from the start, so an alert on them sees a 0 first
+                self.provenance_checks.labels(check=check, outcome=outcome)
         self._logged: set[str] = set()
         self._lock = threading.Lock()
 

@@ -22,11 +22,15 @@ class ModelBinding:
     #: Seeds the hash chain: the namespace digest combined with the layout
     #: fingerprint, so chunks of different layouts never meet.
     digest: NamespaceDigest
+    #: The namespace's model identity, the unit of quarantine (:func:`~kvengine.quarantine.root_digest`).
+    root: str = ""
 
     @classmethod
     def create(cls, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+        from .quarantine import root_digest
+
         seed = xxhash.xxh3_128_digest(namespace.digest() + layout.fingerprint.encode())
-        return cls(namespace, layout, NamespaceDigest(seed))
+        return cls(namespace, layout, NamespaceDigest(seed), root_digest(namespace))
 
     @property
     def chunk_size(self) -> int:

@@ -60,7 +60,7 @@ from kvengine.keys import DIGEST_BYTES, ChunkKey, NamespaceDigest
 from kvengine.record import RecordHeader, decode_header, unpack_record
 from kvengine.transport import Buffer
 
-from ._disk_files import FsyncPolicy, RecordFiles, ScanResult, footprint
+from ._disk_files import RECORD_SUFFIX, FsyncPolicy, RecordFiles, ScanResult, footprint
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -443,6 +443,29 @@ def _placed(place: Callable[[RecordHeader], Buffer | None], header: RecordHeader
 
 
 _EXTRA_KEYS = ("namespaces", "direct_io", "io_threads", "read_pool_bytes")
+
+
+def records_per_namespace(path: Path) -> dict[str, int]:
+    """Record files under a disk tier's directory per namespace (binding) digest, in hex (for operators)."""
+    counts: dict[str, int] = {}
+    for entry in Path(path).glob(f"*{RECORD_SUFFIX}"):
+        ns = entry.name[: 2 * DIGEST_BYTES]
+        counts[ns] = counts.get(ns, 0) + 1
+    return counts
+
+
+def delete_namespace_records(path: Path, namespace_hex: str) -> int:
+    """Delete every record of one namespace (binding) digest from a disk tier's directory; returns how many.
+
+    For an operator's purge: an engine running on the directory meanwhile serves those records as misses.
+    """
+    if len(namespace_hex) != 2 * DIGEST_BYTES or any(c not in "0123456789abcdef" for c in namespace_hex):
+        raise ValueError(f"not a namespace digest: {namespace_hex!r}")
+    deleted = 0
+    for entry in Path(path).glob(f"{namespace_hex}*{RECORD_SUFFIX}"):
+        entry.unlink(missing_ok=True)
+        deleted += 1
+    return deleted
 
 
 def create_transport(config: Mapping[str, Any]) -> LocalDiskTransport:

@@ -19,36 +19,23 @@ never reach verified readers.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Any
 
 import torch
-import xxhash
 
 from kvengine import KVEngine, Namespace
 from kvengine.semantics.canary import CanaryReport, judge
 from kvengine.semantics.families import derive_spec
 
 from .generator import AttachedModel
+from .proof import probe_tokens, prove_namespace
+from .weights_watch import model_fingerprint as model_fingerprint
 
 logger = logging.getLogger("kvengine.hf")
 
 CANARY_KEY = "kvengine-attach-canary"
-
-
-def model_fingerprint(model: Any, *, weights: bool = True) -> str:
-    """Digest of the config and (by default) every parameter and buffer's bytes."""
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    if weights:
-        for name, tensor in sorted(model.state_dict().items()):
-            h.update(name.encode())
-            h.update(str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
-            t = tensor.detach().contiguous().cpu()
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def attach(
@@ -69,14 +56,16 @@ def attach(
     chunk = engine.config.chunk_size
     layout = spec.layout(chunk)
     name = model_id or getattr(model.config, "_name_or_path", "") or spec.model_type
+    content = model_fingerprint(model)
     namespace = Namespace(
         model=name,
-        model_fingerprint=fingerprint if fingerprint is not None else model_fingerprint(model),
+        model_fingerprint=fingerprint if fingerprint is not None else content,
         kv_spec_fingerprint=spec.fingerprint,
         layout_id=layout.fingerprint,
         verified=not debug_unverified,
     )
-    attached = AttachedModel(model, engine, spec, layout, namespace)
+    attached = AttachedModel(model, engine, spec, layout, namespace, content_fingerprint=content,
+                             explicit_fingerprint=fingerprint is not None)
     _check_real_cache(attached)
     if debug_unverified:
         logger.warning(
@@ -91,6 +80,8 @@ def attach(
         report.raise_if_failed()
         logger.info("kvengine: attach canary passed for %r (max logit error %.3g)", name, report.max_logit_error)
     attached.binding = engine.bind(namespace, layout)
+    if not debug_unverified:
+        attached.proof = prove_namespace(attached)
     return attached
 
 
@@ -104,21 +95,17 @@ def _check_real_cache(attached: AttachedModel) -> None:
     attached.codec.check_cache(cache)
 
 
-def _vocab(attached: AttachedModel) -> int:
-    cfg = attached.model.config
-    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    return int(getattr(text, "vocab_size", None) or cfg.vocab_size)
-
-
 def _probe_tokens(attached: AttachedModel, n: int, *, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1234 + seed)
-    vocab = _vocab(attached)
-    low = min(4, vocab - 1)  # keep clear of the usual special ids
-    return torch.randint(low, vocab, (n,), generator=g)
+    return probe_tokens(attached.model, n, seed=seed)
 
 
 def _canary_binding(attached: AttachedModel):  # -> ModelBinding
-    ns = attached.namespace.with_updates(extra_keys=(*attached.namespace.extra_keys, CANARY_KEY))
+    """The attach canary's own namespace: its own root too, so that it checks this process's reuse path
+    even when the model's namespace is quarantined (it never reads anything another process wrote:
+    it stores its probe first, and memory answers before the lower tiers)."""
+    ns = attached.namespace
+    ns = ns.with_updates(model_fingerprint=f"{ns.model_fingerprint}#{CANARY_KEY}",
+                         extra_keys=(*ns.extra_keys, CANARY_KEY))
     return attached.engine.bind(ns, attached.layout)
 
 

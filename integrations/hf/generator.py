@@ -31,14 +31,18 @@ import torch
 import xxhash
 
 from kvengine import KVEngine, Namespace
-from kvengine.errors import InvalidRequestError
+from kvengine.errors import InvalidRequestError, ModelChangedError
 from kvengine.hashing import token_bytes
 from kvengine.layout import ChunkLayout
+from kvengine.provenance import CanaryResult, ShadowSampler
+from kvengine.reservations import Reservation
 from kvengine.semantics.spec import ModelKVSpec
 from kvengine.types import ModelBinding
 
 from .codec import ChunkUnavailable, HFCacheCodec, Snapshot
+from .proof import ShadowCheck, prove_namespace
 from .runner import ModelRunner
+from .weights_watch import WeightsWatch, model_fingerprint
 
 logger = logging.getLogger("kvengine.hf")
 
@@ -78,6 +82,8 @@ class GenerationResult:
     ttft_s: float
     total_s: float
     load_ok: bool
+    #: a shadow check ran instead of the load: ``exact``, ``close`` or ``mismatch`` (None: none ran)
+    shadow: str | None = None
 
 
 @dataclass(slots=True)
@@ -106,7 +112,7 @@ class AttachedModel:
     """A verified (or explicitly unverified) model bound to an engine."""
 
     def __init__(self, model: Any, engine: KVEngine, spec: ModelKVSpec, layout: ChunkLayout,
-                 namespace: Namespace) -> None:
+                 namespace: Namespace, *, content_fingerprint: str = "", explicit_fingerprint: bool = False) -> None:
         self.model = model
         self.engine = engine
         self.spec = spec
@@ -116,7 +122,42 @@ class AttachedModel:
         self.codec = HFCacheCodec(spec, model.config, layout)
         self.runner = ModelRunner(model, spec)
         self.binding: ModelBinding | None = None
+        #: the namespace canary's verdict at attach (or after the last weights change)
+        self.proof: CanaryResult | None = None
         self._encoder_bindings: OrderedDict[tuple[bytes, str], ModelBinding] = OrderedDict()
+        self._content = content_fingerprint
+        self._explicit = explicit_fingerprint
+        self._watch = WeightsWatch(model)
+        self._shadow = ShadowSampler(engine.config.shadow)
+
+    # -- identity -------------------------------------------------------------------
+    def check_weights(self) -> bool:
+        """Before a request: if the weights changed since attach (or the last check), move to the new
+        weights' namespace (proved by the namespace canary), so no chunk of the old ones is served.
+        Returns whether the namespace changed.
+
+        :raises ModelChangedError: the weights changed but the namespace was given an explicit
+            fingerprint at attach, which kvengine cannot update for you.
+        """
+        if not self._watch.changed():
+            return False
+        content = model_fingerprint(self.model)
+        if content == self._content:  # moved or touched, same bytes
+            return False
+        self._content = content
+        if self._explicit:
+            raise ModelChangedError(
+                f"the weights of {self.namespace.model!r} changed since attach, but it was attached with an explicit "
+                "fingerprint; attach it again with the new weights' fingerprint (or none, to derive it)")
+        logger.warning("kvengine: weights of %r changed since attach; moving to the new weights' namespace (no KV "
+                       "of the old weights is served)", self.namespace.model)
+        self.namespace = self.namespace.with_updates(model_fingerprint=content)
+        self.binding = self.engine.bind(self.namespace, self.layout)
+        self._encoder_bindings.clear()
+        self.engine.metrics.namespace_changes.inc()
+        if self.namespace.verified:
+            self.proof = prove_namespace(self)
+        return True
 
     # -- context ------------------------------------------------------------------
     def context(self, encoder_input_ids: Any = None, *, binding: ModelBinding | None = None) -> RequestContext:
@@ -148,7 +189,9 @@ class AttachedModel:
     # -- building blocks (also used by the canary) ------------------------------------
     def restore(self, ctx: RequestContext, ids: torch.Tensor, request_id: str) -> tuple[Any, int, bool]:
         """Look up and load the longest cached prefix (<= len-1 tokens); returns (cache, tokens, load ok)."""
-        res = self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1)
+        return self._load(self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1))
+
+    def _load(self, res: Reservation) -> tuple[Any, int, bool]:
         if res.matched_tokens == 0:
             self.engine.release(res)
             return self.codec.new_cache(), 0, True
@@ -220,22 +263,29 @@ class AttachedModel:
             raise InvalidRequestError("max_new_tokens must be positive")
         t0 = time.perf_counter()
         ids = as_tokens(input_ids)
+        self.check_weights()
         ctx = self.context(encoder_input_ids)
         rid = request_id or f"hf-{next(_request_ids)}"
         t_restore = time.perf_counter()
+        shadow: ShadowCheck | None = None
+        cache, reused, load_ok = self.codec.new_cache(), 0, True
         if use_cache:
-            cache, reused, load_ok = self.restore(ctx, ids, rid)
-        else:
-            cache, reused, load_ok = self.codec.new_cache(), 0, True
+            res = self.engine.lookup(ctx.binding, rid, ids, max_tokens=len(ids) - 1)
+            if res.matched_tokens and self._shadow.pick(ctx.binding):
+                shadow = ShadowCheck(self, ctx, res)  # prefill it all, then compare with what is stored
+            else:
+                cache, reused, load_ok = self._load(res)
         restore_s = time.perf_counter() - t_restore if use_cache else 0.0
         snapshots: dict[int, Snapshot] = {}
-        if store:
+        keep = store or shadow is not None  # the computed chunks are wanted after the prefill
+        if keep:
             self.codec.record(cache)
-        logits = self.prefill(ctx, ids, cache, reused, snapshots if store else None)
+        logits = self.prefill(ctx, ids, cache, reused, snapshots if keep else None)
         stops = _eos_set(self.model, eos_token_id)
         rng = torch.Generator().manual_seed(sampling.seed)
         token = _sample(logits[-1], sampling, rng)
         ttft = time.perf_counter() - t0
+        shadow_outcome = shadow.run(cache, snapshots).outcome if shadow is not None else None
         stored = self.store(ctx, ids, cache, snapshots) if store else 0
         generated = [token]
         if on_token is not None:
@@ -257,7 +307,7 @@ class AttachedModel:
             prompt_tokens=len(ids), reused_tokens=reused, computed_tokens=len(ids) - reused,
             new_tokens=tuple(generated), stored_chunks=stored, restore_s=restore_s, ttft_s=ttft,
             total_s=time.perf_counter() - t0,
-            load_ok=load_ok,
+            load_ok=load_ok, shadow=shadow_outcome,
         )
 
 

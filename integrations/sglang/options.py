@@ -10,8 +10,10 @@ Extra config keys (``--hicache-storage-backend-extra-config``, JSON):
   explicit value other than the page size is refused, naming the page size.
 * ``model``: the model identity to namespace pages by (default: SGLang's
   ``model_name``, i.e. ``--served-model-name`` or the model path).
-* ``model_fingerprint``: anything that tells apart two models served under
-  one name (a weights revision, a checkpoint hash). Empty by default.
+* ``model_fingerprint``: the model's identity, when you version weights
+  yourself. By default every byte of the weight files of ``model`` (a local
+  path or a downloaded hub id) is hashed (:mod:`kvengine.weights`); a model
+  that cannot be found to hash is refused unless this is set.
 * ``disk_transport``: options of the local-disk tier beyond kvengine's
   ``disk`` section: ``direct_io`` (None: O_DIRECT for large records where
   the filesystem allows; False: through the page cache), ``io_threads``,
@@ -30,6 +32,7 @@ from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 from kvengine.keyed import keyed_namespace
 from kvengine.keys import Namespace
+from kvengine.weights import model_identity
 
 from .pages import PageGeometry, PoolKind
 
@@ -107,7 +110,7 @@ def namespace_for(storage_config: Any, geometry: PageGeometry, options: BackendO
              f"attn_cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
     namespace = Namespace(
         model=model,
-        model_fingerprint=options.model_fingerprint,
+        model_fingerprint=model_identity(model, explicit=options.model_fingerprint or None),
         kv_spec_fingerprint=geometry.describe(),
         layout_id=f"sglang-hicache/{geometry.host_layout}",
         rank=0 if replicated else int(storage_config.tp_rank),

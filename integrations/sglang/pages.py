@@ -59,6 +59,9 @@ class PageGeometry:
     heads: int
     #: MHA: head dim (K and V alike); MLA: kv_lora_rank + qk_rope_head_dim.
     head_dim: int
+    #: MLA: (kv_lora_rank, qk_rope_head_dim), the split of ``head_dim`` into latent and rope parts. Two
+    #: splits of one width (512 + 64, 544 + 32) store bytes that mean different things.
+    mla_split: tuple[int, int] | None = None
     #: SGLang's name for a page byte format of the pool's own (None for plain pools).
     format_tag: str | None = None
 
@@ -70,6 +73,9 @@ class PageGeometry:
             )
         if min(self.page_size, self.layers, self.heads, self.head_dim) <= 0:
             raise UnsupportedModelError(f"SGLang host pool has an empty geometry: {self}")
+        if self.kind is PoolKind.MLA and self.mla_split is None:
+            raise UnsupportedModelError("SGLang MLA host pool without kv_lora_rank / qk_rope_head_dim: its latent "
+                                        "and rope widths are part of what a page means; refusing it")
 
     @property
     def regions_per_page(self) -> int:
@@ -110,8 +116,9 @@ class PageGeometry:
         """Human-readable KV spec (goes into the namespace's ``kv_spec_fingerprint``)."""
         dtype = str(self.dtype).removeprefix("torch.")
         tag = f":{self.format_tag}" if self.format_tag else ""
+        split = f":latent={self.mla_split[0]}+rope={self.mla_split[1]}" if self.mla_split else ""
         return (f"sglang-{self.kind.name.lower()}:{dtype}:layers={self.layers}:heads={self.heads}:"
-                f"dim={self.head_dim}:page={self.page_size}{tag}")
+                f"dim={self.head_dim}{split}:page={self.page_size}{tag}")
 
     def legacy_regions(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Split a flat page of SGLang's non-zero-copy API (``get_data_page(flat=True)``) into regions."""
@@ -149,11 +156,13 @@ def geometry_of(pool: Any) -> PageGeometry:
         if pool.head_dim != pool.v_head_dim:
             raise UnsupportedModelError(f"MHA with K head dim {pool.head_dim} != V head dim {pool.v_head_dim} "
                                         "is not supported by the kvengine HiCache backend")
-        heads, dim = int(pool.head_num), int(pool.head_dim)
+        heads, dim, split = int(pool.head_num), int(pool.head_dim), None
     else:
         heads, dim = 1, int(pool.kv_cache_dim)
+        lora, rope = getattr(pool, "kv_lora_rank", None), getattr(pool, "qk_rope_head_dim", None)
+        split = (int(lora), int(rope)) if lora is not None and rope is not None else None
     return PageGeometry(kind=kind, host_layout=str(pool.layout), dtype=pool.dtype, page_size=int(pool.page_size),
-                        layers=int(pool.layer_num), heads=heads, head_dim=dim,
+                        layers=int(pool.layer_num), heads=heads, head_dim=dim, mla_split=split,
                         format_tag=getattr(pool, "storage_format_tag", None))
 
 

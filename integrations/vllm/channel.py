@@ -17,7 +17,9 @@ the same channel is used: one code path, a local round trip costs ~0.1 ms.
 
 Protocol (requests are handled in order, one at a time):
 
-* :class:`LookupCall` -> :class:`Reply` (``matched_tokens``). Idempotent per
+* :class:`LookupCall` -> :class:`Reply` (``matched_tokens``, or
+  ``shadow_tokens`` for a hit sampled for a shadow check: nothing is
+  reserved, vLLM computes it all, the worker compares). Idempotent per
   request id: the worker's engine renews the same reservation.
 * :class:`ReleaseCall` -> no reply. Ends the request's reservation, if any.
 * :class:`StatsCall` -> :class:`Reply` (``stats``): counters for tests and debugging.
@@ -66,9 +68,18 @@ class StatsCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Answer:
+    """A lookup's answer: tokens reserved for loading, or tokens to recompute and compare (a shadow check)."""
+
+    matched_tokens: int = 0
+    shadow_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Reply:
     seq: int
     matched_tokens: int = 0
+    shadow_tokens: int = 0
     error: str = ""
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -76,7 +87,7 @@ class Reply:
 class LookupHandler(Protocol):
     """What the worker answers with (its cache engine)."""
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> int: ...
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -140,8 +151,8 @@ class LookupService:
     def _handle(self, msg: object) -> Reply | None:
         try:
             if isinstance(msg, LookupCall):
-                return Reply(msg.seq, matched_tokens=self._handler.lookup(msg.request_id, msg.salt, msg.tokens,
-                                                                          msg.max_tokens))
+                answer = self._handler.lookup(msg.request_id, msg.salt, msg.tokens, msg.max_tokens)
+                return Reply(msg.seq, matched_tokens=answer.matched_tokens, shadow_tokens=answer.shadow_tokens)
             if isinstance(msg, ReleaseCall):
                 self._handler.release(msg.request_id)
                 return None

@@ -1,10 +1,12 @@
 """The namespace of a vLLM model: everything that changes the bytes of its KV pages.
 
 * ``model`` -- the model id or path vLLM was given.
-* ``model_fingerprint`` -- the HF config, dtype, revision and quantization,
-  plus a sample of the weight files when the model is a local directory
-  (name, size, first and last MiB of each), so two random models built with
-  different seeds in the same place never share chunks.
+* ``model_fingerprint`` -- the HF config, dtype, quantization and load
+  format, plus the *content* of every weight file (:mod:`kvengine.weights`:
+  full-file xxh3-128, cached in a sidecar by size, mtime, inode and ctime).
+  A hub id resolves to its local snapshot (revision and file digests). An
+  explicit ``model_fingerprint`` option replaces the weights part, for users
+  who manage versions themselves.
 * ``kv_spec_fingerprint`` -- every KV cache group's spec and layers.
 * ``layout_id`` -- vLLM version, attention backends, KV cache layout,
   kernel page split, and by name every per-platform choice that changes the
@@ -17,43 +19,25 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import xxhash
 
 from kvengine.keys import Namespace
-
-_SAMPLE = 1 << 20
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+from kvengine.weights import model_identity
 
 
-def weights_digest(model: str) -> str:
-    """Digest of a local model directory's weight files (name, size, head and tail bytes); '' if not local."""
-    path = Path(model)
-    if not path.is_dir():
-        return ""
-    h = xxhash.xxh3_128()
-    for file in sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
-        size = file.stat().st_size
-        h.update(f"{file.name}\0{size}\0".encode())
-        with file.open("rb") as f:
-            h.update(f.read(_SAMPLE))
-            if size > 2 * _SAMPLE:
-                f.seek(size - _SAMPLE)
-                h.update(f.read(_SAMPLE))
-    return h.hexdigest()
-
-
-def model_fingerprint(vllm_config: object) -> str:
+def model_fingerprint(vllm_config: object, explicit: str | None = None) -> str:
     mc = vllm_config.model_config  # type: ignore[attr-defined]
     cc = vllm_config.cache_config  # type: ignore[attr-defined]
+    load_format = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
     hf = mc.hf_config.to_json_string(use_diff=False) if hasattr(mc.hf_config, "to_json_string") else repr(mc.hf_config)
-    desc = [mc.model, str(mc.revision), str(mc.dtype), str(mc.quantization), str(cc.cache_dtype), hf,
-            weights_digest(mc.model)]
+    desc = [mc.model, str(mc.dtype), str(mc.quantization), str(cc.cache_dtype), str(load_format), hf,
+            model_identity(str(mc.model), mc.revision, explicit=explicit)]
     return xxhash.xxh3_128_hexdigest(json.dumps(desc, separators=(",", ":")).encode())
 
 
-def namespace_for(vllm_config: object, *, layout_id: str, spec_fingerprint: str) -> Namespace:
+def namespace_for(vllm_config: object, *, layout_id: str, spec_fingerprint: str,
+                  explicit_fingerprint: str | None = None) -> Namespace:
     import vllm
 
     pc = vllm_config.parallel_config  # type: ignore[attr-defined]
@@ -61,7 +45,7 @@ def namespace_for(vllm_config: object, *, layout_id: str, spec_fingerprint: str)
 
     return Namespace(
         model=str(vllm_config.model_config.model),  # type: ignore[attr-defined]
-        model_fingerprint=model_fingerprint(vllm_config),
+        model_fingerprint=model_fingerprint(vllm_config, explicit_fingerprint),
         kv_spec_fingerprint=spec_fingerprint,
         layout_id=f"vllm-{vllm.__version__}/{layout_id}",
         rank=get_tensor_model_parallel_rank(),

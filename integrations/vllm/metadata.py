@@ -47,6 +47,9 @@ class SaveSpec:
     #: the step's computed prefix ends exactly at ``tokens``' end, so a hybrid model's recurrent
     #: state at that boundary is in its state group (see :mod:`.state`)
     state_at_end: bool = False
+    #: a shadow check: compare the stored chunks of tokens ``[lo, hi)`` (computed by this step instead
+    #: of loaded) with the pages vLLM just computed
+    verify: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,10 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
   default: derived from the block sizes vLLM chose (see
   :func:`~.layout.resolve_chunk_size`); an explicit value must be a multiple
   of every KV cache group's block size, or the connector refuses to start.
+* ``model_fingerprint`` -- the model's identity, when you manage versions
+  yourself: replaces the content digest of the weight files (by default
+  every byte of every weight file is hashed, see :mod:`kvengine.weights`).
+  Change it whenever the weights change, or stale KV is served.
 * ``lookup_wait_ms`` -- how long the scheduler waits for a lookup answer from
   the worker before it tells vLLM "not known yet" (``None``: vLLM asks again
   next step). Default 200.
@@ -23,7 +27,7 @@ from typing import Any
 from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 
-_KEYS = ("kvengine", "lookup_wait_ms")
+_KEYS = ("kvengine", "lookup_wait_ms", "model_fingerprint")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +37,8 @@ class ConnectorOptions:
     #: The requested chunk size (None: "auto", derived from vLLM's block sizes).
     chunk_size: int | None = None
     lookup_wait_s: float = 0.2
+    #: An explicit model identity (None: the content digest of the weight files).
+    model_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.lookup_wait_s <= 60:
@@ -54,8 +60,11 @@ class ConnectorOptions:
             wait_s = float(wait_ms) / 1000
         except (TypeError, ValueError):
             raise ConfigError(f"lookup_wait_ms must be a number, got {wait_ms!r}") from None
+        fingerprint = extra.get("model_fingerprint")
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise ConfigError(f"model_fingerprint must be a non-empty string, got {fingerprint!r}")
         engine, chunk_size = load_config_auto_chunk(source)
-        return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s)
+        return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s, model_fingerprint=fingerprint)
 
     def with_chunk_size(self, chunk_size: int) -> ConnectorOptions:
         """These options with the chunk size resolved against vLLM's block sizes."""

@@ -75,6 +75,8 @@ class _RequestState:
     matched: int = 0
     plan: LoadSpec | None = None
     stored_until: int = 0
+    #: a hit sampled for a shadow check: vLLM computes its first ``shadow_until`` tokens, the worker compares
+    shadow_until: int = 0
 
 
 @dataclass(slots=True)
@@ -91,6 +93,7 @@ class SchedulerStats:
     released: int = 0
     failed_loads: int = 0  # asynchronous loads the worker reported failed
     save_specs: int = 0
+    shadow_checks: int = 0  # hits recomputed instead of loaded, to be compared by the worker
     skipped_requests: int = 0  # multimodal, LoRA or prompt-embedding requests
     by_reason: dict[str, int] = field(default_factory=dict)
 
@@ -140,6 +143,9 @@ class SchedulerSide:
         st.pending_seq = 0
         if reply.error:
             self._count_error(reply.error)
+        if reply.shadow_tokens and not st.shadow_until:
+            st.shadow_until = reply.shadow_tokens  # nothing reserved: vLLM computes it, the worker compares
+            self.stats.shadow_checks += 1
         st.matched = reply.matched_tokens
         st.phase = _Phase.RESERVED if st.matched else _Phase.IDLE
         external = st.matched - num_computed_tokens
@@ -193,10 +199,11 @@ class SchedulerSide:
             if end <= st.stored_until or self._manager is None:
                 continue
             block_ids = self._manager.get_block_ids(request_id)
+            verify = (st.stored_until, min(end, st.shadow_until)) if st.shadow_until > st.stored_until else None
             meta.saves.append(SaveSpec(request_id=request_id, salt=st.salt,
                                        tokens=token_bytes(st.request.all_token_ids[:end]),
                                        block_ids=tuple(tuple(b) for b in block_ids),
-                                       state_at_end=self._has_state and computed == end))
+                                       state_at_end=self._has_state and computed == end, verify=verify))
             st.stored_until = end
             self.stats.save_specs += 1
         return meta

@@ -40,10 +40,11 @@ from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.keys import Namespace
 from kvengine.layout import ChunkLayout
+from kvengine.provenance import ShadowSampler, compare_kv, core_quarantine
 from kvengine.reservations import Reservation
 from kvengine.types import ModelBinding
 
-from .channel import LookupService
+from .channel import Answer, LookupService
 from .layout import GroupKind, GroupPlan, PagedLayout
 from .metadata import ChannelAddress, SaveSpec, StepMetadata
 from .options import ConnectorOptions
@@ -89,6 +90,9 @@ class ReservationDesk:
         self._held: dict[str, Reservation] = {}
         #: hybrid models: the recurrent state at each held reservation's end (a copy)
         self._held_states: dict[str, BoundaryState] = {}
+        #: requests whose hit is shadow-checked instead of loaded, and its tokens (asked again: same answer)
+        self._shadowed: dict[str, int] = {}
+        self._sampler = ShadowSampler(engine.config.shadow)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -103,7 +107,11 @@ class ReservationDesk:
                 self._bindings[salt] = binding
         return binding
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> int:
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer:
+        with self._lock:
+            shadowed = self._shadowed.get(request_id)
+        if shadowed is not None:
+            return Answer(shadow_tokens=shadowed)
         ids = np.frombuffer(tokens, dtype="<u4")
         binding = self.binding(salt)
         res = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens)
@@ -116,12 +124,21 @@ class ReservationDesk:
             with self._lock:
                 self._held.pop(request_id, None)
                 self._held_states.pop(request_id, None)
-            return 0
+            return Answer()
+        with self._lock:
+            known = self._held.get(request_id) is res  # asked again: the same reservation, already counted
+        if not known and self._sampler.pick(binding):
+            self.engine.release(res)
+            with self._lock:
+                self._held.pop(request_id, None)
+                self._held_states.pop(request_id, None)
+                self._shadowed[request_id] = res.matched_tokens
+            return Answer(shadow_tokens=res.matched_tokens)
         with self._lock:
             self._held[request_id] = res  # the same object again when vLLM asks again (idempotent)
             if state is not None:
                 self._held_states[request_id] = state
-        return res.matched_tokens
+        return Answer(matched_tokens=res.matched_tokens)
 
     def _resumable(self, binding: ModelBinding, request_id: str, ids: np.ndarray,
                    res: Reservation) -> tuple[Reservation | None, BoundaryState | None]:
@@ -144,6 +161,7 @@ class ReservationDesk:
         with self._lock:
             res = self._held.pop(request_id, None)
             self._held_states.pop(request_id, None)
+            self._shadowed.pop(request_id, None)
         if res is not None:
             self.engine.release(res)
 
@@ -211,7 +229,8 @@ class WorkerSide:
         forward_order = list(dict.fromkeys(self._stage_of.values()))  # kv_caches lists layers in forward order
         forward_order += [i for i in range(len(self.layout.tensors)) if i not in forward_order]
         self._pipeline = LayerPipeline(self._copier, forward_order)
-        namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint)
+        namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint,
+                                  explicit_fingerprint=self._options.model_fingerprint)
         self.engine = build_engine(self._options)
         try:
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
@@ -299,6 +318,49 @@ class WorkerSide:
         for spec in meta.saves:
             if spec.state_at_end:
                 self._save_state(spec, meta.null_block_id)
+            if spec.verify is not None:
+                self._verify(spec, meta.null_block_id)
+
+    def _verify(self, spec: SaveSpec, null: int) -> None:
+        """A shadow check: compare the stored chunks of ``spec.verify`` with the pages this step computed.
+
+        Full-attention pages only: a sliding-window chunk holds zeros where its writer had already
+        dropped blocks, which depends on that writer's steps, and recurrent states are compared as
+        the tokens they lead to (vLLM's outputs), not here.
+        """
+        assert self.engine is not None and self.desk is not None and self._copier is not None
+        assert spec.verify is not None and self.layout is not None
+        lo, hi = spec.verify
+        ids = np.frombuffer(spec.tokens, dtype="<u4")[:hi]
+        binding = self.desk.binding(spec.salt)
+        res = self.engine.lookup(binding, f"{spec.request_id}#shadow", ids, max_tokens=hi)
+        results = []
+        try:
+            views = self.engine.begin_load(res) if res.matched_tokens else ()
+            full = [i for i, t in enumerate(self.layout.tensors) if t.kind is GroupKind.FULL]
+            for view in views:
+                start = view.token_range[0]
+                if start < lo or not self._copier.usable_chunks([start], spec.block_ids, null):
+                    continue
+                computed = []
+                for i in full:
+                    out = torch.empty_like(view.tensors[i])
+                    self._copier.gather_into(i, start, spec.block_ids, null, out)
+                    computed.append(out)
+                results.append(compare_kv([view.tensors[i] for i in full], computed))
+        finally:
+            self.engine.release(res)  # nothing was loaded into vLLM: not counted as a load
+        if not results:
+            self._m_store_skips.labels(reason="shadow_unavailable").inc()
+            return
+        worst = max(results, key=lambda r: (not r.within_tolerance, not r.exact, r.max_relative_error))
+        self.engine.metrics.provenance_checks.labels(check="shadow", outcome=worst.outcome).inc()
+        if not worst.within_tolerance:
+            core_quarantine(self.engine, binding, "a shadow-checked hit differs from the pages vLLM computed for it",
+                            worst, request=spec.request_id, tokens=f"{lo}-{hi}")
+        else:
+            logger.info("kvengine: shadow check of %s tokens %d-%d: %s (max relative error %.3g)", spec.request_id,
+                        lo, hi, worst.outcome, worst.max_relative_error)
 
     def _save_state(self, spec: SaveSpec, null: int) -> None:
         """Store the recurrent state this step materialized at the end of ``spec``'s chunks."""

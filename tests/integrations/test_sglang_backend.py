@@ -26,12 +26,17 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa:
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 from kvengine.errors import ConfigError, UnsupportedModelError  # noqa: E402
-from kvengine.integrations.sglang import extra_config  # noqa: E402
+from kvengine.integrations.sglang import extra_config as backend_extra_config  # noqa: E402
 from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage  # noqa: E402
 from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = sglang_env.PoolGeometry().page
+
+
+def extra_config(**own: object) -> dict[str, object]:
+    """The backend's extra config with an explicit model fingerprint (the test models are not on disk)."""
+    return backend_extra_config(**{"model_fingerprint": "tiny-test-weights", **own})
 
 
 def fill_random(host, seed: int = 0) -> None:
@@ -253,6 +258,53 @@ def test_pages_are_never_read_as_other_bytes(tmp_path: Path, change: str) -> Non
     assert _write_then_read(tmp_path, writer_host, reader_host, writer=writer, reader=reader) == [False, False]
 
 
+def test_mla_pages_of_another_latent_rope_split_of_the_same_width_are_misses(tmp_path: Path) -> None:
+    """Regression: MLA pages were keyed by the total latent width only, so pages written as 16 + 8
+    (kv_lora_rank + rope) were read by a 20 + 4 model (both 24 wide). The split is in the namespace."""
+    _, writer_host = sglang_env.make_mla_host_pool("page_first", lora_rank=16, rope_dim=8)
+    _, reader_host = sglang_env.make_mla_host_pool("page_first", lora_rank=20, rope_dim=4)
+    assert writer_host.kv_cache_dim == reader_host.kv_cache_dim == 24
+    same = {"is_mla": True}
+    assert _write_then_read(tmp_path, writer_host, reader_host, writer=same, reader=same) == [False, False]
+    # control: the same split hits
+    _, again = sglang_env.make_mla_host_pool("page_first", lora_rank=16, rope_dim=8)
+    assert _write_then_read(tmp_path / "b", writer_host, again, writer=same, reader=same) == [True, True]
+
+
+def test_without_a_fingerprint_the_weights_files_are_the_identity(tmp_path: Path) -> None:
+    """No model_fingerprint: the model path's weight files are hashed, so other weights at another path
+    (or the same path rewritten) never share pages; a model that cannot be found to hash is refused."""
+    dirs = [tmp_path / "model-a", tmp_path / "model-b"]
+    for i, d in enumerate(dirs):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes([i]) * 4096)
+    _, writer_host = sglang_env.make_mha_pools("page_first")
+    _, reader_host = sglang_env.make_mha_pools("page_first")
+    kv = {"memory": {"capacity_bytes": "16MiB"}, "disk": {"path": str(tmp_path / "disk"), "fsync": "never"}}
+
+    def backend(host, model: Path):
+        b = KVEngineHiCacheStorage(sglang_env.storage_config(model_name=str(model), extra=backend_extra_config(
+            kvengine_config=kv)), {})
+        b.register_mem_pool_host(host)
+        return b
+
+    fill_random(writer_host, seed=8)
+    _, keys = page_keys(2, seed=8)
+    a = backend(writer_host, dirs[0])
+    assert a.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
+    a.close()
+    for model, hit in ((dirs[1], False), (dirs[0], True)):
+        b = backend(reader_host, model)
+        try:
+            assert b.batch_get_v1(keys, torch.arange(4 * PAGE, 6 * PAGE)) == [hit, hit]
+        finally:
+            b.close()
+    _, host = sglang_env.make_mha_pools("page_first")
+    unknown = KVEngineHiCacheStorage(sglang_env.storage_config(extra=backend_extra_config()), {})
+    with pytest.raises(ConfigError, match="model_fingerprint"):
+        unknown.register_mem_pool_host(host)
+
+
 def test_same_namespace_hits_across_restarts(tmp_path: Path) -> None:
     """Control for the test above: the same settings do hit after a restart (through the disk tier)."""
     _, writer_host = sglang_env.make_mha_pools("page_first")
@@ -294,7 +346,8 @@ WRITER = textwrap.dedent("""
     _, host = sglang_env.make_mha_pools(args["layout"])
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=torch.Generator().manual_seed(7)))
     config = sglang_env.storage_config(layout=args["layout"], extra=extra_config(kvengine_config={
-        "memory": {"capacity_bytes": "16MiB"}, "disk": {"path": args["disk"], "fsync": "data"}}))
+        "memory": {"capacity_bytes": "16MiB"}, "disk": {"path": args["disk"], "fsync": "data"}},
+        model_fingerprint="tiny-test-weights"))
     backend = KVEngineHiCacheStorage(config, {})
     backend.register_mem_pool_host(host)
     n = len(args["keys"])

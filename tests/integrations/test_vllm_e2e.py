@@ -9,6 +9,7 @@ them for the whole module (engine start-up dominates: ~20-60 s per engine):
   always in flight at first; one whose loads fail part-way.
 * ``second``: a fresh process on the same disk directory; Gemma2.
 * ``hybrid``: Qwen3-Next in vLLM's default (multiprocess) topology.
+* ``provenance``: weights rewritten in place; shadow checks of honest and forged KV.
 
 No expectation is a constant: block sizes are vLLM's choice (per model, dtype
 and CPU) and the chunk size is derived from them, so expected hit lengths
@@ -95,6 +96,11 @@ def second(workdir: Path, first: tuple[dict[str, Any], str]) -> tuple[dict[str, 
 @pytest.fixture(scope="module")
 def hybrid(workdir: Path) -> tuple[dict[str, Any], str]:
     return _run("hybrid", workdir)
+
+
+@pytest.fixture(scope="module")
+def provenance(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("provenance", workdir)
 
 
 def tokens(outputs: list[dict[str, Any] | None]) -> list[list[int] | None]:
@@ -239,8 +245,11 @@ def test_qwen3_next_resumes_from_stored_recurrent_state_exactly_across_processes
         outs = phase["base"] + phase["turn2"]
         assert tokens(outs) == tokens(ref)
         # Greedy tokens of a tiny random model barely depend on the state (a zeroed state still gives
-        # the same tokens, at logprob differences of ~0.015): compare the logprobs, exact here.
-        assert max(abs(a - b) for o, r in zip(outs, ref) for a, b in zip(o["logprobs"], r["logprobs"])) <= 1e-4
+        # the same tokens, at logprob differences of ~0.015), so the logprobs are compared. Resumed
+        # prompts match bitwise here; the bound is for bf16 split-prefill rounding, which moves a
+        # logprob by up to 2e-4 when vLLM batches or splits a prefill differently from the reference
+        # run (seen for a prompt served by vLLM's own prefix cache): 10x that, 7x below a wrong state.
+        assert max(abs(a - b) for o, r in zip(outs, ref) for a, b in zip(o["logprobs"], r["logprobs"])) <= 2e-3
     def resumable(n: int) -> int:
         """vLLM materializes a state at an n-token prompt's last cacheable block end; stored if a chunk ends there."""
         end = (n - 1) // block * block
@@ -285,3 +294,50 @@ def test_qwen3_next_without_prefix_caching_is_refused(hybrid):
     refusal = s["qwen_refusal"]
     assert refusal is not None, "Qwen3-Next started with the connector"
     assert "UnsupportedModelError" in refusal and "MambaSpec" in refusal and "mamba_cache_mode='none'" in refusal
+
+
+def test_model_directory_rewritten_in_place_is_a_miss_for_a_fresh_engine(provenance):
+    """Regression (weights updated in place): a model directory overwritten with other weights of the same
+    file names and sizes kept its identity (only the first MiB of each file was hashed), and a fresh
+    engine process on the same disk served the old weights' KV. Now every byte is hashed: a miss, and
+    the outputs are the new weights' own."""
+    r, _ = provenance
+    assert r["same_sizes"], "the rewrite changed file names or sizes; the regression needs them equal"
+    chunk = chunk_of(r["old"]["metrics"])
+    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    assert [o["cached"] for o in r["old"]["again"]] == hits  # control: the old weights hit their own chunks
+    new = r["rewritten"]
+    assert [o["cached"] for o in new["first"]] == [0, 0]
+    assert tokens(new["first"]) == tokens(new["again"]) == r["ref_new"] != r["ref_old"]
+    assert [o["cached"] for o in new["again"]] == hits  # its own chunks, from then on
+
+
+def test_shadow_check_of_honest_kv_is_exact_and_later_hits_are_served(provenance):
+    """shadow.first_hits=1: the namespace's first hit is recomputed by vLLM and compared with the stored
+    pages (bitwise equal: same kernels, same prefill), not loaded; every later hit is loaded."""
+    r, _ = provenance
+    x, chunk = r["shadow_honest"], chunk_of(r["shadow_honest"]["metrics"])
+    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    assert [o["cached"] for o in x["first"]] == [0, hits[1]]
+    assert [o["cached"] for o in x["again"]] == hits
+    assert tokens(x["first"]) == tokens(x["again"]) == r["ref_new"]
+    m = x["metrics"]
+    assert m['kvengine_provenance_checks_total{check="shadow",outcome="exact"}'] == 1
+    assert m['kvengine_provenance_checks_total{check="shadow",outcome="mismatch"}'] == 0
+    assert m["kvengine_quarantined_namespaces"] == 0
+
+
+def test_shadow_check_catches_kv_another_kernel_computed_and_quarantines_it(provenance):
+    """The stored records were rewritten (values 5% off, checksums valid: another kernel, simulated). The
+    first hit's shadow check finds it, the namespace is quarantined, and no later request is served
+    from it: every output is the model's own."""
+    r, _ = provenance
+    assert r["rescaled"] > 0
+    x = r["shadow_forged"]
+    assert [o["cached"] for o in x["first"] + x["again"]] == [0, 0, 0, 0]
+    assert tokens(x["first"]) == tokens(x["again"]) == r["ref_new"]
+    m = x["metrics"]
+    assert m['kvengine_provenance_checks_total{check="shadow",outcome="mismatch"}'] == 1
+    assert m["kvengine_quarantined_namespaces"] == 1
+    assert m['kvengine_quarantine_refusals_total{op="lookup"}'] >= 3
+    assert m["kvengine_loaded_tokens_total"] == 0

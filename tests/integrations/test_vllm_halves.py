@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from types import SimpleNamespace
@@ -237,8 +238,8 @@ def test_vllm_settings_the_connector_refuses(over, error, match):
 CHUNK = 2 * BS
 
 
-@pytest.fixture
-def halves():
+@contextlib.contextmanager
+def make_halves(**engine_extra):
     """The scheduler half wired to a real engine through the real channel (no vLLM engine)."""
     from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
     from kvengine.integrations.vllm.channel import LookupService
@@ -248,7 +249,7 @@ def halves():
 
     layout = ChunkLayout(CHUNK, (TensorSpec(name="l0", group=0, category=KVCategory.FULL_ATTENTION,
                                             dtype=torch.float32, shape=(2, 2, BS, 8), token_dim=None),))
-    engine = KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"}}, transports=[])
+    engine = KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"}, **engine_extra}, transports=[])
     desk = ReservationDesk(engine, Namespace(model="halves-test"), layout)
     service = LookupService(desk)
     path, key = service.start()
@@ -258,10 +259,18 @@ def halves():
                                                 get_block_ids=lambda rid: ([1, 2, 3, 4, 5],)))
     tokens = list(range(10, 10 + 4 * CHUNK))
     engine.store(desk.binding(""), tokens[:3 * CHUNK], lambda i, s, e: [torch.full((2, 2, BS, 8), float(i))])
-    yield SimpleNamespace(engine=engine, desk=desk, sched=sched, tokens=tokens)
-    sched.shutdown()
-    service.close()
-    engine.close()
+    try:
+        yield SimpleNamespace(engine=engine, desk=desk, sched=sched, tokens=tokens)
+    finally:
+        sched.shutdown()
+        service.close()
+        engine.close()
+
+
+@pytest.fixture
+def halves():
+    with make_halves() as h:
+        yield h
 
 
 def request(rid: str, tokens: list[int]) -> SimpleNamespace:
@@ -336,6 +345,30 @@ def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follo
     assert halves.sched.build_connector_meta(out).loads == []
 
 
+def test_a_hit_sampled_for_a_shadow_check_is_computed_by_vllm_and_compared_by_the_worker():
+    """shadow.first_hits=1: the first hit is answered with 0 external tokens and nothing reserved (asking
+    again gives the same answer); the steps that compute it carry a verify range for the worker; the next
+    request's hit is offered as usual."""
+    with make_halves(shadow={"first_hits": 1}) as h:
+        req = request("a", h.tokens)
+        for _ in range(2):
+            assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        settle(h, 0)
+        assert h.engine.core.memory.total_pins() == 0 and h.desk.take("a") is None
+        out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=0)],
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                              num_scheduled_tokens={"a": 2 * CHUNK})
+        (save,) = h.sched.build_connector_meta(out).saves
+        assert save.verify == (0, 2 * CHUNK)  # the chunks this step computed, of the 3 cached
+        out = SimpleNamespace(scheduled_new_reqs=[],
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], num_computed_tokens=[2 * CHUNK]),
+                              num_scheduled_tokens={"a": 2 * CHUNK - 1})
+        (save,) = h.sched.build_connector_meta(out).saves
+        assert save.verify == (2 * CHUNK, 3 * CHUNK)
+        assert h.sched.stats.shadow_checks == 1
+        assert h.sched.get_num_new_matched_tokens(request("b", h.tokens), 0) == (3 * CHUNK, False)
+
+
 # ------------------------------------------------------------- recurrent state --
 STATE_BYTES = 40
 
@@ -377,7 +410,7 @@ def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
     h.cache[5].fill_(7)
     assert h.states.save(h.desk.binding(""), ids[:2 * CHUNK], block_id=5)
     for _ in range(2):
-        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1) == 2 * CHUNK
+        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 2 * CHUNK
         assert h.engine.core.memory.total_pins() == 2
     res, state = h.desk.take("r")
     assert res.matched_tokens == 2 * CHUNK and state[0].eq(7).all()
@@ -391,5 +424,5 @@ def test_hybrid_hit_without_any_stored_state_is_a_miss(state_desk):
     from kvengine.integrations.vllm.scheduler import token_bytes
 
     h = state_desk
-    assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1) == 0
+    assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 0
     assert h.engine.core.memory.total_pins() == 0 and h.desk.take("r") is None

@@ -30,12 +30,14 @@ class FakeHandler:
         self.fail = False
         self.released = threading.Event()
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> int:
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int):
+        from kvengine.integrations.vllm.channel import Answer
+
         time.sleep(self.delay)
         if self.fail:
             raise RuntimeError("boom")
         self.calls.append(("lookup", request_id))
-        return min(8, len(tokens) // 4, max_tokens)
+        return Answer(matched_tokens=min(8, len(tokens) // 4, max_tokens))
 
     def release(self, request_id: str) -> None:
         self.calls.append(("release", request_id))

@@ -239,7 +239,7 @@ def scenario_first(work: Path) -> dict[str, Any]:
     # "not yet" (None) and asks again in later steps.
     lookup = ReservationDesk.lookup
 
-    def slow_lookup(self: Any, *args: Any) -> int:
+    def slow_lookup(self: Any, *args: Any) -> Any:
         time.sleep(0.05)
         return lookup(self, *args)
 
@@ -353,7 +353,77 @@ def scenario_hybrid(work: Path) -> dict[str, Any]:
     return report
 
 
-SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid}
+def rescale_records(disk: Path, scale: float = 1.05) -> int:
+    """Simulate KV another kernel computed: every stored float32 value scaled, checksums recomputed (the
+    records still verify; only what they hold is wrong)."""
+    import torch
+
+    from kvengine.record import encode_header, unpack_record
+
+    n = 0
+    for path in sorted(disk.glob("*.kvc")):
+        header, payload = unpack_record(path.read_bytes())
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.float32) * scale).numpy().tobytes()
+        path.write_bytes(encode_header(header.key, (header.token_start, header.token_end), header.tensors,
+                                       codec_id=header.codec_id, raw_length=header.raw_length, payload=data,
+                                       flags=header.flags) + data)
+        n += 1
+    return n
+
+
+def scenario_provenance(work: Path) -> dict[str, Any]:
+    """Stored KV is served only to the weights that computed it (Llama, disk tier):
+
+    * the model directory rewritten in place with other weights of the same sizes: a fresh engine
+      process on the same disk misses (regression: only the first MiB of each file was hashed);
+    * shadow checks (first hit of each namespace recomputed and compared): honest KV compares exact and
+      later hits are served; KV rewritten with valid checksums (another kernel, simulated) is caught on
+      the first hit, the namespace is quarantined, and nothing of it is served after.
+    """
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    report: dict[str, Any] = {}
+    model_dir = work / "llama_inplace"
+    model = str(build_model_dir(model_dir, "llama", seed=0))
+    disk = work / "provenance_disk"
+    prompts = [prompt(61, 700), prompt(62, 1100)]
+    report["prompts"] = prompts
+    report["ref_old"], _ = reference(model, prompts)
+
+    def connector(**extra: Any) -> tuple[dict[str, Any], int]:
+        port = free_port()
+        return {"kvengine": {"metrics_port": port, "write_mode": "write_through", "memory": {"capacity_bytes": "64MiB"},
+                             "disk": {"path": str(disk)}, **extra}}, port
+
+    def phase(name: str, **extra: Any) -> None:
+        conn, port = connector(**extra)
+        engine = start(engine_args(model, connector=conn))
+        try:  # one request at a time: a shadow check's verdict is in before the next lookup
+            first = [run(engine, [p])[0] for p in prompts]
+            again = [run(engine, [p])[0] for p in prompts]
+            report[name] = {"first": first, "again": again, "metrics": scrape(port)}
+        finally:
+            shutdown(engine)
+
+    set_topology(in_process=True)
+    phase("old")  # stores the old weights' chunks
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    sizes = [p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))]
+    build_model_dir(model_dir, "llama", seed=1)  # other weights, same files, same sizes, same config
+    report["same_sizes"] = sizes == [p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))] and \
+        files == sorted(p.name for p in model_dir.glob("*.safetensors"))
+    report["ref_new"], _ = reference(model, prompts)
+    set_topology(in_process=False)  # a fresh engine process, as a restart after the update would be
+    phase("rewritten")
+    set_topology(in_process=True)
+    phase("shadow_honest", shadow={"first_hits": 1})
+    report["rescaled"] = rescale_records(disk)
+    phase("shadow_forged", shadow={"first_hits": 1})
+    return report
+
+
+SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid,
+             "provenance": scenario_provenance}
 
 
 def main() -> int:
