@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -54,10 +56,8 @@ def run_disk(codec: str, kv: torch.Tensor, toks: torch.Tensor, root: str, layout
     path = tempfile.mkdtemp(dir=root)
     cfg = {"disk": {"path": path, "codec": codec, "capacity_bytes": "16GiB"}}
     store, load = store_then_load(cfg, kv, toks, layout, namespace, before_load=drop_caches)
-    disk_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    for f in os.listdir(path):
-        os.unlink(os.path.join(path, f))
-    os.rmdir(path)
+    disk_bytes = sum(f.stat().st_size for f in Path(path).glob("*.kvc"))  # the records, not the notes beside them
+    shutil.rmtree(path)
     return store, load, disk_bytes
 
 
