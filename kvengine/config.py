@@ -118,6 +118,8 @@ class EngineConfig(_Section):
     shadow: ShadowConfig = ShadowConfig()
     #: Serve Prometheus metrics over HTTP on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    #: Address the metrics exporter binds (loopback by default: metrics name models and tenants).
+    metrics_host: str = "127.0.0.1"
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:

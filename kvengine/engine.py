@@ -27,8 +27,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -52,6 +53,13 @@ from .tiers import Tier
 from .transport import Buffer, ChunkTransport, ReadsInPlace, WritesGathered
 from .buffers import BufferPool
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
+
+T_ = TypeVar("T_")
+
+#: A load (begin_load) or staged store (begin_store) still unfinished after this many leases is
+#: abandoned: its pins are dropped (counted). Generous: a step's copies take milliseconds, but a
+#: CPU prefill of a long prompt can hold a load across a forward of tens of seconds.
+ABANDON_AFTER_LEASES = 10
 
 logger = logging.getLogger("kvengine")
 
@@ -122,6 +130,8 @@ class CacheEngine:
         self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
         self._write_slots: asyncio.Semaphore | None = None
         self._writes: set[asyncio.Future[None]] = set()  # write-behind tier writes in flight
+        #: begin_store results not committed yet, to the time after which they count as abandoned
+        self._staged: dict[StagedStore, float] = {}
         #: One thread encodes (checksums, compresses) for every tier write: at most one core, whatever
         #: the number of writes in flight, so a store's copies are left a core on small machines.
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvengine-encode")
@@ -263,6 +273,7 @@ class CacheEngine:
         if len(entries) < len(keys) and self.transports:
             entries += await self._promote(binding, keys[len(entries) :], len(entries))
         res = Reservation(
+            owner=self.reservations,
             request_id=request_id,
             namespace=binding.digest,
             matched_tokens=entries[-1].token_range[1] if entries else 0,
@@ -291,7 +302,7 @@ class CacheEngine:
             want = keys[len(promoted) :]
             if not want:
                 break
-            present = await transport.exists(want)
+            present = await self.guarded(transport, "exists", transport.exists(want), [False] * len(want))
             run = next((i for i, ok in enumerate(present) if not ok), len(want))
             if run == 0:
                 continue
@@ -308,7 +319,12 @@ class CacheEngine:
             try:
                 for k, window in enumerate(windows):
                     assert pending is not None
-                    blobs = await pending
+                    try:
+                        blobs = await pending
+                    except Exception as exc:  # a tier that fails a read is a miss from there on
+                        pending = None
+                        self.tier_fault(transport, "get", exc)
+                        return promoted
                     pending = asyncio.ensure_future(transport.get(windows[k + 1])) if k + 1 < len(windows) else None
                     for key, blob in zip(window, blobs):
                         if blob is None:
@@ -316,7 +332,7 @@ class CacheEngine:
                         start = (first_chunk + len(promoted)) * binding.chunk_size
                         entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
                         if entry is AdmitRejected.CORRUPT:
-                            await transport.delete([key])
+                            await self.guarded(transport, "delete", transport.delete([key]), None)
                         if not isinstance(entry, MemoryEntry):
                             return promoted
                         promoted.append(entry)
@@ -430,12 +446,16 @@ class CacheEngine:
         read = _PlacedRead(self, binding, key, start, transport.name, None)
         return await self._settle(transport, read, transport.get_into(key, read.place))
 
-    @staticmethod
-    async def _settle(transport: ReadsInPlace, read: _PlacedRead,
+    async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
                       pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:
-        """Wait for a placed read and admit it; a corrupt record is deleted from ``transport``."""
+        """Wait for a placed read and admit it; a corrupt record is deleted from ``transport``; a read
+        that fails is a miss (counted)."""
         try:
             header = await pending
+        except Exception as exc:
+            read.discard()
+            self.tier_fault(transport, "get", exc)
+            return None
         except BaseException:
             read.discard()
             raise
@@ -443,8 +463,22 @@ class CacheEngine:
             read.placed.set()  # also when the transport never asked for a place (a miss)
         entry = await read.admit(header)
         if entry is AdmitRejected.CORRUPT:
-            await transport.delete([read.key])
+            await self.guarded(transport, "delete", transport.delete([read.key]), None)
         return entry
+
+    def tier_fault(self, transport: ChunkTransport, op: str, exc: BaseException) -> None:
+        """Count a tier's failed call (a miss or a lost write for the caller, never an exception)."""
+        self.metrics.tier_errors.labels(tier=transport.name, op=op).inc()
+        self.metrics.log_once(f"tier:{transport.name}:{op}", "kvengine: tier %s failed a %s (%s: %s); served as a "
+                              "miss", transport.name, op, type(exc).__name__, exc)
+
+    async def guarded(self, transport: ChunkTransport, op: str, call: Awaitable[T_], default: T_) -> T_:
+        """Await a tier call; a failure is counted (:meth:`tier_fault`) and answered with ``default``."""
+        try:
+            return await call
+        except Exception as exc:
+            self.tier_fault(transport, op, exc)
+            return default
 
     # -- load / release ------------------------------------------------------------
     async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
@@ -470,9 +504,12 @@ class CacheEngine:
         which must follow. Empty when the reservation expired or ended (the
         load then fails whole).
         """
-        if not self.reservations.begin_load(res, self._clock()):
+        self._check_owner(res)
+        now = self._clock()
+        if not self.reservations.begin_load(res, now):
             self.metrics.load_failed_tokens.inc(res.matched_tokens)
             return ()
+        res.expires_at = now + self.config.lease_seconds * ABANDON_AFTER_LEASES
         return tuple(ChunkView(i, e.key, e.token_range, self.memory.tensors(e), e.layout)
                      for i, e in enumerate(res.entries))
 
@@ -482,6 +519,7 @@ class CacheEngine:
         Counted once; a reservation that was not loading (its ``begin_load``
         failed, or it was finished before) reports nothing loaded.
         """
+        self._check_owner(res)
         loading = res.state is ReservationState.LOADING
         loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
         tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else 0
@@ -505,7 +543,14 @@ class CacheEngine:
 
     async def release(self, res: Reservation) -> None:
         """End a reservation without loading (request not scheduled, aborted, finished)."""
+        self._check_owner(res)
         self._end(res)
+
+    def _check_owner(self, res: Reservation) -> None:
+        """Its pins are another engine's: loading or ending it here would corrupt both engines' memory."""
+        if res.owner is not self.reservations:
+            raise InvalidRequestError(f"reservation of request {res.request_id!r} was made by another engine; "
+                                      "load or release it through the engine that looked it up")
 
     async def release_request(self, binding: ModelBinding, request_id: str) -> None:
         res = self.reservations.get(binding.digest, request_id)
@@ -520,12 +565,22 @@ class CacheEngine:
         return True
 
     async def reclaim_expired(self) -> int:
-        """End reservations whose lease ran out; returns how many (counted in metrics)."""
+        """End reservations whose lease ran out, loads and staged stores left unfinished for
+        ``ABANDON_AFTER_LEASES`` leases; returns how many reservations (all counted in metrics)."""
+        now = self._clock()
         count = 0
-        for res in self.reservations.expired(self._clock()):
-            if res.state is ReservationState.RESERVED:
-                self._end(res)
-                count += 1
+        for res in self.reservations.expired(now):
+            loading = res.state is ReservationState.LOADING
+            if self._end(res):
+                if loading:  # its finish_load, if it ever comes, reports nothing loaded: recomputed
+                    self.metrics.abandoned.labels(op="load").inc()
+                else:
+                    count += 1
+        for staged, deadline in list(self._staged.items()):
+            if deadline < now and not staged.committed:
+                self._staged.pop(staged, None)
+                self._commit_slots(staged, staged.published)  # what was never committed is dropped
+                self.metrics.abandoned.labels(op="store").inc()
         if count:
             self.metrics.reservations_reclaimed.inc(count)
             self.metrics.log_once("reclaim", "kvengine: reclaimed reservations never loaded or released "
@@ -557,7 +612,7 @@ class CacheEngine:
             # call's latency is what a write-behind caller waits for.
             result, held = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
             if held:
-                await self.write_lower_tiers(binding, held)
+                result = replace(result, tier_failures=await self.write_lower_tiers(binding, held))
             return result
         # Write-through: the caller waits for the tiers anyway, so each chunk's writes start as soon as
         # it is copied, overlapping the rest of the copies.
@@ -575,8 +630,8 @@ class CacheEngine:
                 await asyncio.wait(writes)
             raise
         # Every start_write ran before this point: the copy thread scheduled them before its result.
-        await asyncio.gather(*writes)
-        return result
+        written = await asyncio.gather(*writes)
+        return replace(result, tier_failures=written.count(False))
 
     async def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:
         """Prepare slots for the chunks of ``tokens`` not cached yet, for the caller to fill.
@@ -586,16 +641,20 @@ class CacheEngine:
         which must follow. Preparing stops at the first chunk that finds no room.
         """
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
-        return self._prepare_slots(binding, hashes, len(tokens))
+        staged = self._prepare_slots(binding, hashes, len(tokens))
+        if staged.entries:  # pinned until committed: abandoned ones are dropped by the reaper
+            self._staged[staged] = self._clock() + self.config.lease_seconds * ABANDON_AFTER_LEASES
+        return staged
 
     async def commit_store(self, staged: StagedStore, filled_chunks: int) -> StoreResult:
         """Publish the first ``filled_chunks`` staged chunks (fully written) and drop the rest.
 
-        :raises InvalidRequestError: if ``staged`` was already committed.
+        :raises InvalidRequestError: if ``staged`` was already committed (or abandoned and dropped).
         """
+        self._staged.pop(staged, None)
         result, held = self._commit_slots(staged, filled_chunks)
         if held:
-            await self.write_lower_tiers(staged.binding, held)
+            result = replace(result, tier_failures=await self.write_lower_tiers(staged.binding, held))
         return result
 
     def _copy_in(
@@ -677,19 +736,27 @@ class CacheEngine:
         return result, held
 
     # -- lower tiers ------------------------------------------------------------------
-    async def write_lower_tiers(self, binding: ModelBinding, entries: list[MemoryEntry]) -> None:
-        """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode."""
+    async def write_lower_tiers(self, binding: ModelBinding, entries: list[MemoryEntry]) -> int:
+        """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode.
+
+        ``write_through``: returns once every write ended, with how many entries did not reach every
+        tier. ``write_behind``: returns once every entry is queued (0); a full queue makes the caller
+        wait for room (backpressure), so nothing acknowledged is ever dropped for lack of it.
+        """
         assert self._write_queue is not None and self._write_slots is not None, "engine not started"
         if self.config.write_mode == "write_through":
-            await asyncio.gather(*(self._write_through(binding, e) for e in entries))
-            return
-        for entry in entries:
+            written = await asyncio.gather(*(self._write_through(binding, e) for e in entries))
+            return written.count(False)
+        for i, entry in enumerate(entries):
+            if self._write_queue.full():
+                self.metrics.write_waits.inc()
+                self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; stores wait for them")
             try:
-                self._write_queue.put_nowait((binding, entry))
-            except asyncio.QueueFull:
-                self.memory.unpin([entry])
-                self.metrics.writes_dropped.labels(reason="backpressure").inc()
-                self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; dropping some")
+                await self._write_queue.put((binding, entry))
+            except BaseException:  # cancelled while waiting: these were never queued
+                self.memory.unpin(entries[i:])
+                raise
+        return 0
 
     async def _writer(self) -> None:
         """Write queued entries, up to ``_WRITES_IN_FLIGHT`` at once: a record starts as soon as one ends,
@@ -716,18 +783,27 @@ class CacheEngine:
             self._writes.add(task)
             task.add_done_callback(done)
 
-    async def _write_through(self, binding: ModelBinding, entry: MemoryEntry) -> None:
+    async def _write_through(self, binding: ModelBinding, entry: MemoryEntry) -> bool:
         assert self._write_slots is not None, "engine not started"
         async with self._write_slots:
-            await self._write_entry(binding, entry)
+            return await self._write_entry(binding, entry)
 
-    async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry) -> None:
-        """Encode a pinned entry once per codec, put it to every tier of that codec; unpin."""
+    async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry) -> bool:
+        """Encode a pinned entry once per codec, put it to every tier of that codec; unpin. True if
+        every tier took it (a failure is counted, never raised)."""
+        complete = True
         try:
             for codec, tiers in self._tiers_by_codec.items():
                 joined = not all(gathers for _, gathers in tiers)  # some tier needs whole records
-                record = await asyncio.get_running_loop().run_in_executor(
-                    self._encoder, partial(self._encode, binding, entry, codec, joined=joined))
+                try:
+                    record = await asyncio.get_running_loop().run_in_executor(
+                        self._encoder, partial(self._encode, binding, entry, codec, joined=joined))
+                except Exception as exc:
+                    complete = False
+                    self.metrics.writes_dropped.labels(reason="encode_failed").inc(len(tiers))
+                    self.metrics.log_once(f"encode:{codec.name}", "kvengine: encoding a record with %s failed "
+                                          "(%s: %s)", codec.name, type(exc).__name__, exc)
+                    continue
                 parts = (record.header, record.payload)
                 results = await asyncio.gather(*(
                     t.put_parts([(record.key, parts)]) if gathers  # type: ignore[attr-defined]
@@ -741,10 +817,12 @@ class CacheEngine:
                         self.metrics.stored_bytes.labels(tier=transport.name).inc(record.nbytes)
                         self.metrics.stored_chunks.labels(tier=transport.name).inc()
                         continue
+                    complete = False
                     self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()
                 del record  # its buffers go back to the pool
         finally:
             self.memory.unpin([entry])
+        return complete
 
     def encode_record(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
         """The chunk record of a pinned entry as sent to peers, in :attr:`peer_codec` (blocking)."""
@@ -883,11 +961,13 @@ class _EncodedRecord:
 
 
 def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """Copy tensor-wise; one dispatch for many tensors (per-layer layouts have dozens)."""
-    if len(dst) == 1:
-        dst[0].copy_(src[0])
-    else:
-        torch._foreach_copy_(list(dst), list(src))
+    """Copy tensor-wise; one dispatch for many tensors (per-layer layouts have dozens). Never recorded
+    by autograd: cached KV is data, whatever the caller's tensors track."""
+    with torch.no_grad():
+        if len(dst) == 1:
+            dst[0].copy_(src[0])
+        else:
+            torch._foreach_copy_(list(dst), list(src))
 
 
 def _cuda_available() -> bool:

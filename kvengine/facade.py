@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .codecs import CodecRegistry
@@ -29,6 +29,24 @@ from .staging import StagedStore
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T = TypeVar("T")
+
+
+class _Escaped:
+    """A BaseException that must not unwind the engine's loop, carried to the calling thread."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+async def _contained(coro: Coroutine[Any, Any, T]) -> T | _Escaped:
+    # asyncio re-raises KeyboardInterrupt / SystemExit out of the event loop, which would kill the
+    # loop thread and leave this and every later call waiting forever.
+    try:
+        return await coro
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return _Escaped(exc)
 
 
 class KVEngine:
@@ -55,9 +73,15 @@ class KVEngine:
             if transports is None:
                 transports = build_tiers(self.config)
             self.core = CacheEngine(self.config, transports=transports, codecs=codecs)
+            self._stop_metrics: Callable[[], None] | None = None
             self.run(self.core.start())
             if self.config.metrics_port is not None:
-                self.core.metrics.serve_http(self.config.metrics_port)
+                try:
+                    self._stop_metrics = self.core.metrics.serve_http(self.config.metrics_port,
+                                                                      self.config.metrics_host)
+                except BaseException:
+                    self.run(self.core.close(flush=False))
+                    raise
         except BaseException:
             self._stop_loop()
             raise
@@ -65,11 +89,18 @@ class KVEngine:
 
     # -- plumbing -------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of ``self.core`` (or of an extension such as :mod:`kvengine.keyed`) and wait."""
+        """Run a coroutine of ``self.core`` (or of an extension such as :mod:`kvengine.keyed`) and wait.
+
+        A ``BaseException`` raised inside (``KeyboardInterrupt``, ``SystemExit`` from a caller's sink or
+        source) reaches the caller here, in its own thread; the engine's loop keeps running.
+        """
         if threading.current_thread() is self._thread:
             coro.close()
             raise KVEngineError("KVEngine's blocking API was called from its own event loop; use .core")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        outcome = asyncio.run_coroutine_threadsafe(_contained(coro), self._loop).result()
+        if isinstance(outcome, _Escaped):
+            raise outcome.exc
+        return outcome
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -84,6 +115,8 @@ class KVEngine:
         try:
             self.run(self.core.close(flush=flush))
         finally:
+            if self._stop_metrics is not None:
+                self._stop_metrics()
             self._stop_loop()
 
     def __enter__(self) -> KVEngine:

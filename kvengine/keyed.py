@@ -139,7 +139,8 @@ class KeyedStore:
             todo = [i for i, hit in enumerate(found) if not hit]
             if not todo:
                 break
-            present = await transport.exists([ckeys[i] for i in todo])
+            present = await self.engine.guarded(transport, "exists", transport.exists([ckeys[i] for i in todo]),
+                                                [False] * len(todo))
             for i, hit in zip(todo, present):
                 found[i] = hit
         return found
@@ -225,7 +226,8 @@ class KeyedStore:
             todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
             if not todo:
                 return
-            present = await transport.exists([ckeys[i] for i in todo])
+            present = await self.engine.guarded(transport, "exists", transport.exists([ckeys[i] for i in todo]),
+                                                [False] * len(todo))
             todo = [i for i, hit in zip(todo, present) if hit]
             if not todo:
                 continue
@@ -247,13 +249,13 @@ class KeyedStore:
     async def _read_buffered(self, transport: ChunkTransport, keys: list[ChunkKey],
                              index: list[int]) -> list[tuple[int, object]]:
         """Records through the transport's own buffers, verified and admitted (corrupt ones deleted)."""
-        blobs = await transport.get(keys)
+        blobs = await self.engine.guarded(transport, "get", transport.get(keys), [None] * len(keys))
         found = [(i, key, blob) for i, key, blob in zip(index, keys, blobs) if blob is not None]
         admitted = await asyncio.to_thread(
             lambda: [self.engine.admit_record(self.binding, key, blob, 0, transport.name) for _, key, blob in found])
         corrupt = [key for (_, key, _), result in zip(found, admitted) if result is AdmitRejected.CORRUPT]
         if corrupt:
-            await transport.delete(corrupt)
+            await self.engine.guarded(transport, "delete", transport.delete(corrupt), None)
         return [(i, result) for (i, _, _), result in zip(found, admitted)]
 
     async def _read_in_place(self, transport: ReadsInPlace, keys: list[ChunkKey],

@@ -156,6 +156,9 @@ class MemoryTier:
             if not keep_pin:
                 entry.pins -= 1
             self._policy.inserted(entry.key)
+            # Whoever filled the views may have copied gradient-tracking tensors into them (which makes
+            # a view, not the arena, track gradients): readers get fresh views.
+            entry._views = None
 
     def abort(self, entry: MemoryEntry) -> None:
         with self._lock:
@@ -171,7 +174,10 @@ class MemoryTier:
         """Typed views of the entry's tensors, in layout order (valid while pinned)."""
         views = entry._views
         if views is None:
-            views = entry._views = entry.layout.views(self._alloc.typed, entry.alloc.offset, entry.num_tokens)
+            # Detached: an in-place copy of a gradient-tracking tensor into a view never makes the arena
+            # (and so every later view of it) track gradients.
+            views = entry._views = tuple(v.detach() for v in entry.layout.views(
+                self._alloc.typed, entry.alloc.offset, entry.num_tokens))
         return views
 
     def close(self) -> None:

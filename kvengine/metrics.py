@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .errors import ConfigError
 from .transport import ChunkTransport, ReportsStats
 
 logger = logging.getLogger("kvengine")
@@ -34,6 +35,12 @@ class EngineMetrics:
         self.reservations_reclaimed = Counter("kvengine_reservations_reclaimed", "Reservations reclaimed after their lease", registry=r)
         self.integrity_failures = Counter("kvengine_integrity_failures", "Records that failed verification", ["reason"], registry=r)
         self.writes_dropped = Counter("kvengine_writes_dropped", "Background writes dropped", ["reason"], registry=r)
+        self.abandoned = Counter("kvengine_abandoned", "Loads and staged stores left unfinished for 10 leases, "
+                                 "their pins dropped", ["op"], registry=r)
+        self.write_waits = Counter("kvengine_write_waits", "Stores that waited for room in the tier write queue "
+                                   "(write_behind backpressure)", registry=r)
+        self.tier_errors = Counter("kvengine_tier_errors", "Tier calls that failed (served as misses)", ["tier", "op"],
+                                   registry=r)
         self.namespace_changes = Counter("kvengine_namespace_changes",
                                          "Attached models whose weights changed, moved to a new namespace",
                                          registry=r)
@@ -71,8 +78,22 @@ class EngineMetrics:
             self._logged.add(tag)
         logger.warning(msg, *args)
 
-    def serve_http(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
+        """Export this registry over HTTP on ``host:port``; returns the function that stops it.
+
+        :raises ConfigError: the address cannot be bound (naming ``metrics_port`` / ``metrics_host``).
+        """
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"metrics_port {port} on metrics_host {host!r} cannot be bound: {exc}") from None
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+
+        return stop
 
 
 def scrape(port: int, host: str = "127.0.0.1", *, timeout: float = 10.0) -> dict[str, float]:

@@ -132,6 +132,21 @@ def peek_header_length(buf: bytes | memoryview) -> int:
     return header_length
 
 
+def sealed_by_another_version(buf: bytes | memoryview) -> bool:
+    """Whether a record this reader cannot read was written whole by another format version (its
+    header checksum verifies) rather than damaged in its version field (it does not).
+
+    Records of other versions are left for the writers that can read them; damaged ones are corrupt.
+    """
+    if len(buf) < 12:
+        return False
+    magic, version, _, header_length = struct.unpack_from("<4sHHI", buf)
+    if magic != MAGIC or version in READABLE_VERSIONS or not 12 + _CHECK.size <= header_length <= len(buf):
+        return False
+    (stored,) = _CHECK.unpack_from(buf, header_length - _CHECK.size)
+    return xxhash.xxh3_64_intdigest(memoryview(buf)[: header_length - _CHECK.size]) == stored
+
+
 def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest | None = None) -> RecordHeader:
     """Parse and verify the header at the start of ``buf`` (payload not checked)."""
     header_length = peek_header_length(buf)

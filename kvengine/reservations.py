@@ -38,6 +38,8 @@ class Reservation:
     query: tuple[object, ...] = field(repr=False, default=())
     state: ReservationState = ReservationState.RESERVED
     entries: list[MemoryEntry] = field(default_factory=list, repr=False)
+    #: The table (of one engine) that made it: only that engine may load or release it.
+    owner: object = field(default=None, repr=False, compare=False)
 
     @property
     def num_chunks(self) -> int:
@@ -84,8 +86,9 @@ class ReservationTable:
             return True
 
     def expired(self, now: float) -> list[Reservation]:
+        """Reservations past their lease: never loaded, or loads never finished (see CacheEngine.begin_load)."""
         with self._lock:
-            return [r for r in self._live.values() if r.state is ReservationState.RESERVED and r.expires_at < now]
+            return [r for r in self._live.values() if r.expires_at < now]
 
     def all(self) -> Sequence[Reservation]:
         with self._lock:

@@ -96,8 +96,14 @@ class LoadResult:
 
 @dataclass(frozen=True, slots=True)
 class StoreResult:
-    """Chunks of a store: newly stored, already cached, and not stored (no room, or left unfilled)."""
+    """Chunks of a store: newly stored, already cached, and not stored (no room, or left unfilled).
+
+    ``tier_failures``: of the stored chunks, how many did not reach every lower tier (known only in
+    ``write_through`` mode, where a store returns once each chunk's tier writes ended; such a chunk
+    is in memory only).
+    """
 
     stored_chunks: int
     present_chunks: int
     rejected_chunks: int
+    tier_failures: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import urllib.request
 
+import pytest
 import torch
 
 from kvengine import KVEngine, Namespace
@@ -72,9 +73,59 @@ def test_metrics_http_exporter(unused_tcp_port):
     assert "kvengine_hit_tokens_total 16.0" in body
     assert samples["kvengine_hit_tokens_total"] == 16
     assert samples['kvengine_stored_bytes_total{tier="memory"}'] == layout.nbytes()
+    with pytest.raises(OSError):  # stopped at close: the port is free again
+        urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}/metrics", timeout=2)
+
+
+def test_metrics_exporter_binds_loopback_and_a_taken_port_names_the_setting(unused_tcp_port):
+    """Regression: the exporter bound 0.0.0.0, was never stopped, and a port in use failed with a bare
+    OSError. It binds metrics_host (127.0.0.1 by default); a bind failure is a ConfigError naming both."""
+    import socket
+
+    from kvengine import ConfigError
+
+    config = {"chunk_size": CHUNK, "metrics_port": unused_tcp_port, "memory": {"capacity_bytes": "1MiB"}}
+    with KVEngine(config) as eng:
+        with socket.socket() as s:  # another address on the port is free: the exporter is not on 0.0.0.0
+            s.bind(("127.0.0.2", unused_tcp_port))
+        with pytest.raises(ConfigError, match=rf"metrics_port {unused_tcp_port} on metrics_host '127.0.0.1'"):
+            KVEngine(config)
+        assert eng.lookup(eng.bind(Namespace(model="m"), make_layout()), "r", list(range(CHUNK))).matched_tokens == 0
 
 
 def test_cli_quickstart(capsys):
     assert cli_main(["quickstart", "--tokens", "600", "--chunk-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "bytes identical    True" in out and "tokens loaded      576" in out
+
+
+def test_keyboard_interrupt_in_a_sink_or_source_reaches_the_caller_and_the_engine_keeps_serving():
+    """Regression: a BaseException raised in a sink or source killed the facade's loop thread, and that
+    call and every later one blocked forever. It now reaches the caller; nothing stays pinned; the
+    engine serves the next call."""
+    layout = make_layout()
+    toks = list(range(3 * CHUNK))
+    kv = FakeKV(3 * CHUNK)
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()}}) as eng:
+        b = eng.bind(Namespace(model="m"), layout)
+
+        def interrupting_source(i: int, start: int, end: int):
+            if i == 1:
+                raise KeyboardInterrupt
+            return kv.source(i, start, end)
+
+        with pytest.raises(KeyboardInterrupt):
+            eng.store(b, toks, interrupting_source)
+        assert eng.store(b, toks, kv.source).stored_chunks == 2  # chunk 0 was kept, the rest is stored now
+        res = eng.lookup(b, "r", toks)
+
+        def exiting_sink(view) -> None:
+            raise SystemExit(3)
+
+        with pytest.raises(SystemExit):
+            eng.load(res, exiting_sink)
+        assert eng.core.memory.total_pins() == 0 and len(eng.core.reservations) == 0
+        again = eng.lookup(b, "r2", toks)
+        out = [torch.zeros_like(t) for t in kv.layers]
+        assert eng.load(again, copier(out)).loaded_tokens == 3 * CHUNK
+        assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))

@@ -133,3 +133,37 @@ def test_expired_reservation_begins_no_load():
         assert eng.begin_load(res) == ()
         assert eng.finish_load(res, 1).loaded_tokens == 0
         assert eng.metrics.value("kvengine_load_failed_tokens_total") == CHUNK
+
+
+async def test_unfinished_loads_and_staged_stores_are_covered_by_the_lease():
+    """Regression: a begin_load or begin_store never finished held its pins forever (no lease covered
+    them). After ABANDON_AFTER_LEASES leases the reaper drops them, counted; a late finish_load reports
+    nothing loaded (the caller recomputes) and a late commit_store is refused."""
+    from kvengine import CacheEngine
+    from kvengine.engine import ABANDON_AFTER_LEASES
+
+    from .conftest import make_config
+
+    now = [0.0]
+    eng = CacheEngine(make_config(capacity=16 * make_layout().nbytes(), lease_seconds=1.0), clock=lambda: now[0])
+    await eng.start()
+    b = eng.bind(Namespace(model="m"), make_layout())
+    kv, toks = FakeKV(3 * CHUNK), list(range(3 * CHUNK))
+    await eng.store(b, toks[:2 * CHUNK], kv.source)
+    res = await eng.lookup(b, "loading", toks)
+    assert len(await eng.begin_load(res)) == 2
+    staged = await eng.begin_store(b, toks)
+    assert len(staged.entries) == 1 and eng.memory.total_pins() == 3
+    now[0] = ABANDON_AFTER_LEASES * 1.0 - 0.5  # a long forward: still in its load
+    await eng.reclaim_expired()
+    assert eng.memory.total_pins() == 3
+    now[0] = ABANDON_AFTER_LEASES * 1.0 + 0.5
+    await eng.reclaim_expired()
+    assert eng.memory.total_pins() == 0 and len(eng.reservations) == 0
+    assert eng.metrics.value("kvengine_abandoned_total", op="load") == 1
+    assert eng.metrics.value("kvengine_abandoned_total", op="store") == 1
+    assert (await eng.finish_load(res, 2)).loaded_tokens == 0
+    with pytest.raises(InvalidRequestError, match="already committed"):
+        await eng.commit_store(staged, 1)
+    assert (await eng.lookup(b, "again", toks)).matched_tokens == 2 * CHUNK  # the third was never published
+    await eng.close()

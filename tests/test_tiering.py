@@ -15,6 +15,7 @@ import torch
 
 import kvengine.engine as engine_module
 from kvengine import CacheEngine, ChunkKey, Namespace
+from kvengine.errors import InvalidRequestError, TransportError
 from kvengine.record import unpack_record
 
 from .conftest import CHUNK, FakeKV, copier, make_config, make_layout
@@ -123,20 +124,25 @@ async def test_failed_tier_writes_are_counted_and_memory_keeps_serving(layout):
     await eng.close()
 
 
-async def test_backpressure_and_shutdown_drop_are_accounted(layout, monkeypatch):
-    """A full write queue drops (counted) instead of growing; close(flush=False) drops the rest, counted."""
+async def test_a_full_write_queue_makes_stores_wait_and_drops_nothing(layout, monkeypatch):
+    """Regression (acknowledged but never written): a full write-behind queue dropped tier writes, so
+    pages a caller had been told were stored went missing after a restart. Now the store waits for room
+    (counted), every chunk reaches the tier, and only close(flush=False) drops what is queued, counted."""
     monkeypatch.setattr(engine_module, "_WRITES_IN_FLIGHT", 1)
     t = DictTransport()
-    t.put_delay = 0.5
+    t.put_delay = 0.05
     eng = await make_engine(t, max_pending_writes=1)
     b = eng.bind(Namespace(model="m"), layout)
-    await eng.store(b, list(range(4 * CHUNK)), FakeKV(4 * CHUNK).source)
-    await asyncio.sleep(0.05)  # the writer takes one batch and sleeps in put
-    dropped = eng.metrics.value("kvengine_writes_dropped_total", reason="backpressure")
-    assert dropped >= 1
+    result = await eng.store(b, list(range(4 * CHUNK)), FakeKV(4 * CHUNK).source)
+    assert result.stored_chunks == 4
+    assert eng.metrics.value("kvengine_write_waits_total") >= 1
+    assert eng.metrics.value("kvengine_writes_dropped_total", reason="backpressure") == 0
+    await eng.flush()
+    assert len(t.blobs) == 4
+    await eng.store(b, list(range(100, 100 + 4 * CHUNK)), FakeKV(4 * CHUNK, seed=1).source)
     await eng.close(flush=False)
     shutdown = eng.metrics.value("kvengine_writes_dropped_total", reason="shutdown")
-    assert len(t.blobs) + dropped + shutdown <= 4
+    assert len(t.blobs) + shutdown == 8
     assert eng.memory.total_pins() == 0
 
 
@@ -144,9 +150,67 @@ async def test_write_through_is_durable_on_return(layout):
     t = DictTransport()
     eng = await make_engine(t, write_mode="write_through")
     b = eng.bind(Namespace(model="m"), layout)
-    await eng.store(b, list(range(2 * CHUNK)), FakeKV(2 * CHUNK).source)
-    assert len(t.blobs) == 2 and eng.memory.total_pins() == 0
+    result = await eng.store(b, list(range(2 * CHUNK)), FakeKV(2 * CHUNK).source)
+    assert len(t.blobs) == 2 and eng.memory.total_pins() == 0 and result.tier_failures == 0
     await eng.close()
+
+
+async def test_write_through_reports_chunks_a_tier_refused(layout):
+    """Regression: a write-through store on a read-only disk returned stored_chunks=4 and nothing else:
+    "durable on return" broken silently. The result now says how many chunks no tier has (memory only)."""
+    t = DictTransport()
+    t.fail_puts = True
+    eng = await make_engine(t, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    result = await eng.store(b, list(range(4 * CHUNK)), FakeKV(4 * CHUNK).source)
+    assert (result.stored_chunks, result.tier_failures) == (4, 4) and not t.blobs
+    staged = await eng.begin_store(b, list(range(50, 50 + CHUNK)))
+    for view in staged.chunks:
+        for v in view.tensors:
+            v.fill_(1.0)
+    assert (await eng.commit_store(staged, 1)).tier_failures == 1
+    await eng.close()
+
+
+async def test_gradient_tracking_sources_never_make_the_cache_track_gradients(layout):
+    """Regression: storing tensors with requires_grad=True made the arena's views require grad for every
+    later store and load. Stores copy as data; views handed out never track gradients."""
+    eng = await make_engine(DictTransport())
+    b = eng.bind(Namespace(model="m"), layout)
+    kv = FakeKV(2 * CHUNK)
+    for layer in kv.layers:
+        layer.requires_grad_(True)
+    await eng.store(b, list(range(2 * CHUNK)), kv.source)
+    staged = await eng.begin_store(b, list(range(100, 100 + CHUNK)))
+    for view in staged.chunks:  # a caller filling staged views without no_grad
+        for v, src in zip(view.tensors, kv.layers):
+            v.copy_(src[:, :, :CHUNK])
+    await eng.commit_store(staged, 1)
+    seen = []
+    for toks in (list(range(2 * CHUNK)), list(range(100, 100 + CHUNK))):
+        res = await eng.lookup(b, f"r{toks[0]}", toks)
+        await eng.load(res, lambda view: seen.extend(t.requires_grad for t in view.tensors))
+    assert seen and not any(seen)
+    assert not any(eng.memory._alloc.typed(d).requires_grad for d in (torch.float32,))
+    await eng.close()
+
+
+async def test_a_reservation_is_usable_only_by_its_engine(layout):
+    """Regression: engine A accepted and loaded a reservation engine B made, and B kept it forever."""
+    a, b_eng = await make_engine(DictTransport()), await make_engine(DictTransport())
+    b = b_eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await b_eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await b_eng.flush()  # the tier writes' pins are gone
+    res = await b_eng.lookup(b, "r", toks)
+    for call in (a.load(res, lambda _v: None), a.begin_load(res), a.release(res), a.finish_load(res, 0)):
+        with pytest.raises(InvalidRequestError, match="another engine"):
+            await call
+    assert b_eng.memory.total_pins() == 2  # still B's, untouched
+    await b_eng.release(res)
+    assert b_eng.memory.total_pins() == 0 and len(b_eng.reservations) == 0
+    await a.close()
+    await b_eng.close()
 
 
 async def test_unverified_namespace_never_reaches_verified_reader(layout):
@@ -331,3 +395,69 @@ async def test_a_store_that_fails_midway_keeps_what_it_copied(layout, write_mode
     assert res.matched_tokens == 2 * CHUNK
     await eng.release(res)
     await eng.close()
+
+
+class RaisingTransport(DictTransport):
+    """A tier whose reads raise (a broken disk, a closed transport, a peer's protocol error)."""
+
+    name = "raising"
+
+    def __init__(self, fail: str) -> None:
+        super().__init__()
+        self.fail = fail
+
+    async def exists(self, keys):
+        if self.fail == "exists":
+            raise TransportError("exists failed")
+        return await super().exists(keys)
+
+    async def get(self, keys):
+        if self.fail == "get":
+            raise OSError("get failed")
+        return await super().get(keys)
+
+
+@pytest.mark.parametrize("fail", ["exists", "get"])
+async def test_a_tier_that_raises_on_a_read_is_a_counted_miss(layout, fail):
+    """Regression: a transport raising in exists/get made lookup (and keyed gets) raise. Now the lookup
+    answers what memory holds, the fault is counted per tier and op, and nothing stays pinned."""
+    from kvengine.keyed import GetOutcome, KeyedStore, keyed_namespace
+
+    t = RaisingTransport(fail="")
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    await eng.store(b, toks, FakeKV(3 * CHUNK).source)
+    await eng.flush()
+    keyed = KeyedStore(eng, eng.bind(keyed_namespace(Namespace(model="m"), "k"), layout))
+    await keyed.put([b"x"], lambda _i: [x[:, :, :CHUNK] for x in FakeKV(CHUNK).layers])
+    await eng.flush()
+    for key in list(t.blobs):
+        eng.memory.discard(key)
+    t.fail = fail
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 0
+    assert await keyed.get([b"x"], lambda _i, _t: None) == [GetOutcome.MISS]
+    assert eng.metrics.value("kvengine_tier_errors_total", tier="raising", op=fail) >= 2
+    await eng.release(res)
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_a_closed_disk_transport_is_a_counted_miss_not_an_exception(layout, tmp_path):
+    """The real local-disk transport, closed under an engine (shutdown races): lookups miss, counted."""
+    from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport
+
+    disk = LocalDiskTransport(LocalDiskOptions(path=tmp_path, capacity_bytes=1 << 24))
+    writer = await make_engine(disk)
+    toks = list(range(2 * CHUNK))
+    await writer.store(writer.bind(Namespace(model="m"), layout), toks, FakeKV(2 * CHUNK).source)
+    await writer.flush()
+    await disk.close()
+    reader = await make_engine(disk)  # empty memory: every chunk would come from the closed disk
+    res = await reader.lookup(reader.bind(Namespace(model="m"), layout), "r", toks)
+    assert res.matched_tokens == 0
+    assert reader.metrics.value("kvengine_tier_errors_total", tier="local_disk", op="exists") == 1
+    await reader.release(res)
+    await reader.close()
+    await writer.close()

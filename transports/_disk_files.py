@@ -49,6 +49,7 @@ import ctypes
 import errno
 import mmap
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -61,7 +62,7 @@ import numpy as np
 
 from kvengine.errors import IntegrityError, InvalidRequestError
 from kvengine.keys import ChunkKey, NamespaceDigest
-from kvengine.record import RecordHeader, decode_header, peek_header_length, verify_payload
+from kvengine.record import RecordHeader, decode_header, peek_header_length, sealed_by_another_version, verify_payload
 
 from kvengine.buffers import BufferPool
 
@@ -368,10 +369,11 @@ def _scan_batch(dir_fd: int, names: list[str], accept: Callable[[NamespaceDigest
                 raise IntegrityError("truncated_payload" if st.st_size < header.record_length else "trailing_bytes")
             result.records.append((header.key, st.st_size, st.st_mtime))
         except IntegrityError as exc:
-            if exc.reason == "other_version":
-                result.ignored += 1
+            if exc.reason == "other_version" and _sealed_by_another_version(fd):
+                result.ignored += 1  # a newer (or older) writer's record: theirs to read
             else:
-                result.corrupt.append(exc.reason)
+                reason = "damaged_version" if exc.reason == "other_version" else exc.reason
+                result.corrupt.append(reason)
                 _unlink_quiet(name, dir_fd)
         except OSError:
             result.ignored += 1
@@ -435,6 +437,15 @@ def _read_payload_into(fd: int, key: ChunkKey, out: memoryview | Placement) -> R
     got += _read_all(fd, view[got:], start + got)
     verify_payload(header, view[:got])
     return header
+
+
+def _sealed_by_another_version(fd: int) -> bool:
+    head = os.pread(fd, HEAD_BYTES, 0)
+    if len(head) >= 12:
+        (length,) = struct.unpack_from("<I", head, 8)
+        if HEAD_BYTES < length <= 1 << 20:  # a header never exceeds this; a damaged length may
+            head = os.pread(fd, length, 0)
+    return sealed_by_another_version(head)
 
 
 def _read_header(fd: int) -> bytes:

@@ -21,9 +21,9 @@ from kvengine.errors import ModelChangedError  # noqa: E402
 from kvengine.integrations.hf import attach  # noqa: E402
 from kvengine.provenance import CanaryOutcome  # noqa: E402
 from kvengine.quarantine_cmd import main as quarantine_cmd  # noqa: E402
-from kvengine.record import encode_header, unpack_record  # noqa: E402
 
 from .conftest import CHUNK, build_tiny, prompt_for, reference_generate  # noqa: E402
+from .forged_records import scale_records  # noqa: E402
 
 PROMPT = 3 * CHUNK + 5
 
@@ -31,23 +31,6 @@ PROMPT = 3 * CHUNK + 5
 def disk_engine(disk: Path, **extra: object) -> KVEngine:
     return KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "64MiB"}, "write_mode": "write_through",
                      "disk": {"path": str(disk), "fsync": "never"}, **extra})
-
-
-def rewrite_records(disk: Path, *, skip_namespaces: tuple[str, ...] = (), scale: float = 1.05) -> int:
-    """Simulate KV computed by another kernel: scale every stored fp32 value, re-checksum, rewrite.
-    The records still verify: only what they hold is wrong."""
-    n = 0
-    for path in sorted(disk.glob("*.kvc")):
-        if path.name.startswith(skip_namespaces):
-            continue
-        header, payload = unpack_record(path.read_bytes())
-        values = torch.frombuffer(bytearray(payload), dtype=torch.float32) * scale
-        new = values.numpy().tobytes()
-        head = encode_header(header.key, (header.token_start, header.token_end), header.tensors,
-                             codec_id=header.codec_id, raw_length=header.raw_length, payload=new, flags=header.flags)
-        path.write_bytes(head + new)
-        n += 1
-    return n
 
 
 def binding_hex(am) -> str:
@@ -145,7 +128,7 @@ def test_kv_written_by_another_kernel_is_caught_by_the_namespace_canary(tmp_path
         writer.generate(ids, max_new_tokens=1)
         chunks = binding_hex(writer)
     # three chunks, the namespace canary, and the attach canary's two probe chunks (a root of their own)
-    assert rewrite_records(tmp_path) == 3 + 1 + 2
+    assert scale_records(tmp_path) == 3 + 1 + 2
     with disk_engine(tmp_path) as engine:
         am = attach(model, engine)
         assert am.proof.outcome is CanaryOutcome.MISMATCH
@@ -189,7 +172,7 @@ def test_a_shadow_check_catches_chunks_that_the_canary_cannot_see(tmp_path: Path
         writer = attach(model, engine)
         writer.generate(ids, max_new_tokens=1)
         canary_prefix = tuple(n.name[:32] for n in tmp_path.glob("*.kvc") if not n.name.startswith(binding_hex(writer)))
-    assert rewrite_records(tmp_path, skip_namespaces=canary_prefix) == 3  # the chunks only
+    assert scale_records(tmp_path, skip=canary_prefix) == 3  # the chunks only
     want = reference_generate(model, ids, None, 6)
     with disk_engine(tmp_path, shadow={"first_hits": 1}) as engine:
         am = attach(model, engine)

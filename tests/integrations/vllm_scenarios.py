@@ -353,24 +353,6 @@ def scenario_hybrid(work: Path) -> dict[str, Any]:
     return report
 
 
-def rescale_records(disk: Path, scale: float = 1.05) -> int:
-    """Simulate KV another kernel computed: every stored float32 value scaled, checksums recomputed (the
-    records still verify; only what they hold is wrong)."""
-    import torch
-
-    from kvengine.record import encode_header, unpack_record
-
-    n = 0
-    for path in sorted(disk.glob("*.kvc")):
-        header, payload = unpack_record(path.read_bytes())
-        data = (torch.frombuffer(bytearray(payload), dtype=torch.float32) * scale).numpy().tobytes()
-        path.write_bytes(encode_header(header.key, (header.token_start, header.token_end), header.tensors,
-                                       codec_id=header.codec_id, raw_length=header.raw_length, payload=data,
-                                       flags=header.flags) + data)
-        n += 1
-    return n
-
-
 def scenario_provenance(work: Path) -> dict[str, Any]:
     """Stored KV is served only to the weights that computed it (Llama, disk tier):
 
@@ -417,7 +399,9 @@ def scenario_provenance(work: Path) -> dict[str, Any]:
     phase("rewritten")
     set_topology(in_process=True)
     phase("shadow_honest", shadow={"first_hits": 1})
-    report["rescaled"] = rescale_records(disk)
+    from forged_records import scale_records  # this folder is the script's (see forged_records)
+
+    report["rescaled"] = scale_records(disk)
     phase("shadow_forged", shadow={"first_hits": 1})
     return report
 

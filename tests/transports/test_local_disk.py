@@ -272,14 +272,44 @@ async def test_restart_ignores_other_namespaces_and_versions(open_disk: OpenDisk
     theirs = [make_record(3000, namespace=Namespace(model="other").digest()) for _ in range(2)]
     await w.put(ours + theirs)
     vkey, vrec = make_record(3000)
-    future = bytearray(vrec)
-    future[4:6] = (FORMAT_VERSION + 1).to_bytes(2, "little")
-    (store / record_name(vkey)).write_bytes(future)
+    (store / record_name(vkey)).write_bytes(reversion(vrec, FORMAT_VERSION + 1))
     await w.close()
     t = await open_disk(path=store, namespaces=frozenset({TEST_NAMESPACE}))
     assert t.stats().chunks == 3 and t.stats().integrity_failures == 0
     assert await t.exists([k for k, _ in ours + theirs] + [vkey]) == [True] * 3 + [False] * 3
     assert len(list(store.glob("*.kvc"))) == 6
+
+
+def reversion(record: bytes, version: int, *, seal: bool = True) -> bytes:
+    """``record`` as another format version would have written it (header checksum recomputed), or, with
+    ``seal=False``, the same record with a damaged version field."""
+    import xxhash
+
+    out = bytearray(record)
+    out[4:6] = version.to_bytes(2, "little")
+    if seal:
+        length = int.from_bytes(out[8:12], "little")
+        out[length - 8:length] = xxhash.xxh3_64_intdigest(bytes(out[:length - 8])).to_bytes(8, "little")
+    return bytes(out)
+
+
+async def test_a_damaged_version_field_is_corruption_not_another_version(open_disk: OpenDisk,
+                                                                         make_record: MakeRecord,
+                                                                         tmp_path: Path) -> None:
+    """Regression: a record whose version field was damaged was ignored by the restart scan like a newer
+    writer's record: never counted, never deleted, never counted against capacity. A genuine other
+    version's header still verifies (kept for its writers); a damaged one does not (deleted, counted)."""
+    store = tmp_path / "versions"
+    w = await open_disk(path=store)
+    (good_key, good), (sealed_key, sealed), (bad_key, bad) = (make_record(3000) for _ in range(3))
+    await w.put([(good_key, good)])
+    await w.close()
+    (store / record_name(sealed_key)).write_bytes(reversion(sealed, FORMAT_VERSION + 1))
+    (store / record_name(bad_key)).write_bytes(reversion(bad, FORMAT_VERSION + 7, seal=False))
+    t = await open_disk(path=store)
+    assert await t.exists([good_key, sealed_key, bad_key]) == [True, False, False]
+    assert t.stats().integrity_reasons == {"damaged_version": 1}
+    assert sorted(p.name for p in store.glob("*.kvc")) == sorted([record_name(good_key), record_name(sealed_key)])
 
 
 async def test_restart_removes_temp_files_of_dead_writers_only(open_disk: OpenDisk, tmp_path: Path) -> None:
