@@ -15,10 +15,10 @@ import sys
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from _util import median_time, print_header, print_table, write_json  # noqa: E402
+from _util import median_time, print_header, print_table, write_json
 
-from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec  # noqa: E402
-from kvengine.hashing import prefix_hashes  # noqa: E402
+from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+from kvengine.hashing import prefix_hashes
 
 CHUNK = 256
 
@@ -29,7 +29,7 @@ def bench_hashing(tokens: int, repeats: int) -> list[list[object]]:
     seed = Namespace(model="bench").digest()
     rows = []
     for name, value in [("list[int]", as_list), ("torch.Tensor", ids), ("numpy int64", ids.numpy())]:
-        t = median_time(lambda: prefix_hashes(value, CHUNK, seed), max(repeats * 20, 50))
+        t = median_time(lambda value=value: prefix_hashes(value, CHUNK, seed), max(repeats * 20, 50))
         rows.append([f"hashing ({name})", tokens / t / 1e6, "M tok/s", "target >= 100"])
     return rows
 

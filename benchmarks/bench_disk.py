@@ -38,15 +38,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvengine.transports._disk_files import ALIGN, footprint, record_name
-from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport
 
 from kvengine.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.layout import KVCategory, dtype_code
 from kvengine.record import TensorDescriptor, encode_header
+from kvengine.transports._disk_files import ALIGN, footprint, record_name
+from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import drop_caches, print_header, write_json  # noqa: E402
+from _util import drop_caches, print_header, write_json
 
 NS = Namespace(model="bench/disk").digest()
 

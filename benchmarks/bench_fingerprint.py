@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import drop_caches, median_time, print_header, print_table, write_json  # noqa: E402
+from _util import drop_caches, median_time, print_header, print_table, write_json
 
-from kvengine.weights import DigestSidecar, fingerprint_model_path  # noqa: E402
+from kvengine.weights import DigestSidecar, fingerprint_model_path
 
 
 def raw_read(files: list[Path]) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_header, write_json  # noqa: E402
+from _util import print_header, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hf_ttft.json"
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _util import print_header, print_table, write_json  # noqa: E402
+from _util import print_header, print_table, write_json
 
 RECORD_BYTES = 32 << 20
 SMALL_BYTES = 4096

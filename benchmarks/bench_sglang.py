@@ -45,16 +45,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.integrations import sglang_env  # noqa: E402  (SGLang's CPU quirks, test set-up only)
+from tests.integrations import sglang_env
 
 sglang_env.install_shims()
 
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheFile  # noqa: E402
+import torch
+from _util import print_header, print_table, write_json
+from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheFile
 
-from _util import print_header, print_table, write_json  # noqa: E402
-from kvengine.integrations.sglang import extra_config  # noqa: E402
-from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage  # noqa: E402
+from kvengine.integrations.sglang import extra_config
+from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
 
 PAGES = STORAGE_BATCH_SIZE  # 128
 _counter = itertools.count()

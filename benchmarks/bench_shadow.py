@@ -22,10 +22,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_header, print_table, write_json  # noqa: E402
+from _util import print_header, print_table, write_json
 
-from kvengine import KVEngine  # noqa: E402
-from kvengine.integrations.hf import attach  # noqa: E402
+from kvengine import KVEngine
+from kvengine.integrations.hf import attach
 
 PREFIX, OWN, NEW, CHUNK = 1024, 64, 4, 256
 FRACTIONS = (0.0, 0.01, 0.1)

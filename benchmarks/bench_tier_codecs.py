@@ -20,16 +20,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_header, print_table, write_json  # noqa: E402
+from _util import print_header, print_table, write_json
 
-from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec  # noqa: E402
+from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
 
 CHUNK = 256
 CODECS = ["raw", "lz4-bitshuffle", "zstd-byteshuffle"]

@@ -172,6 +172,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from _util import print_header, write_json
+
     from kvengine.integrations.vllm.tiny_models import build_model_dir
 
     print_header()  # the driver's; the workers' threads are set by THREAD_ENV

@@ -39,13 +39,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-import lmcache_side as driver  # noqa: E402  (system-neutral driver; imports no LMCache at module level)
-from _util import print_header, write_json  # noqa: E402
-from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport  # noqa: E402
+import lmcache_side as driver
+from _util import print_header, write_json
 
-from kvengine import ChunkLayout, KVCategory, KVEngine, MemoryConfig, Namespace, TensorSpec  # noqa: E402
-from kvengine.hashing import prefix_hashes  # noqa: E402
-from kvengine.types import ModelBinding  # noqa: E402
+from kvengine import ChunkLayout, KVCategory, KVEngine, MemoryConfig, Namespace, TensorSpec
+from kvengine.hashing import prefix_hashes
+from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport
+from kvengine.types import ModelBinding
 
 DOC = REPO / "docs" / "benchmarks_vs_lmcache.md"
 PNG = REPO / "docs" / "benchmarks_vs_lmcache.png"

@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import machine_info  # noqa: E402  (standard library only)
+from _util import machine_info
 
 POOL_SLACK = 256 * 2**20
 RING_BYTES = 512 * 2**20

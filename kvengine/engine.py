@@ -29,17 +29,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
 
+from .allocator import SlabAllocator
+from .buffers import BufferPool
 from .codecs import Codec, CodecRegistry, RawCodec
 from .compression import codec_family, default_codecs
 from .config import EngineConfig
 from .errors import ConfigError, IntegrityError, InvalidRequestError
 from .eviction import make_policy
-from .allocator import SlabAllocator
 from .hashing import TokenInput, prefix_hashes
 from .keys import ChunkKey, Namespace
 from .layout import ChunkLayout
@@ -51,7 +52,6 @@ from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
 from .tiers import Tier
 from .transport import Buffer, ChunkTransport, ReadsInPlace, WritesGathered
-from .buffers import BufferPool
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T_ = TypeVar("T_")
@@ -126,10 +126,11 @@ class CacheEngine:
         self.reservations = ReservationTable()
         #: Namespaces whose stored KV failed a provenance check: never served (persisted with the disk tier).
         self.quarantine = Quarantine(config.disk.path)
+        self._roots: dict[bytes, str] = {}  # binding digest -> its namespace root (bound in this engine)
         self.metrics.quarantined.set_function(lambda: len(self.quarantine))
         self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
         self._write_slots: asyncio.Semaphore | None = None
-        self._writes: set[asyncio.Future[None]] = set()  # write-behind tier writes in flight
+        self._writes: set[asyncio.Future[bool]] = set()  # write-behind tier writes in flight
         #: begin_store results not committed yet, to the time after which they count as abandoned
         self._staged: dict[StagedStore, float] = {}
         #: One thread encodes (checksums, compresses) for every tier write: at most one core, whatever
@@ -226,6 +227,7 @@ class CacheEngine:
                 namespace.model,
             )
         binding = ModelBinding.create(namespace, layout)
+        self._roots[binding.digest] = binding.root
         self.quarantine.note_binding(namespace, binding.digest)
         if self.is_quarantined(binding):
             logger.error("kvengine: model %r is bound to a QUARANTINED namespace (root %s): nothing is served or "
@@ -238,8 +240,8 @@ class CacheEngine:
     def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
         """Never serve or store ``binding``'s namespace root again (see :mod:`.quarantine`)."""
         self.quarantine.add(binding.namespace, reason, details)
-        for res in [r for r in self.reservations.all() if r.namespace == binding.digest]:
-            self._end(res)  # what was promised under it is withdrawn: loads of it now fail, counted
+        for res in [r for r in self.reservations.all() if self._roots.get(r.namespace) == binding.root]:
+            self._end(res)  # what was promised under it (any salt) is withdrawn: loads of it now fail
         self.metrics.reservations_active.set(len(self.reservations))
 
     # -- lookup ----------------------------------------------------------------
@@ -617,14 +619,16 @@ class CacheEngine:
         # Write-through: the caller waits for the tiers anyway, so each chunk's writes start as soon as
         # it is copied, overlapping the rest of the copies.
         loop = asyncio.get_running_loop()
-        writes: list[asyncio.Future[None]] = []
+        writes: list[asyncio.Future[bool]] = []
 
         def start_write(entry: MemoryEntry) -> None:
             writes.append(asyncio.ensure_future(self._write_through(binding, entry)))
 
         try:
-            result, _ = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source,
-                                                partial(loop.call_soon_threadsafe, start_write))
+            def hand_off(entry: MemoryEntry) -> None:
+                loop.call_soon_threadsafe(start_write, entry)
+
+            result, _ = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off)
         except BaseException:
             if writes:  # what was copied is written before the error reaches the caller
                 await asyncio.wait(writes)
@@ -764,7 +768,7 @@ class CacheEngine:
         assert self._write_queue is not None and self._write_slots is not None
         queue, slots = self._write_queue, self._write_slots
 
-        def done(task: asyncio.Future[None]) -> None:
+        def done(task: asyncio.Future[bool]) -> None:
             self._writes.discard(task)
             slots.release()
             queue.task_done()
@@ -807,7 +811,7 @@ class CacheEngine:
                 parts = (record.header, record.payload)
                 results = await asyncio.gather(*(
                     t.put_parts([(record.key, parts)]) if gathers  # type: ignore[attr-defined]
-                    else t.put([(record.key, record.joined)])
+                    else t.put([(record.key, cast(Buffer, record.joined))])  # joined: some tier needs it
                     for t, gathers in tiers), return_exceptions=True)  # none still reads the slot
                 for (transport, _), result in zip(tiers, results):
                     if isinstance(result, BaseException):  # a transport bug: counted as a failed put
@@ -848,7 +852,7 @@ class CacheEngine:
         self, binding: ModelBinding, entry: MemoryEntry, codec: Codec
     ) -> tuple[bytes, bytes | memoryview]:
         """Header and ``codec``-encoded payload of a pinned entry's record (blocking)."""
-        raw = memoryview(self.memory.raw(entry).numpy())
+        raw = memoryview(self.memory.raw(entry).numpy().data)
         tensors = descriptors_for(binding.layout, entry.num_tokens)
         try:
             payload = codec.encode(raw, tensors)
@@ -917,7 +921,7 @@ class _PlacedRead:
             self.outcome = entry
             return None
         self.entry = entry
-        return memoryview(engine.memory.raw(entry).numpy())
+        return memoryview(engine.memory.raw(entry).numpy().data)
 
     async def admit(self, header: RecordHeader | None) -> MemoryEntry | AdmitRejected | None:
         """The pinned entry, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""

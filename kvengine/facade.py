@@ -23,9 +23,9 @@ from .keys import Namespace
 from .layout import ChunkLayout
 from .metrics import EngineMetrics
 from .reservations import Reservation
+from .staging import StagedStore
 from .tiers import Tier, build_tiers
 from .transport import ChunkTransport
-from .staging import StagedStore
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T = TypeVar("T")

@@ -48,7 +48,7 @@ def token_bytes(tokens: TokenInput) -> memoryview:
             if int(tokens.min()) < 0 or int(tokens.max()) >= 2**32:
                 raise InvalidRequestError("token ids must be in [0, 2**32)")
             tokens = tokens.astype(_TOKEN_DTYPE)
-        return memoryview(np.ascontiguousarray(tokens)).cast("B")
+        return memoryview(np.ascontiguousarray(tokens).data).cast("B")
     if isinstance(tokens, (str, bytes)):
         raise InvalidRequestError("tokens must be a sequence of token ids, not text")
     if len(tokens) == 0:

@@ -43,7 +43,7 @@ from .engine import AdmitRejected, CacheEngine, copy_all
 from .errors import InvalidRequestError
 from .keys import ChunkHash, ChunkKey, Namespace
 from .memory_tier import MemoryEntry, Prepared
-from .transport import ChunkTransport, ReadsInPlace
+from .transport import Buffer, ChunkTransport, ReadsInPlace
 from .types import ModelBinding
 
 if TYPE_CHECKING:
@@ -231,8 +231,10 @@ class KeyedStore:
             todo = [i for i, hit in zip(todo, present) if hit]
             if not todo:
                 continue
-            read = self._read_in_place if isinstance(transport, ReadsInPlace) else self._read_buffered
-            for i, result in await read(transport, [ckeys[i] for i in todo], todo):
+            found = [ckeys[i] for i in todo]
+            results = (await self._read_in_place(transport, found, todo) if isinstance(transport, ReadsInPlace)
+                       else await self._read_buffered(transport, found, todo))
+            for i, result in results:
                 if isinstance(result, MemoryEntry):
                     entries[i], outcomes[i] = result, GetOutcome.HIT
                 elif result is AdmitRejected.CORRUPT:
@@ -249,7 +251,8 @@ class KeyedStore:
     async def _read_buffered(self, transport: ChunkTransport, keys: list[ChunkKey],
                              index: list[int]) -> list[tuple[int, object]]:
         """Records through the transport's own buffers, verified and admitted (corrupt ones deleted)."""
-        blobs = await self.engine.guarded(transport, "get", transport.get(keys), [None] * len(keys))
+        misses: list[Buffer | None] = [None] * len(keys)
+        blobs = await self.engine.guarded(transport, "get", transport.get(keys), misses)
         found = [(i, key, blob) for i, key, blob in zip(index, keys, blobs) if blob is not None]
         admitted = await asyncio.to_thread(
             lambda: [self.engine.admit_record(self.binding, key, blob, 0, transport.name) for _, key, blob in found])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import NewType
+from typing import Any, NewType
 
 import xxhash
 
@@ -61,11 +61,11 @@ class Namespace:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return NamespaceDigest(xxhash.xxh3_128_digest(b"kvengine-ns-v1\0" + canonical.encode()))
 
-    def with_updates(self, **changes: object) -> Namespace:
-        fields = asdict(self)
+    def with_updates(self, **changes: Any) -> Namespace:
+        fields: dict[str, Any] = asdict(self)
         fields.update(changes)
-        fields["extra_keys"] = tuple(fields["extra_keys"])  # type: ignore[arg-type]
-        return Namespace(**fields)  # type: ignore[arg-type]
+        fields["extra_keys"] = tuple(fields["extra_keys"])
+        return Namespace(**fields)
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,7 +118,7 @@ class TierStatsCollector(Collector):
                                         "Records a tier found corrupt and dropped", labels=["tier", "reason"])
         puts = CounterMetricFamily("kvengine_tier_put_failures", "Writes a tier refused", labels=["tier", "reason"])
         for transport in self._transports:
-            stats = transport.stats()  # type: ignore[attr-defined]
+            stats = transport.stats()
             tier = transport.name
             chunks.add_metric([tier], stats.chunks)
             used.add_metric([tier], stats.used_bytes)

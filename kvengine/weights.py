@@ -143,17 +143,17 @@ def fingerprint_files(files: Sequence[Path], *, base: Path, sidecar: DigestSidec
     """Digest of ``files`` (names relative to ``base``, sizes and full-content digests)."""
     t0 = time.perf_counter()
     stamps = [FileStamp.of(f) for f in files]
-    known = [sidecar.get(s) if sidecar is not None else None for s in stamps]
+    known: list[str | None] = [sidecar.get(s) if sidecar is not None else None for s in stamps]
     todo = [i for i, d in enumerate(known) if d is None]
     with ThreadPoolExecutor(max(1, min(threads, len(todo) or 1)), thread_name_prefix="kvengine-hash") as pool:
-        for i, digest in zip(todo, pool.map(lambda i: file_digest(files[i]), todo)):
-            known[i] = digest
+        for i, hashed in zip(todo, pool.map(lambda i: file_digest(files[i]), todo)):
+            known[i] = hashed
             if sidecar is not None:
-                sidecar.put(stamps[i], digest)
+                sidecar.put(stamps[i], hashed)
     if sidecar is not None and todo:
         sidecar.save()
     h = xxhash.xxh3_128()
-    for f, stamp, digest in zip(files, stamps, known):
+    for f, stamp, digest in zip(files, stamps, known):  # every digest is known by now
         h.update(f"{f.relative_to(base).as_posix()}\0{stamp.size}\0{digest}\n".encode())
     return WeightsDigest(h.hexdigest(), len(files), sum(s.size for s in stamps),
                          sum(stamps[i].size for i in todo), time.perf_counter() - t0)

@@ -14,7 +14,15 @@ import torch
 
 from kvengine.codecs import Codec, RawCodec
 from kvengine.compression import (
-    LOSSLESS_FAMILY, Format, Grouping, QuantCodec, QuantScheme, codec_family, default_codecs, lossless, lossless_codecs,
+    LOSSLESS_FAMILY,
+    Format,
+    Grouping,
+    QuantCodec,
+    QuantScheme,
+    codec_family,
+    default_codecs,
+    lossless,
+    lossless_codecs,
     lossy_codecs,
 )
 from kvengine.compression._frame import HEADER_BYTES, seal

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvengine import CacheEngine, InvalidRequestError, Namespace, CapacityError
+from kvengine import CacheEngine, CapacityError, InvalidRequestError, Namespace
 from kvengine.errors import InvalidRequestError as IRE
 
 from .conftest import CHUNK, FakeKV, copier, make_config, make_layout

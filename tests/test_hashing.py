@@ -30,8 +30,10 @@ def test_chain_depends_on_whole_prefix():
     """Changing one token of chunk 0 changes every later hash; changing chunk 2 keeps 0 and 1."""
     toks = list(range(1024))
     base = prefix_hashes(toks, 256, SEED)
-    early = toks.copy(); early[3] = 7
-    late = toks.copy(); late[600] = 7
+    early = toks.copy()
+    early[3] = 7
+    late = toks.copy()
+    late[600] = 7
     assert all(x != y for x, y in zip(base, prefix_hashes(early, 256, SEED)))
     changed = prefix_hashes(late, 256, SEED)
     assert changed[:2] == base[:2] and changed[2] != base[2] and changed[3] != base[3]

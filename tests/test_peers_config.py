@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvengine import ConfigError, KVEngine, Namespace, load_config
-from kvengine import InvalidRequestError
+from kvengine import ConfigError, InvalidRequestError, KVEngine, Namespace, load_config
 from kvengine.record import decode_header
 from kvengine.tiers import build_tiers
 from kvengine.transports.peer_service import ServerThread

@@ -38,8 +38,11 @@ def test_a_quarantined_namespace_serves_and_stores_nothing_and_withdraws_what_it
         kv = FakeKV(len(TOKENS))
         eng.store(binding, TOKENS, kv.source)
         held = eng.lookup(binding, "held", TOKENS)
-        assert held.matched_tokens == 3 * CHUNK
+        eng.store(salted, TOKENS, kv.source)
+        held_salted = eng.lookup(salted, "held", TOKENS)
+        assert held.matched_tokens == held_salted.matched_tokens == 3 * CHUNK
         eng.quarantine_namespace(binding, "test")
+        assert not eng.load(held_salted, lambda _v: None).ok  # every salt of the root is withdrawn
         assert eng.is_quarantined(binding) and eng.is_quarantined(salted)
         out = [torch.zeros_like(t) for t in kv.layers]
         assert not eng.load(held, copier(out)).ok  # withdrawn: the caller recomputes

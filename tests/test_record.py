@@ -10,8 +10,16 @@ import xxhash
 
 from kvengine.errors import IntegrityError
 from kvengine.keys import ChunkHash, ChunkKey, Namespace
-from kvengine.record import (ALIGNED_PAYLOAD_MIN, FORMAT_VERSION, PAYLOAD_ALIGN, RecordFlag, decode_header,
-                             descriptors_for, encode_header, unpack_record)
+from kvengine.record import (
+    ALIGNED_PAYLOAD_MIN,
+    FORMAT_VERSION,
+    PAYLOAD_ALIGN,
+    RecordFlag,
+    decode_header,
+    descriptors_for,
+    encode_header,
+    unpack_record,
+)
 
 from .conftest import make_layout
 

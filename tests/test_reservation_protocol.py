@@ -71,7 +71,7 @@ class ReservationMachine(RuleBasedStateMachine):
     @rule(family=st.integers(0, 2), variant=st.integers(0, 3), chunks=st.integers(1, 5))
     def store(self, family, variant, chunks):
         toks = prompt(family, variant, chunks)
-        self.run(self.engine.store(self.binding, toks, lambda i, s, e: [chunk_kv(toks, e)]))
+        self.run(self.engine.store(self.binding, toks, lambda i, s, e, toks=toks: [chunk_kv(toks, e)]))
 
     @rule(req=st.sampled_from(["a", "b", "c", "d"]), family=st.integers(0, 2), variant=st.integers(0, 3),
           chunks=st.integers(1, 5), cap=st.one_of(st.none(), st.integers(0, 6 * CHUNK)))
@@ -138,7 +138,7 @@ class ReservationMachine(RuleBasedStateMachine):
     def eviction_pressure(self, n):
         for j in range(n):
             toks = [900_000 + j * 10 * CHUNK + t for t in range(CHUNK)]
-            self.run(self.engine.store(self.binding, toks, lambda i, s, e: [chunk_kv(toks, e)]))
+            self.run(self.engine.store(self.binding, toks, lambda i, s, e, toks=toks: [chunk_kv(toks, e)]))
 
     @invariant()
     def capacity_never_exceeded(self):

@@ -60,11 +60,10 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
+from kvengine.buffers import BufferPool
 from kvengine.errors import IntegrityError, InvalidRequestError
 from kvengine.keys import ChunkKey, NamespaceDigest
 from kvengine.record import RecordHeader, decode_header, peek_header_length, sealed_by_another_version, verify_payload
-
-from kvengine.buffers import BufferPool
 
 _T = TypeVar("_T")
 FsyncPolicy = Literal["never", "data", "always"]

@@ -241,8 +241,8 @@ class PeerTransport:
         for key, owners in zip(keys, await self._owners(keys)):
             hinted = self._hints.pop(key, None)
             if hinted in owners:
-                owners.remove(hinted)  # type: ignore[arg-type]
-                owners.insert(0, hinted)  # type: ignore[arg-type]
+                owners.remove(hinted)
+                owners.insert(0, hinted)
             candidates.append(owners)
 
         async def fetch(peer: Peer, batch: list[int]) -> None:

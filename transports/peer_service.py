@@ -33,7 +33,15 @@ from kvengine.record import unpack_record
 from kvengine.transport import Buffer
 
 from .peer_protocol import (
-    Limits, Message, Op, ProtocolError, Status, decode_header, encode_reply, gather_records, peek_request_id,
+    Limits,
+    Message,
+    Op,
+    ProtocolError,
+    Status,
+    decode_header,
+    encode_reply,
+    gather_records,
+    peek_request_id,
     record_matches,
 )
 from .peer_store import RecordStore

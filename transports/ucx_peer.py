@@ -107,7 +107,7 @@ class _UcxLoop:
         """
         import ucxx.core
 
-        if ucxx.core._ctx is None and "UCXPY_ENABLE_PYTHON_FUTURE" not in os.environ:  # noqa: SLF001
+        if ucxx.core._ctx is None and "UCXPY_ENABLE_PYTHON_FUTURE" not in os.environ:
             ucxx.core.init(enable_python_future=True)
 
     @classmethod

@@ -44,8 +44,18 @@ from kvengine.transport import Buffer
 
 from .peer_client import Answer, Connector, PeerTransport, client_from_config
 from .peer_protocol import (
-    TAG_MAGIC, Limits, Message, Op, ProtocolError, RecordAssembler, decode_header, decode_tag, encode_request,
-    gather_records, split_frames, tagged,
+    TAG_MAGIC,
+    Limits,
+    Message,
+    Op,
+    ProtocolError,
+    RecordAssembler,
+    decode_header,
+    decode_tag,
+    encode_request,
+    gather_records,
+    split_frames,
+    tagged,
 )
 from .peer_service import PeerService, ServerOptions
 from .peer_store import RecordStore

@@ -88,7 +88,8 @@ class HFCacheCodec:
                 if not isinstance(layer, DynamicLayer):
                     raise UnsupportedModelError(f"{where}: expected attention K/V, cache holds {type(layer).__name__}")
                 windowed = isinstance(layer, DynamicSlidingWindowLayer)
-                if windowed != (att.window is not None) or (windowed and layer.sliding_window != att.window):
+                if windowed != (att.window is not None) or (windowed and getattr(layer, "sliding_window", None)
+                                                            != att.window):
                     raise UnsupportedModelError(
                         f"{where}: cache layer {type(layer).__name__} window "
                         f"{getattr(layer, 'sliding_window', None)} disagrees with spec window {att.window}")
@@ -105,11 +106,11 @@ class HFCacheCodec:
                 if not isinstance(layer, LinearAttentionCacheLayerMixin):
                     raise UnsupportedModelError(f"{where}: expected linear state, cache holds {type(layer).__name__}")
                 for j, (conv, rec) in enumerate(zip(st.conv_shapes, st.recurrent_shapes)):
-                    for kind, t, shape, dtype in (("conv", layer.conv_states.get(j), conv, st.dtype),
+                    for kind, t, want, dtype in (("conv", layer.conv_states.get(j), conv, st.dtype),
                                                   ("recurrent", layer.recurrent_states.get(j), rec, st.rec_dtype)):
-                        got = None if t is None else tuple(t.shape[1:])
-                        if got != shape or (t is not None and t.shape[0] != 1):
-                            raise UnsupportedModelError(f"{where}: {kind} state {j} {got}, spec expects {shape}")
+                        state_shape = None if t is None else tuple(t.shape[1:])
+                        if state_shape != want or (t is not None and t.shape[0] != 1):
+                            raise UnsupportedModelError(f"{where}: {kind} state {j} {state_shape}, spec expects {want}")
                         if t is not None and t.dtype != dtype:
                             raise UnsupportedModelError(f"{where}: {kind} state {j} dtype {t.dtype}, spec {dtype}")
             elif isinstance(layer, LinearAttentionCacheLayerMixin) and (

@@ -127,6 +127,7 @@ class AttachedModel:
         self._encoder_bindings: OrderedDict[tuple[bytes, str], ModelBinding] = OrderedDict()
         self._content = content_fingerprint
         self._explicit = explicit_fingerprint
+        self._stale = False  # weights changed under an explicit fingerprint: every request is refused
         self._watch = WeightsWatch(model)
         self._shadow = ShadowSampler(engine.config.shadow)
 
@@ -139,16 +140,18 @@ class AttachedModel:
         :raises ModelChangedError: the weights changed but the namespace was given an explicit
             fingerprint at attach, which kvengine cannot update for you.
         """
-        if not self._watch.changed():
+        if not self._stale and not self._watch.changed():
             return False
         content = model_fingerprint(self.model)
-        if content == self._content:  # moved or touched, same bytes
+        if content == self._content:  # moved or touched, same bytes (or changed back)
+            self._stale = False
             return False
-        self._content = content
-        if self._explicit:
+        if self._explicit:  # refused until the weights are back or the model is attached again
+            self._stale = True
             raise ModelChangedError(
                 f"the weights of {self.namespace.model!r} changed since attach, but it was attached with an explicit "
                 "fingerprint; attach it again with the new weights' fingerprint (or none, to derive it)")
+        self._content = content
         logger.warning("kvengine: weights of %r changed since attach; moving to the new weights' namespace (no KV "
                        "of the old weights is served)", self.namespace.model)
         self.namespace = self.namespace.with_updates(model_fingerprint=content)

@@ -28,6 +28,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
@@ -90,7 +91,7 @@ def _refuse(what: str, why: str) -> UnsupportedModelError:
                                  "(see docs/vllm.md, 'What is reused, and what is refused')")
 
 
-def _plan_one(group_id: int, spec: object, layer_names: Iterable[str]) -> GroupPlan:
+def _plan_one(group_id: int, spec: Any, layer_names: Iterable[str]) -> GroupPlan:
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         FullAttentionSpec,

@@ -191,9 +191,10 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
         for request_id, computed_before in scheduled:
-            st = self._states.get(request_id)
-            if st is None or not st.can_write:
+            state = self._states.get(request_id)
+            if state is None or not state.can_write:
                 continue
+            st = state
             computed = computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0)
             end = min(computed, st.request.num_prompt_tokens) // self._chunk * self._chunk
             if end <= st.stored_until or self._manager is None:

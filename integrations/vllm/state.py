@@ -20,7 +20,7 @@ through the same tiers, record format and verification as the chunks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -91,7 +91,11 @@ class BoundaryStates:
             if not present:
                 continue
             got: list[BoundaryState] = []
-            if store.get([key], lambda _i, tensors: got.append(tuple(t.clone() for t in tensors)))[0].ok:
+
+            def keep(_i: int, tensors: Sequence[torch.Tensor], got: list[BoundaryState] = got) -> None:
+                got.append(tuple(t.clone() for t in tensors))
+
+            if store.get([key], keep)[0].ok:
                 return n, got[0]
         return 0, None
 

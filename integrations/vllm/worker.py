@@ -114,10 +114,11 @@ class ReservationDesk:
             return Answer(shadow_tokens=shadowed)
         ids = np.frombuffer(tokens, dtype="<u4")
         binding = self.binding(salt)
-        res = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens)
+        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens)
+        res: Reservation | None = found
         state = None
-        if self.states is not None and res.matched_tokens:
-            res, state = self._resumable(binding, request_id, ids, res)
+        if self.states is not None and found.matched_tokens:
+            res, state = self._resumable(binding, request_id, ids, found)
         if res is None or res.matched_tokens == 0:
             if res is not None:
                 self.engine.release(res)

@@ -50,7 +50,7 @@ def tiny_model(family: str, *, hidden: int = 128, layers: int = 4, heads: int = 
     import transformers
     from transformers.pytorch_utils import Conv1D
 
-    common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=heads)
+    common: dict[str, Any] = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=heads)
     if family == "gpt2":
         config = transformers.GPT2Config(n_embd=hidden, n_positions=1024, bos_token_id=0, eos_token_id=0, **common)
     else:

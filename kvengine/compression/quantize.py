@@ -236,7 +236,7 @@ class QuantCodec:
         for t, plan in zip(tensors, plans):
             chunk = body[src : src + plan.stored_bytes]
             if plan.quantized:
-                target[dst : dst + t.nbytes] = self._dequantize(chunk, t.dtype_code, plan).view(np.uint8)
+                target[dst : dst + t.nbytes] = self._dequantize(chunk, t.dtype_code, plan).view(np.uint8).data
             else:
                 target[dst : dst + t.nbytes] = chunk
             src, dst = src + plan.stored_bytes, dst + t.nbytes

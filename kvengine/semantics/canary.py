@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -161,7 +162,7 @@ def judge(
     tol = tolerance_for(spec.dtype)
     logit_err = _max_error(cached_logits, reference_logits)
     bound = tol.bound(reference_logits)
-    common = dict(model=model, probe_tokens=probe_tokens, matched_tokens=matched_tokens,
+    common: dict[str, Any] = dict(model=model, probe_tokens=probe_tokens, matched_tokens=matched_tokens,
                   max_logit_error=logit_err, logit_bound=bound)
     if matched_tokens != expected_match:
         return CanaryReport(**common, restored_exact=False,

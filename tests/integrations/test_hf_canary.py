@@ -14,13 +14,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvengine import AttachError, UnsupportedModelError  # noqa: E402
-from kvengine.integrations.hf import attach  # noqa: E402
-from kvengine.integrations.hf.attaching import CANARY_KEY  # noqa: E402
-from kvengine.integrations.hf.codec import Restorer  # noqa: E402
-from kvengine.integrations.hf.runner import ModelRunner  # noqa: E402
+from kvengine import AttachError, UnsupportedModelError
+from kvengine.integrations.hf import attach
+from kvengine.integrations.hf.attaching import CANARY_KEY
+from kvengine.integrations.hf.codec import Restorer
+from kvengine.integrations.hf.runner import ModelRunner
 
-from .conftest import build_tiny, make_engine, prompt_for  # noqa: E402
+from .conftest import build_tiny, make_engine, prompt_for
 
 
 def spy_bindings(engine) -> list:

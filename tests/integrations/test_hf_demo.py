@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvengine.integrations.hf import run_demo  # noqa: E402
+from kvengine.integrations.hf import run_demo
 
 
 @pytest.mark.slow

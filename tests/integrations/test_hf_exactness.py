@@ -17,11 +17,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvengine.integrations.hf import attach  # noqa: E402
+from kvengine.integrations.hf import attach
+from kvengine.integrations.hf.tiny_models import TINY_CONFIGS
 
-from kvengine.integrations.hf.tiny_models import TINY_CONFIGS  # noqa: E402
-
-from .conftest import (  # noqa: E402
+from .conftest import (
     CHUNK,
     FAST_FAMILIES,
     SLOW_FAMILIES,

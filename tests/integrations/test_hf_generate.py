@@ -7,11 +7,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvengine import InvalidRequestError  # noqa: E402
-from kvengine.integrations.hf import attach  # noqa: E402
-from kvengine.integrations.hf.codec import Restorer  # noqa: E402
+from kvengine import InvalidRequestError
+from kvengine.integrations.hf import attach
+from kvengine.integrations.hf.codec import Restorer
 
-from .conftest import CHUNK, build_tiny, make_engine, prompt_for, reference_generate  # noqa: E402
+from .conftest import CHUNK, build_tiny, make_engine, prompt_for, reference_generate
 
 
 @pytest.mark.parametrize(("family", "expect_reused"), [("llama", CHUNK), ("mistral", 0), ("mamba2", 0)])

@@ -16,14 +16,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvengine import KVEngine  # noqa: E402
-from kvengine.errors import ModelChangedError  # noqa: E402
-from kvengine.integrations.hf import attach  # noqa: E402
-from kvengine.provenance import CanaryOutcome  # noqa: E402
-from kvengine.quarantine_cmd import main as quarantine_cmd  # noqa: E402
+from kvengine import KVEngine
+from kvengine.errors import ModelChangedError
+from kvengine.integrations.hf import attach
+from kvengine.provenance import CanaryOutcome
+from kvengine.quarantine_cmd import main as quarantine_cmd
 
-from .conftest import CHUNK, build_tiny, prompt_for, reference_generate  # noqa: E402
-from .forged_records import scale_records  # noqa: E402
+from .conftest import CHUNK, build_tiny, prompt_for, reference_generate
+from .forged_records import scale_records
 
 PROMPT = 3 * CHUNK + 5
 
@@ -98,8 +98,10 @@ def test_a_weights_change_under_an_explicit_fingerprint_is_refused(tiny_llama):
         am.generate(ids, max_new_tokens=1)
         with torch.no_grad():
             model.lm_head.weight.add_(0.1)
-        with pytest.raises(ModelChangedError, match="explicit fingerprint"):
-            am.generate(ids, max_new_tokens=1)
+        for _ in range(2):  # and again: never served by a later request either
+            with pytest.raises(ModelChangedError, match="explicit fingerprint"):
+                am.generate(ids, max_new_tokens=1)
+        assert engine.metrics.value("kvengine_loaded_tokens_total") == 32  # the attach canary's own probe only
 
 
 def test_same_architecture_other_weights_on_a_shared_disk_tier_miss(tmp_path: Path):

@@ -21,11 +21,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvengine import InvalidRequestError, UnsupportedModelError  # noqa: E402
-from kvengine.integrations.hf import attach  # noqa: E402
-from kvengine.semantics import REFUSED_FAMILIES, derive_spec  # noqa: E402
+from kvengine import InvalidRequestError, UnsupportedModelError
+from kvengine.integrations.hf import attach
+from kvengine.semantics import REFUSED_FAMILIES, derive_spec
 
-from .conftest import build_tiny, make_engine  # noqa: E402
+from .conftest import build_tiny, make_engine
 
 
 def _config(model_type: str, **kw):

@@ -21,14 +21,14 @@ from tests.integrations import sglang_env
 
 sglang_env.require_sglang()
 
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
-from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.utils import get_hash_str
 
-from kvengine.errors import ConfigError, UnsupportedModelError  # noqa: E402
-from kvengine.integrations.sglang import extra_config as backend_extra_config  # noqa: E402
-from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage  # noqa: E402
-from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS  # noqa: E402
+from kvengine.errors import ConfigError, UnsupportedModelError
+from kvengine.integrations.sglang import extra_config as backend_extra_config
+from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
+from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = sglang_env.PoolGeometry().page

@@ -113,7 +113,9 @@ def test_handler_error_is_a_reply_not_a_dead_service(channel):
 
 def test_wrong_authkey_is_refused(channel):
     _, service, _ = channel
-    with pytest.raises(Exception):
+    from multiprocessing import AuthenticationError
+
+    with pytest.raises(AuthenticationError):
         LookupClient(service.path, b"x" * 32)
 
 

@@ -180,8 +180,8 @@ def make_stat_logger_class() -> type:
 # ------------------------------------------------------------------ scenarios --
 def scenario_first(work: Path) -> dict[str, Any]:
     from kvengine.integrations.vllm.paging import PagedCopier
-    from kvengine.integrations.vllm.worker import ReservationDesk
     from kvengine.integrations.vllm.tiny_models import build_model_dir
+    from kvengine.integrations.vllm.worker import ReservationDesk
 
     model = str(build_model_dir(work / "llama", "llama"))
     disk = work / "disk"

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvengine.inspect_cmd import main  # noqa: E402
-from kvengine.integrations.hf.tiny_models import TINY_CONFIGS  # noqa: E402
+from kvengine.inspect_cmd import main
+from kvengine.integrations.hf.tiny_models import TINY_CONFIGS
 
 
 def save(tmp_path, model_type, **kwargs):

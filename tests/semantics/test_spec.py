@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvengine import KVCategory, UnsupportedModelError  # noqa: E402
-from kvengine.integrations.hf.tiny_models import TINY_CONFIGS  # noqa: E402
-from kvengine.semantics import derive_spec, known_model_types  # noqa: E402
+from kvengine import KVCategory, UnsupportedModelError
+from kvengine.integrations.hf.tiny_models import TINY_CONFIGS
+from kvengine.semantics import derive_spec, known_model_types
 
 
 def cfg(family: str):

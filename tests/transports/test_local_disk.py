@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import kvengine.transports._disk_files as files_mod
-from kvengine.transports._disk_files import RecordFiles, footprint, record_name
-from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport, create_transport
 
+import kvengine.transports._disk_files as files_mod
 from kvengine.errors import ConfigError, InvalidRequestError, TransportError
 from kvengine.keys import ChunkKey, Namespace
 from kvengine.record import FORMAT_VERSION, decode_header, unpack_record
 from kvengine.transport import ChunkTransport
+from kvengine.transports._disk_files import RecordFiles, footprint, record_name
+from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport, create_transport
 
 MiB = 2**20
 #: Same digest as the conftest's make_record default namespace.

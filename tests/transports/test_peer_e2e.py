@@ -89,12 +89,12 @@ def _server(wire: str, store: Any, bind: str) -> Any:
 def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> None:
     """A node: engine + peer transport + embedded server; one JSON command per stdin line."""
     import torch
+
+    from kvengine import KVEngine, Namespace
     from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
     from kvengine.transports.peer_service import ServerThread
     from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
     from kvengine.transports.placement import Membership
-
-    from kvengine import KVEngine, Namespace
     from tests.conftest import make_config, make_layout
 
     options = PeerClientOptions(replicas=1, request_timeout=REQUEST_TIMEOUT, read_deadline=READ_DEADLINE,
@@ -197,6 +197,7 @@ async def _zmq_staller(host: str) -> str:
     """A raw ZeroMQ peer: says it has every key, then streams half of a 32 MiB record and stalls."""
     import zmq
     import zmq.asyncio
+
     from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_reply, split_frames, tagged
 
     sock = zmq.asyncio.Context().socket(zmq.ROUTER)

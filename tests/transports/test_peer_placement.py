@@ -9,10 +9,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from kvengine.transports.placement import Membership, Peer, PeerHealth, parse_peer_list, rendezvous_owners
 
 from kvengine.errors import ConfigError
 from kvengine.keys import ChunkHash, ChunkKey, Namespace
+from kvengine.transports.placement import Membership, Peer, PeerHealth, parse_peer_list, rendezvous_owners
 
 NS = Namespace(model="tests/placement").digest()
 PEERS = [Peer(f"127.0.0.{i}", 7000 + i) for i in range(2, 8)]

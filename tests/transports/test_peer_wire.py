@@ -22,22 +22,32 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from kvengine.transports.peer_buffers import BufferPool
-from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-from kvengine.transports.peer_protocol import (
-    Limits, Op, ProtocolError, RecordAssembler, Status, decode_header, encode_reply, encode_request,
-    gather_records, record_matches, split_frames, tagged,
-)
-from kvengine.transports.peer_service import PeerService, ServerOptions
-from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
-from kvengine.transports.placement import Membership, Peer, rendezvous_owners
-from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport
 
 from kvengine import CacheEngine, Namespace
 from kvengine.errors import ConfigError
 from kvengine.keys import ChunkKey
 from kvengine.record import unpack_record
 from kvengine.transport import ChunkTransport
+from kvengine.transports.peer_buffers import BufferPool
+from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
+from kvengine.transports.peer_protocol import (
+    Limits,
+    Op,
+    ProtocolError,
+    RecordAssembler,
+    Status,
+    decode_header,
+    encode_reply,
+    encode_request,
+    gather_records,
+    record_matches,
+    split_frames,
+    tagged,
+)
+from kvengine.transports.peer_service import PeerService, ServerOptions
+from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
+from kvengine.transports.placement import Membership, Peer, rendezvous_owners
+from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport
 
 MiB = 1 << 20
 FAST = PeerClientOptions(replicas=1, request_timeout=0.5, read_deadline=1.0, write_timeout=1.0, cooldown=30.0)
