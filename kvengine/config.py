@@ -94,6 +94,9 @@ class PeersConfig(_Section):
     cooldown: float = Field(default=5.0, gt=0)
     #: Bound on bytes of writes in flight to peers (backpressure beyond it).
     max_inflight_write_bytes: ByteSize = ByteSize(256 * 2**20)
+    #: A file holding the peer group's shared secret (>= 16 bytes): records sent to peers carry a
+    #: keyed MAC, records received must verify. Required for peers off loopback unless CURVE is on.
+    secret_file: Path | None = None
     #: CURVE keys (Z85), ZeroMQ only.
     curve_public_key: str | None = None
     curve_secret_key: str | None = None

@@ -24,6 +24,8 @@ Every failure raises :class:`IntegrityError` with a short machine-readable
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +54,12 @@ class RecordFlag(enum.IntFlag):
     NONE = 0
     #: Written under the explicit debug override of attach verification.
     UNVERIFIED = 1
+    #: Followed by a MAC_BYTES keyed MAC over header and payload (records that cross a trust boundary).
+    AUTHENTICATED = 2
+
+
+#: Length of the trailer of an AUTHENTICATED record: HMAC-SHA256 over the header and the payload.
+MAC_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +86,8 @@ class RecordHeader:
 
     @property
     def record_length(self) -> int:
-        return self.header_length + self.payload_length
+        trailer = MAC_BYTES if self.flags & RecordFlag.AUTHENTICATED else 0
+        return self.header_length + self.payload_length + trailer
 
 
 def descriptors_for(layout: ChunkLayout, tokens: int) -> tuple[TensorDescriptor, ...]:
@@ -203,6 +212,39 @@ def unpack_record(
     if len(buf) != header.record_length:
         raise IntegrityError("truncated_payload" if len(buf) < header.record_length else "trailing_bytes",
                              f"record {len(buf)} bytes, header says {header.record_length}")
-    payload = memoryview(buf)[header.header_length:]
+    payload = memoryview(buf)[header.header_length : header.header_length + header.payload_length]
     verify_payload(header, payload)
     return header, payload
+
+
+def _mac(secret: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    mac.update(header)
+    mac.update(payload)
+    return mac.digest()
+
+
+def seal_record(buf: bytes | memoryview, secret: bytes) -> bytes:
+    """``buf`` (a verified record) as an AUTHENTICATED one: flagged header, then payload, then the MAC.
+
+    The MAC covers every byte of header and payload (a payload checksum alone is not a commitment:
+    xxh3 is fast, not collision resistant), so a holder of ``secret`` vouches for the whole record.
+    """
+    header, payload = unpack_record(buf)
+    head = encode_header(header.key, (header.token_start, header.token_end), header.tensors,
+                         codec_id=header.codec_id, raw_length=header.raw_length, payload=payload,
+                         flags=header.flags | RecordFlag.AUTHENTICATED)
+    return b"".join((head, payload, _mac(secret, head, payload)))
+
+
+def verify_seal(buf: bytes | memoryview, secret: bytes, *, expect_key: ChunkKey | None = None) -> RecordHeader:
+    """Verify a record and its MAC; :class:`IntegrityError` (``unauthenticated``, ``bad_mac``, or any
+    structural reason) if it was not sealed with ``secret``."""
+    header, payload = unpack_record(buf, expect_key=expect_key)
+    if not header.flags & RecordFlag.AUTHENTICATED:
+        raise IntegrityError("unauthenticated", "record carries no MAC")
+    view = memoryview(buf)
+    trailer = view[header.header_length + header.payload_length :]
+    if not hmac.compare_digest(_mac(secret, view[: header.header_length], payload), bytes(trailer)):
+        raise IntegrityError("bad_mac", "record MAC does not verify (another writer, or tampered with)")
+    return header

@@ -57,6 +57,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="serve only this namespace digest (repeatable; default: all)")
     p.add_argument("--max-concurrent", type=int, default=8, help="requests served at once")
     p.add_argument("--no-verify-puts", action="store_true", help="check put records' headers only, not payloads")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the peer group's shared secret: puts must carry a record MAC that verifies under it "
+                        "(required off loopback unless CURVE is on)")
     p.add_argument("--curve-cert", metavar="FILE", help="server secret certificate (turns CURVE on)")
     p.add_argument("--curve-allow", metavar="DIR", help="admit only clients whose public certificates are here")
     return p
@@ -73,10 +76,14 @@ def _store(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _server(args: argparse.Namespace, store: Any) -> Any:
+    from kvengine.transports.peer_client import read_secret, require_protection
     from kvengine.transports.peer_service import ServerOptions
 
+    secret = read_secret(args.secret_file)
+    require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert) and args.transport == "zmq",
+                       what="--bind")
     options = ServerOptions(namespaces=frozenset(args.namespace) if args.namespace else None,
-                            verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent)
+                            verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent, secret=secret)
     if args.transport == "ucx":
         if args.curve_cert or args.curve_allow:
             raise ConfigError("--curve-cert/--curve-allow are ZeroMQ options")

@@ -25,11 +25,12 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from kvengine.errors import IntegrityError
 from kvengine.keys import ChunkKey, NamespaceDigest
-from kvengine.record import unpack_record
+from kvengine.record import unpack_record, verify_seal
 from kvengine.transport import Buffer
 
 from .peer_protocol import (
@@ -78,6 +79,9 @@ class ServerOptions:
     max_reply_bytes: int = 512 << 20
     #: How long a reply may wait for a client that does not read; then it is abandoned.
     reply_timeout: float = 10.0
+    #: The peer group's shared secret: puts must carry a record MAC that verifies under it, so no one
+    #: without it can plant a record here (None: puts are checked for integrity only).
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.max_reply_bytes < 1 or self.reply_timeout <= 0:
@@ -166,13 +170,15 @@ class PeerService:
 
     async def _verifies(self, key: ChunkKey, record: Buffer) -> bool:
         reason = record_matches(key, record)
-        if reason is None and self.options.verify_puts:
+        secret = self.options.secret
+        if reason is None and (self.options.verify_puts or secret is not None):
+            check = partial(verify_seal, secret=secret) if secret is not None else unpack_record
             try:
                 view = memoryview(record)
                 if len(view) > _THREAD_BYTES:
-                    await asyncio.to_thread(unpack_record, view, expect_key=key)
+                    await asyncio.to_thread(check, view, expect_key=key)
                 else:
-                    unpack_record(view, expect_key=key)
+                    check(view, expect_key=key)
             except IntegrityError as exc:
                 reason = exc.reason
         if reason is not None:

@@ -25,6 +25,7 @@ from kvengine.compression import codec_family
 from kvengine.engine import CacheEngine
 from kvengine.errors import InvalidRequestError
 from kvengine.keys import ChunkKey, NamespaceDigest
+from kvengine.record import seal_record
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
 
@@ -130,9 +131,12 @@ class EngineStore:
 
     name = "peer_engine"
 
-    def __init__(self, engine: CacheEngine, backing: RecordStore, bindings: Iterable[ModelBinding] = ()) -> None:
+    def __init__(self, engine: CacheEngine, backing: RecordStore, bindings: Iterable[ModelBinding] = (),
+                 *, secret: bytes | None = None) -> None:
         self.engine = engine
         self.backing = backing
+        #: the peer group's secret: records encoded from memory are sealed with it (readers require it)
+        self._secret = secret
         self._bindings: dict[NamespaceDigest, ModelBinding] = {}
         for binding in bindings:
             self.share(binding)
@@ -183,7 +187,8 @@ class EngineStore:
                 out.append(None)
                 continue
             try:
-                out.append(self.engine.encode_record(binding, entry))
+                record = self.engine.encode_record(binding, entry)
+                out.append(seal_record(record, self._secret) if self._secret is not None else record)
             finally:
                 self.engine.memory.unpin([entry])
         return out

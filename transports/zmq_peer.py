@@ -398,8 +398,8 @@ def create_transport(config: Mapping[str, Any]) -> PeerTransport:
     strings) to turn CURVE on.
     """
     cfg = dict(config)
-    membership, options = client_from_config(cfg, "peers_zmq")
     curve_keys = [cfg.pop(k, None) for k in ("curve_public_key", "curve_secret_key", "curve_server_key")]
+    membership, options = client_from_config(cfg, "peers_zmq", encrypted=all(curve_keys))
     curve = None
     if any(curve_keys):
         if not all(curve_keys):

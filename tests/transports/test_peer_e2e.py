@@ -140,9 +140,9 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
             reply = {"matched": res.matched_tokens, "loaded": loaded.loaded_tokens,
                      "digest": _digest(out, loaded.loaded_tokens)}
         reply["seconds"] = time.monotonic() - t0
-        reply["integrity_failures"] = sum(
-            s.value for m in engine.metrics.integrity_failures.collect() for s in m.samples
-            if s.name.endswith("_total"))
+        reply["integrity_failures"] = sum(  # found by the engine, or by the peer tier before it
+            s.value for m in engine.metrics.registry.collect() for s in m.samples
+            if s.name in ("kvengine_integrity_failures_total", "kvengine_tier_integrity_failures_total"))
         reply["transport"] = dict(transport.counts)
         print(json.dumps(reply), flush=True)
     server.stop()

@@ -361,15 +361,22 @@ async def test_a_record_for_another_key_is_never_returned(liar: tuple[str, list[
     address, script = liar
     asked = make_record(100)[0]
     foreign = make_record(100, namespace=Namespace(model="not-mine").digest())[1]
+    deletes: list[Any] = []
+
+    async def ack_delete(sock: Any, ident: bytes, req: Any) -> None:  # the bad copy is deleted at this owner
+        deletes.append(req.op)
+        await sock.send_multipart([ident, encode_reply(req.op, req.request_id, Status.OK, [True], [0])])
+
     for record in (make_record(100)[1], foreign):
         async def answer(sock: Any, ident: bytes, req: Any, record: bytes = record) -> None:
             await sock.send_multipart([ident, encode_reply(Op.GET, req.request_id, Status.OK, [True], [len(record)]),
                                        record])
-        script.append(answer)
+        script += [answer, ack_delete]
     transport = client([address])
     assert await transport.get([asked]) == [None]
     assert await transport.get([asked]) == [None]
     assert transport.counts["wrong_record_other_key"] == transport.counts["wrong_record_other_namespace"] == 1
+    assert deletes == [Op.DELETE, Op.DELETE]
     await transport.close()
 
 
@@ -469,6 +476,12 @@ async def test_engine_store_serves_resident_chunks_as_verifiable_records(layout:
         assert header.key == key
     other, blob = ChunkKey(binding.digest, keys[0].chunk_hash[::-1]), b"x"
     assert await store.put([(other, blob)]) == [True] and await store.get([other]) == [blob]
+    # With the peer group's secret, what the engine serves from memory is sealed with it.
+    from kvengine.record import verify_seal
+
+    sealing = EngineStore(engine, MemoryRecordStore(MiB), [binding], secret=SECRET)
+    for key, record in zip(keys, await sealing.get(keys)):
+        assert verify_seal(record, SECRET, expect_key=key).key == key
     assert engine.memory.total_pins() == 0
     await engine.close()
 
@@ -550,3 +563,124 @@ async def test_kvengine_serve_with_curve_certificates_admits_only_listed_clients
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
+
+
+# -- authenticated records (a shared secret) ------------------------------------------------------
+SECRET = b"peer-group-secret-0123456789abcdef"
+
+
+def with_secret(options: PeerClientOptions = FAST, secret: bytes | None = SECRET, **over: Any) -> PeerClientOptions:
+    import dataclasses
+
+    return dataclasses.replace(options, secret=secret, **over)
+
+
+async def test_records_planted_without_the_secret_are_never_served(servers: list[ZmqPeerServer],
+                                                                   make_record: Any) -> None:
+    """Regression: an unauthenticated server took DELETE then PUT of well-formed records from anyone who
+    could compute chunk keys, and readers served them (8 of 8 forged chunks loaded). With a secret,
+    readers accept only records sealed with it: planted ones are counted misses and deleted there."""
+    address = servers[0].address
+    honest = client([address], with_secret())
+    attacker = client([address])  # knows the keys and the format, not the secret
+    (key_a, rec_a), (key_b, rec_b) = make_record(5000), make_record(300_000)
+    assert await honest.put([(key_a, rec_a)]) == [True]
+    assert await attacker.put([(key_b, rec_b)]) == [True]  # this server checks integrity only
+    got = await honest.get([key_a, key_b])
+    assert got[1] is None and unpack_record(got[0])[1] == unpack_record(rec_a)[1]  # sealed, same KV
+    assert honest.counts["wrong_record_unauthenticated"] == 1
+    assert await attacker.exists([key_b]) == [False]  # the planted copy was deleted at that owner
+    # A record re-sealed by an attacker under another secret fails its MAC.
+    forger = client([address], with_secret(secret=b"another-secret-of-an-attacker!!"))
+    key_c, rec_c = make_record(100)
+    assert await forger.put([(key_c, rec_c)]) == [True]
+    assert await honest.get([key_c]) == [None]
+    assert honest.counts["wrong_record_bad_mac"] == 1
+    for t in (honest, attacker, forger):
+        await t.close()
+
+
+async def test_a_server_with_the_secret_refuses_unsealed_or_forged_puts(make_record: Any) -> None:
+    server = ZmqPeerServer(MemoryRecordStore(64 * MiB), "127.0.0.2:0", ServerOptions(secret=SECRET))
+    await server.start()
+    try:
+        honest = client([server.address], with_secret())
+        attacker = client([server.address], with_secret(secret=b"not-the-group-secret-at-all!!!"))
+        plain = client([server.address])
+        items = [make_record(100) for _ in range(3)]
+        assert await attacker.put([items[0]]) == [False]
+        assert await plain.put([items[1]]) == [False]
+        assert await honest.put([items[2]]) == [True]
+        assert server.service.counts["put_invalid_bad_mac"] == 1
+        assert server.service.counts["put_invalid_unauthenticated"] == 1
+        for t in (honest, attacker, plain):
+            await t.close()
+    finally:
+        await server.close()
+
+
+async def test_a_bad_replica_is_deleted_at_its_owner_only_and_the_next_owner_serves(
+        servers: list[ZmqPeerServer], make_record: Any) -> None:
+    """Regression: one corrupt replica made the client delete the chunk at every owner, so the lookups
+    missed although a good copy existed. Now the bad owner's copy goes, the next owner is asked."""
+    addresses = [s.address for s in servers[:2]]
+    key, record = make_record(4000)
+    owners = rendezvous_owners(key, Membership(addresses).peers(), 2)
+    first, second = (next(s for s in servers if s.address == f"{p.host}:{p.port}") for p in owners)
+    sealed = client(addresses, with_secret(replicas=2))
+    assert await sealed.put([(key, record)]) == [True]
+    # The first owner's copy is replaced by a well-formed record without the group's MAC.
+    await first.service.store.delete([key])
+    await first.service.store.put([(key, record)])
+    got = await sealed.get([key])
+    assert got[0] is not None and unpack_record(got[0])[1] == unpack_record(record)[1]
+    assert await first.service.store.exists([key]) == [False]
+    assert await second.service.store.exists([key]) == [True]
+    await sealed.close()
+
+
+@pytest.mark.parametrize("peers, secret, curve, refused", [
+    (["10.1.2.3:7000"], None, False, True),
+    (["10.1.2.3:7000", "127.0.0.2:7000"], None, False, True),
+    (["10.1.2.3:7000"], SECRET, False, False),
+    (["10.1.2.3:7000"], None, True, False),
+    (["127.0.0.2:7000", "localhost:7001"], None, False, False),
+])
+def test_peers_off_loopback_need_a_secret_or_curve(tmp_path: Path, peers, secret, curve, refused) -> None:
+    """Fail closed: joining peers on a non-loopback address with neither authenticated records nor CURVE
+    refuses to start, naming the settings."""
+    config: dict[str, Any] = {"peers": peers}
+    if secret is not None:
+        (tmp_path / "secret").write_bytes(secret)
+        config["secret_file"] = str(tmp_path / "secret")
+    if curve:
+        import zmq.auth
+
+        public, secret_key = zmq.curve_keypair()
+        config.update(curve_public_key=public.decode(), curve_secret_key=secret_key.decode(),
+                      curve_server_key=public.decode())
+    if refused:
+        with pytest.raises(ConfigError, match=r"10\.1\.2\.3:7000 is not on loopback.*peers\.secret_file.*peers\.curve_"):
+            create_transport(config)
+    else:
+        assert create_transport(config).options.secret == secret
+
+
+def test_a_short_or_missing_secret_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "short").write_bytes(b"abc")
+    with pytest.raises(ConfigError, match="holds 3 bytes"):
+        create_transport({"peers": ["127.0.0.2:1"], "secret_file": str(tmp_path / "short")})
+    with pytest.raises(ConfigError, match="cannot be read"):
+        create_transport({"peers": ["127.0.0.2:1"], "secret_file": str(tmp_path / "nope")})
+
+
+def test_serving_off_loopback_without_a_secret_or_curve_refuses_to_start(capsys, tmp_path: Path) -> None:
+    from kvengine.serve_cmd import main as serve
+
+    assert serve(["--bind", "0.0.0.0:0"]) == 1
+    assert "--bind 0.0.0.0:0 is not on loopback" in capsys.readouterr().err
+    (tmp_path / "secret").write_bytes(SECRET)
+    args = serve.__globals__["build_parser"]().parse_args(["--bind", "0.0.0.0:0", "--secret-file",
+                                                           str(tmp_path / "secret")])
+    server = serve.__globals__["_server"](args, MemoryRecordStore(MiB))  # built, not started: allowed
+    assert server.service.options.secret == SECRET
