@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_header, print_table, write_json
+from _util import drop_caches, print_header, print_table, write_json
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
 
@@ -43,19 +43,11 @@ def kv_like(tokens: int) -> torch.Tensor:
     return (torch.randn(32, 2, tokens, 8, 128, generator=g) * scale).to(torch.bfloat16)
 
 
-def drop_caches() -> None:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
-
-
 def run_disk(codec: str, kv: torch.Tensor, toks: torch.Tensor, root: str, layout: ChunkLayout,
              namespace: Namespace) -> tuple[float, float, int]:
     path = tempfile.mkdtemp(dir=root)
     cfg = {"disk": {"path": path, "codec": codec, "capacity_bytes": "16GiB"}}
-    store, load = store_then_load(cfg, kv, toks, layout, namespace, before_load=drop_caches)
+    store, load = store_then_load(cfg, kv, toks, layout, namespace, before_load=lambda: drop_caches([]))
     disk_bytes = sum(f.stat().st_size for f in Path(path).glob("*.kvc"))  # the records, not the notes beside them
     shutil.rmtree(path)
     return store, load, disk_bytes

@@ -138,13 +138,10 @@ def check_namespace_canary(engine: KVEngine, binding: ModelBinding, probe: Seque
     store = SyncKeyedStore(engine, engine.bind(keyed_namespace(binding.namespace, CANARY_SCHEME), binding.layout))
     stored: list[tuple[torch.Tensor, ...]] = []
     got = store.get([_CANARY_KEY], lambda _i, tensors: stored.append(tuple(t.clone() for t in tensors)))[0]
-    checks = core.metrics.provenance_checks
     if got is GetOutcome.HIT:
         comparison = compare_kv(stored[0], probe)
-        checks.labels(check="canary", outcome=comparison.outcome).inc()
+        settle(engine, binding, "canary", comparison, "namespace canary differs from the KV this model computes")
         if not comparison.within_tolerance:
-            core_quarantine(engine, binding, "namespace canary differs from the KV this model computes",
-                            comparison)
             return CanaryResult(CanaryOutcome.MISMATCH, comparison)
         if not comparison.exact:
             logger.info("kvengine: namespace canary of %r matches within tolerance (max relative error %.3g)",
@@ -152,7 +149,7 @@ def check_namespace_canary(engine: KVEngine, binding: ModelBinding, probe: Seque
         return CanaryResult(CanaryOutcome.EXACT if comparison.exact else CanaryOutcome.CLOSE, comparison)
     if got is GetOutcome.MISS:
         if store.put([_CANARY_KEY], lambda _i: list(probe))[0].ok:
-            checks.labels(check="canary", outcome="written").inc()
+            core.metrics.provenance_checks.labels(check="canary", outcome="written").inc()
             return CanaryResult(CanaryOutcome.WRITTEN)
     # A corrupt canary was deleted by the tier (counted): the next reader writes a new one.
     logger.warning("kvengine: namespace canary of %r could not be read or written (%s)", binding.namespace.model,
@@ -160,11 +157,19 @@ def check_namespace_canary(engine: KVEngine, binding: ModelBinding, probe: Seque
     return CanaryResult(CanaryOutcome.UNAVAILABLE)
 
 
-def core_quarantine(engine: KVEngine, binding: ModelBinding, reason: str, comparison: KVComparison,
-                    **details: str) -> None:
-    """Quarantine ``binding``'s namespace for a failed comparison (from any thread)."""
-    engine.quarantine_namespace(binding, reason, max_relative_error=f"{comparison.max_relative_error:.3g}",
-                                detail=comparison.detail, **details)
+def worst(comparisons: Sequence[KVComparison]) -> KVComparison | None:
+    """The comparison that says most against the stored KV: mismatch, then inexact, then largest error."""
+    return max(comparisons, key=lambda c: (not c.within_tolerance, not c.exact, c.max_relative_error), default=None)
+
+
+def settle(engine: KVEngine, binding: ModelBinding, check: str, comparison: KVComparison, reason: str,
+           **details: str) -> None:
+    """Count a provenance check (``check``: canary, shadow) and, if its comparison failed, quarantine
+    ``binding``'s namespace for ``reason`` (from any thread)."""
+    engine.metrics.provenance_checks.labels(check=check, outcome=comparison.outcome).inc()
+    if not comparison.within_tolerance:
+        engine.quarantine_namespace(binding, reason, max_relative_error=f"{comparison.max_relative_error:.3g}",
+                                    detail=comparison.detail, **details)
 
 
 # -- shadow sampling ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import xxhash
 from .errors import InvalidRequestError
 from .keys import ChunkKey, Namespace, NamespaceDigest
 from .layout import ChunkLayout
+from .quarantine import root_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +28,6 @@ class ModelBinding:
 
     @classmethod
     def create(cls, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
-        from .quarantine import root_digest
-
         seed = xxhash.xxh3_128_digest(namespace.digest() + layout.fingerprint.encode())
         return cls(namespace, layout, NamespaceDigest(seed), root_digest(namespace))
 

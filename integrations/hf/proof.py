@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvengine.provenance import CanaryResult, KVComparison, check_namespace_canary, compare_kv, core_quarantine
+from kvengine.provenance import CanaryResult, KVComparison, check_namespace_canary, compare_kv, settle, worst
 from kvengine.reservations import Reservation
 from kvengine.types import ChunkView
 
@@ -97,11 +97,7 @@ class ShadowCheck:
                 results.append(compare_kv(view.tensors, computed))
 
         attached.engine.load(self._res, compare)
-        worst = max(results, key=lambda r: (not r.within_tolerance, not r.exact, r.max_relative_error),
-                    default=KVComparison(True, True, 0.0))
-        metrics = attached.engine.metrics.provenance_checks
-        metrics.labels(check="shadow", outcome=worst.outcome).inc()
-        if not worst.within_tolerance:
-            core_quarantine(attached.engine, self._ctx.binding, "a shadow-checked hit differs from the KV this "
-                            "model computed for it", worst, tokens=str(self.tokens))
-        return worst
+        verdict = worst(results) or KVComparison(True, True, 0.0)
+        settle(attached.engine, self._ctx.binding, "shadow", verdict,
+               "a shadow-checked hit differs from the KV this model computed for it", tokens=str(self.tokens))
+        return verdict

@@ -40,7 +40,7 @@ from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.keys import Namespace
 from kvengine.layout import ChunkLayout
-from kvengine.provenance import ShadowSampler, compare_kv, core_quarantine
+from kvengine.provenance import ShadowSampler, compare_kv, settle, worst
 from kvengine.reservations import Reservation
 from kvengine.types import ModelBinding
 
@@ -351,17 +351,16 @@ class WorkerSide:
                 results.append(compare_kv([view.tensors[i] for i in full], computed))
         finally:
             self.engine.release(res)  # nothing was loaded into vLLM: not counted as a load
-        if not results:
+        verdict = worst(results)
+        if verdict is None:
             self._m_store_skips.labels(reason="shadow_unavailable").inc()
             return
-        worst = max(results, key=lambda r: (not r.within_tolerance, not r.exact, r.max_relative_error))
-        self.engine.metrics.provenance_checks.labels(check="shadow", outcome=worst.outcome).inc()
-        if not worst.within_tolerance:
-            core_quarantine(self.engine, binding, "a shadow-checked hit differs from the pages vLLM computed for it",
-                            worst, request=spec.request_id, tokens=f"{lo}-{hi}")
-        else:
+        settle(self.engine, binding, "shadow", verdict,
+               "a shadow-checked hit differs from the pages vLLM computed for it",
+               request=spec.request_id, tokens=f"{lo}-{hi}")
+        if verdict.within_tolerance:
             logger.info("kvengine: shadow check of %s tokens %d-%d: %s (max relative error %.3g)", spec.request_id,
-                        lo, hi, worst.outcome, worst.max_relative_error)
+                        lo, hi, verdict.outcome, verdict.max_relative_error)
 
     def _save_state(self, spec: SaveSpec, null: int) -> None:
         """Store the recurrent state this step materialized at the end of ``spec``'s chunks."""

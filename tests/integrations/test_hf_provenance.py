@@ -22,7 +22,7 @@ from kvengine.integrations.hf import attach
 from kvengine.provenance import CanaryOutcome
 from kvengine.quarantine_cmd import main as quarantine_cmd
 
-from .conftest import CHUNK, build_tiny, prompt_for, reference_generate
+from .conftest import CHUNK, build_tiny, make_engine, prompt_for, reference_generate
 from .forged_records import scale_records
 
 PROMPT = 3 * CHUNK + 5
@@ -37,13 +37,13 @@ def binding_hex(am) -> str:
     return bytes(am.binding.digest).hex()
 
 
-def test_weights_changed_in_place_after_attach_move_to_a_new_namespace(tiny_llama):
+def test_weights_changed_in_place_after_attach_move_to_a_new_namespace():
     """Regression (HF, weights changed after attach): a fine-tuning-like in-place update of one projection
     made the same AttachedModel reuse 80 tokens of the old weights' KV (max logit error 1.56). Now the
     change is seen before the next request: nothing of the old namespace is reused, outputs are exact."""
     model = build_tiny("llama", seed=3)
     ids, _ = prompt_for(model, PROMPT, seed=1)
-    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "64MiB"}}) as engine:
+    with make_engine() as engine:
         am = attach(model, engine)
         am.generate(ids, max_new_tokens=1)
         assert am.generate(ids, max_new_tokens=1).reused_tokens == 3 * CHUNK  # control: a hit before the change
@@ -63,7 +63,7 @@ def test_edits_through_data_that_bypass_version_counters_are_seen():
     """A LoRA-merge-style edit through ``.data`` (no version bump, same storage) is caught by the sampled bytes."""
     model = build_tiny("llama", seed=4)
     ids, _ = prompt_for(model, PROMPT, seed=2)
-    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "64MiB"}}) as engine:
+    with make_engine() as engine:
         am = attach(model, engine)
         am.generate(ids, max_new_tokens=1)
         weight = model.model.layers[0].self_attn.v_proj.weight
@@ -78,7 +78,7 @@ def test_a_tensor_moved_but_unchanged_keeps_its_namespace():
     """Touching the weights without changing their bytes (a copy onto itself) is no change of identity."""
     model = build_tiny("llama", seed=5)
     ids, _ = prompt_for(model, PROMPT, seed=3)
-    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "64MiB"}}) as engine:
+    with make_engine() as engine:
         am = attach(model, engine)
         am.generate(ids, max_new_tokens=1)
         with torch.no_grad():
@@ -88,12 +88,12 @@ def test_a_tensor_moved_but_unchanged_keeps_its_namespace():
         assert engine.metrics.value("kvengine_namespace_changes_total") == 0
 
 
-def test_a_weights_change_under_an_explicit_fingerprint_is_refused(tiny_llama):
+def test_a_weights_change_under_an_explicit_fingerprint_is_refused():
     """With an explicit fingerprint kvengine cannot name the new weights: the next request is refused with
     a clear error instead of serving the old weights' KV."""
     model = build_tiny("llama", seed=6)
     ids, _ = prompt_for(model, PROMPT, seed=4)
-    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "64MiB"}}) as engine:
+    with make_engine() as engine:
         am = attach(model, engine, fingerprint="my-model-v1")
         am.generate(ids, max_new_tokens=1)
         with torch.no_grad():
