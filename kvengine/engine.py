@@ -51,7 +51,7 @@ from .record import RecordFlag, RecordHeader, descriptors_for, encode_header, un
 from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
 from .tiers import Tier
-from .transport import Buffer, ChunkTransport, ReadsInPlace, WritesGathered
+from .transport import Buffer, ChunkTransport, ReadsInPlace, WritesGathered, read_scope
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T_ = TypeVar("T_")
@@ -273,7 +273,8 @@ class CacheEngine:
         keys = [ChunkKey(binding.digest, h) for h in hashes]
         entries = self.memory.pin_prefix(keys)
         if len(entries) < len(keys) and self.transports:
-            entries += await self._promote(binding, keys[len(entries) :], len(entries))
+            with read_scope():  # one deadline for all of this lookup's reads from lower tiers
+                entries += await self._promote(binding, keys[len(entries) :], len(entries))
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,

@@ -43,7 +43,7 @@ from .engine import AdmitRejected, CacheEngine, copy_all
 from .errors import InvalidRequestError
 from .keys import ChunkHash, ChunkKey, Namespace
 from .memory_tier import MemoryEntry, Prepared
-from .transport import Buffer, ChunkTransport, ReadsInPlace
+from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope
 from .types import ModelBinding
 
 if TYPE_CHECKING:
@@ -129,10 +129,18 @@ class KeyedStore:
         self.engine.metrics.quarantine_refusals.labels(op=f"keyed_{op}").inc(n)
         return True
 
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is stored in memory or (probably) in a lower tier."""
+    async def exists(self, keys: Sequence[bytes], *, verify: bool = False) -> list[bool]:
+        """Whether each key is stored in memory or (probably) in a lower tier.
+
+        With ``verify``, a chunk found only below memory counts only once it has
+        been read, verified and promoted into memory (unpinned), so the answer
+        is what a ``get`` right after it can deliver: for schedulers that size
+        work by it.
+        """
         if self._refused("exists", len(keys)):
             return [False] * len(keys)
+        if verify:
+            return [o is GetOutcome.HIT for o in await self._fetch(self.chunk_keys(keys), None)]
         ckeys = self.chunk_keys(keys)
         found = [self.engine.memory.contains(k) for k in ckeys]
         for transport in self.engine.transports:
@@ -208,14 +216,19 @@ class KeyedStore:
         """Give each stored chunk to ``sink``; chunks found below memory are promoted into it."""
         if self._refused("get", len(keys)):
             return [GetOutcome.MISS] * len(keys)
-        ckeys = self.chunk_keys(keys)
+        return await self._fetch(self.chunk_keys(keys), sink)
+
+    async def _fetch(self, ckeys: list[ChunkKey], sink: KeyedSink | None) -> list[GetOutcome]:
+        """Pin what memory holds, promote the rest from lower tiers, hand every hit to ``sink`` (if any)."""
         memory = self.engine.memory
         entries: list[MemoryEntry | None] = [memory.pin(k) for k in ckeys]
         outcomes = [GetOutcome.HIT if e is not None else GetOutcome.MISS for e in entries]
         try:
             if self.engine.transports and None in entries:
-                await self._promote(ckeys, entries, outcomes)
-            await asyncio.to_thread(self._copy_out, entries, outcomes, sink)
+                with read_scope():
+                    await self._promote(ckeys, entries, outcomes)
+            if sink is not None:
+                await asyncio.to_thread(self._copy_out, entries, outcomes, sink)
         finally:
             memory.unpin([e for e in entries if e is not None])
         return outcomes
@@ -296,8 +309,8 @@ class SyncKeyedStore:
     def binding(self) -> ModelBinding:
         return self.store.binding
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.kv.run(self.store.exists(keys))
+    def exists(self, keys: Sequence[bytes], *, verify: bool = False) -> list[bool]:
+        return self.kv.run(self.store.exists(keys, verify=verify))
 
     def put(self, keys: Sequence[bytes], source: KeyedSource) -> list[PutOutcome]:
         return self.kv.run(self.store.put(keys, source))

@@ -12,6 +12,13 @@ file and ``--curve-allow`` a directory of admitted clients' public
 certificates, both in pyzmq's format
 (``zmq.auth.create_certificates(dir, name)``). Clients configure the
 server's public key.
+
+Tenants (ZeroMQ with CURVE): ``--tenants FILE`` grants client keys to
+tenants, writing or read-only, and keeps each tenant to its own namespaces
+(format in :mod:`kvengine.transports.tenants`); only the keys it lists are
+admitted. Namespaces not pinned in the file belong to the first tenant that
+writes them; those claims are kept in ``--claims FILE`` (default
+``DIR/tenant-claims.json`` with ``--disk``, else in memory).
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "(required off loopback unless CURVE is on)")
     p.add_argument("--curve-cert", metavar="FILE", help="server secret certificate (turns CURVE on)")
     p.add_argument("--curve-allow", metavar="DIR", help="admit only clients whose public certificates are here")
+    p.add_argument("--tenants", metavar="FILE", help="per-tenant access control by client key (needs --curve-cert)")
+    p.add_argument("--claims", metavar="FILE", help="where tenants' namespace claims are kept")
     return p
 
 
@@ -82,11 +91,14 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     secret = read_secret(args.secret_file)
     require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert) and args.transport == "zmq",
                        what="--bind")
+    gate = _gatekeeper(args)
     options = ServerOptions(namespaces=frozenset(args.namespace) if args.namespace else None,
-                            verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent, secret=secret)
+                            verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent, secret=secret,
+                            tenants=gate)
     if args.transport == "ucx":
-        if args.curve_cert or args.curve_allow:
-            raise ConfigError("--curve-cert/--curve-allow are ZeroMQ options")
+        if args.curve_cert or args.curve_allow or args.tenants:
+            raise ConfigError("--curve-cert/--curve-allow/--tenants are ZeroMQ options (UCX cannot prove a "
+                              "client's identity)")
         os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
         from kvengine.transports.ucx_peer import UcxPeerServer
@@ -95,19 +107,30 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     from kvengine.transports.zmq_peer import CurveConfig, ZmqOptions, ZmqPeerServer
 
     curve = None
-    if args.curve_allow and not args.curve_cert:
-        raise ConfigError("--curve-allow needs --curve-cert")
+    if (args.curve_allow or args.tenants) and not args.curve_cert:
+        raise ConfigError("--curve-allow and --tenants need --curve-cert")
     if args.curve_cert:
         import zmq.auth
 
         public, secret = zmq.auth.load_certificate(args.curve_cert)
         if secret is None:
             raise ConfigError(f"{args.curve_cert} holds no secret key")
-        allowed = None
+        allowed = gate.policy.client_keys if gate is not None else None
         if args.curve_allow:
-            allowed = frozenset(zmq.auth.load_certificates(args.curve_allow))
+            allowed = (allowed or frozenset()) | frozenset(zmq.auth.load_certificates(args.curve_allow))
         curve = CurveConfig(public_key=public, secret_key=secret, allowed_clients=allowed)
     return ZmqPeerServer(store, args.bind, options, ZmqOptions(curve=curve))
+
+
+def _gatekeeper(args: argparse.Namespace) -> Any:
+    if args.tenants is None:
+        if args.claims:
+            raise ConfigError("--claims needs --tenants")
+        return None
+    from kvengine.transports.tenants import ClaimBook, Gatekeeper, load_tenants
+
+    claims = args.claims or (os.path.join(args.disk, "tenant-claims.json") if args.disk else None)
+    return Gatekeeper(load_tenants(args.tenants), ClaimBook(claims))
 
 
 async def _serve(args: argparse.Namespace) -> int:

@@ -10,9 +10,12 @@ Guarantees a transport must give:
   either nothing or the whole record, never a torn one.
 * ``get`` returns the stored bytes or None. It may return corrupt bytes; the
   engine verifies every record with :func:`kvengine.record.unpack_record`
-  before use, and reports failures back through ``discard``.
+  before use, and removes a corrupt one with ``delete``.
 * Faults (I/O errors, timeouts, full disks, dead peers) are reported as
   False / None results, never raised, except for caller mistakes.
+* A transport with a read deadline counts it from :func:`read_deadline`: the
+  engine opens one :func:`read_scope` per lookup, so all the reads of one
+  lookup (``exists``, then ``get`` window after window) share one deadline.
 
 Third-party transports register under the ``kvengine.transports`` entry-point
 group; the value is a factory ``(config: dict) -> ChunkTransport``.
@@ -20,7 +23,10 @@ group; the value is a factory ``(config: dict) -> ChunkTransport``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .keys import ChunkKey
@@ -29,6 +35,36 @@ if TYPE_CHECKING:
     from .record import RecordHeader
 
 Buffer = bytes | bytearray | memoryview
+
+#: When the enclosing read scope began (None outside one). Tasks started inside a scope inherit it.
+_SCOPE_START: ContextVar[float | None] = ContextVar("kvengine_read_scope_start", default=None)
+
+
+@contextlib.contextmanager
+def read_scope() -> Iterator[None]:
+    """Mark the reads of one lookup: inside, :func:`read_deadline` counts from the scope's start.
+
+    A nested scope keeps the outer start, so a lookup's deadline cannot be
+    renewed from within it.
+    """
+    if _SCOPE_START.get() is not None:
+        yield
+        return
+    token = _SCOPE_START.set(time.monotonic())
+    try:
+        yield
+    finally:
+        _SCOPE_START.reset(token)
+
+
+def read_deadline(budget: float) -> float:
+    """The ``time.monotonic()`` by which a read allowed ``budget`` seconds must end.
+
+    Counted from the start of the enclosing :func:`read_scope` (one lookup's
+    reads share it), else from now.
+    """
+    start = _SCOPE_START.get()
+    return (time.monotonic() if start is None else start) + budget
 
 
 @runtime_checkable

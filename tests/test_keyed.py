@@ -165,6 +165,34 @@ def test_corrupt_disk_record_is_a_counted_miss(tmp_path: Path) -> None:
         kv.close()
 
 
+def test_verified_exists_reads_below_memory_before_it_promises(tmp_path: Path) -> None:
+    """Scenario: of three pages on disk one has a damaged payload. A plain ``exists`` answers from the disk
+    index (all three); ``exists(verify=True)`` answers what a get can deliver (two), leaves the good pages
+    promoted into memory unpinned, and the damaged record counted and deleted."""
+    data = pages(3)
+    kv, store = open_engine(tmp_path)
+    store.put(keys(3), lambda i: data[i])
+    kv.close()
+    victim = next(p for p in tmp_path.rglob("*") if p.is_file()
+                  and keyed_chunk_key(store.binding, keys(3)[1]).chunk_hash.hex() in p.name)
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    kv, store = open_engine(tmp_path)
+    try:
+        assert store.exists(keys(3)) == [True] * 3
+        assert store.exists(keys(3), verify=True) == [True, False, True]
+        assert kv.metrics.value("kvengine_tier_integrity_failures_total", tier="local_disk",
+                                reason="payload_checksum") == 1
+        assert not victim.exists()
+        memory = kv.core.memory
+        assert [memory.contains(keyed_chunk_key(store.binding, k)) for k in keys(3)] == [True, False, True]
+        assert memory.total_pins() == 0
+        assert kv.metrics.value("kvengine_loaded_bytes_total", tier="memory") == 0  # nothing handed out
+    finally:
+        kv.close()
+
+
 def test_promotion_without_room_is_counted_and_leaves_nothing_pinned(tmp_path: Path) -> None:
     """Scenario: more pages on disk than memory can hold: those promoted are exact, the rest are NO_ROOM
     misses, and no slot or pin is left behind."""

@@ -13,7 +13,9 @@ rendezvous winners over the current membership, minus peers in cool-down.
 * ``exists`` asks every live owner at once; True where one has it (that
   owner is remembered as a hint for the following ``get``).
 * ``get`` asks the hinted or first live owner, then, for what is still
-  missing, the next owner, and so on, all within ``read_deadline``.
+  missing, the next owner, and so on, all within ``read_deadline``, counted
+  from the start of the engine's lookup (:func:`kvengine.transport.read_scope`):
+  one lookup's ``exists`` and every ``get`` window share one deadline.
 * ``delete`` goes to every live owner.
 
 Faults: a request that gets no answer within its timeout, or whose peer
@@ -40,7 +42,7 @@ from typing import Any, Protocol
 from kvengine.errors import ConfigError, IntegrityError
 from kvengine.keys import ChunkKey
 from kvengine.record import seal_record, unpack_record, verify_seal
-from kvengine.transport import Buffer
+from kvengine.transport import Buffer, read_deadline
 
 from .peer_protocol import Limits, Message, Op, Status, record_matches
 from .placement import Membership, Peer, PeerHealth, rendezvous_owners
@@ -143,11 +145,13 @@ def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = F
     left in ``config`` is the wire's. Peers off loopback are refused unless
     records are authenticated (``secret_file``) or the wire is ``encrypted``.
     """
-    membership = Membership(config.pop("peers", ()), path=config.pop("peers_file", None),
-                            reload_interval=float(config.pop("reload_interval", 1.0)))
     secret = read_secret(config.pop("secret_file", None))
-    require_protection([f"{p.host}:{p.port}" for p in membership.peers()], secret=secret, encrypted=encrypted,
-                       what="peers")
+
+    def protected(peers: tuple[Peer, ...]) -> None:  # at start and on every reload of peers_file
+        require_protection([f"{p.host}:{p.port}" for p in peers], secret=secret, encrypted=encrypted, what="peers")
+
+    membership = Membership(config.pop("peers", ()), path=config.pop("peers_file", None),
+                            reload_interval=float(config.pop("reload_interval", 1.0)), validate=protected)
     fields = {f.name for f in dataclasses.fields(PeerClientOptions)} - {"limits", "secret"}
     try:
         options = PeerClientOptions(**{k: config.pop(k) for k in list(config) if k in fields}, secret=secret)
@@ -200,7 +204,7 @@ class PeerTransport:
 
     # -- routing -----------------------------------------------------------------
     async def _owners(self, keys: Sequence[ChunkKey]) -> list[list[Peer]]:
-        peers = self.membership.peers()
+        peers = await self.membership.refresh()
         if peers != self._known:
             for gone in set(self._known) - set(peers):
                 await self.connector.forget(gone)
@@ -286,10 +290,10 @@ class PeerTransport:
 
     # -- ChunkTransport --------------------------------------------------------------
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return await self._to_owners(Op.EXISTS, keys, time.monotonic() + self.options.read_deadline)
+        return await self._to_owners(Op.EXISTS, keys, read_deadline(self.options.read_deadline))
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
-        deadline = time.monotonic() + self.options.read_deadline
+        deadline = read_deadline(self.options.read_deadline)
         out: list[Buffer | None] = [None] * len(keys)
         candidates = []
         for key, owners in zip(keys, await self._owners(keys)):

@@ -72,6 +72,7 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 1  # malformed, truncated or inconsistent message
     TOO_LARGE = 2  # a record or the message exceeds the receiver's limits
     UNSUPPORTED = 3  # unknown version or op
+    BUSY = 4  # the client has as many requests in flight as the server serves it at once
 
 
 class ProtocolError(TransportError):

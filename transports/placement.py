@@ -9,9 +9,11 @@ Primitives:
   keys that peer gains or loses (about ``1/n`` of them).
 * :class:`Membership` -- the peer list, static or read from a file that may
   change at runtime (re-read when its mtime or size changes, checked at most
-  every ``reload_interval`` seconds; a file that cannot be read or parsed
-  keeps the last good list). Changing the list moves owners, so it costs
-  misses; it never serves wrong data (records are keyed and verified).
+  every ``reload_interval`` seconds, off the event loop with
+  :meth:`Membership.refresh`; a file that cannot be read or parsed, or a
+  list its ``validate`` refuses, keeps the last good list). Changing the
+  list moves owners, so it costs misses; it never serves wrong data
+  (records are keyed and verified).
 * :class:`PeerHealth` -- a peer that times out or fails is skipped for a
   cool-down; after it, the next request tries it again.
 
@@ -22,6 +24,7 @@ addresses for the same peers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -106,7 +109,11 @@ class Membership:
         path: str | os.PathLike[str] | None = None,
         reload_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        validate: Callable[[tuple[Peer, ...]], None] | None = None,
     ) -> None:
+        """``validate`` raises :class:`ConfigError` for a list that must not be used (checked at start,
+        where it raises, and on every reload, where the list is refused and the last good one kept)."""
+        self._validate = validate
         self._static = parse_peer_list(p.address if isinstance(p, Peer) else p for p in peers)
         self._path = Path(path) if path is not None else None
         self._interval = reload_interval
@@ -115,14 +122,34 @@ class Membership:
         self._next_check = float("-inf")
         self._peers = self._static
         self.version = 0  # incremented on every change of the list after construction
+        self.refused_reloads = 0
+        self._reload: asyncio.Future[None] | None = None
+        if validate is not None:
+            validate(self._static)
         if self._path is not None:
             self._check(force=True)
             self.version = 0
 
     def peers(self) -> tuple[Peer, ...]:
-        """The current list (re-reads the file first if it changed)."""
+        """The current list (re-reads the file first if it changed; blocking: on a loop, use :meth:`refresh`)."""
         if self._path is not None:
             self._check()
+        return self._peers
+
+    async def refresh(self) -> tuple[Peer, ...]:
+        """The current list; a due re-read of the file runs in a worker thread, and callers that come
+        while it runs wait for it (one event loop's callers; none gets the list it is replacing)."""
+        if self._path is None:
+            return self._peers
+        if self._reload is None and self._clock() >= self._next_check:
+            self._reload = asyncio.ensure_future(asyncio.to_thread(self._check))
+        reload = self._reload
+        if reload is not None:
+            try:
+                await asyncio.shield(reload)
+            finally:
+                if reload.done() and self._reload is reload:
+                    self._reload = None
         return self._peers
 
     def _check(self, *, force: bool = False) -> None:
@@ -144,6 +171,15 @@ class Membership:
             return
         self._stamp = stamp
         merged = parse_peer_list(p.address for p in (*self._static, *peers))
+        if merged != self._peers and self._validate is not None:
+            try:
+                self._validate(merged)
+            except ConfigError as exc:
+                if force:
+                    raise
+                self.refused_reloads += 1
+                log.error("kvengine: peer list %s refused (%s); keeping %d peers", self._path, exc, len(self._peers))
+                return
         if merged != self._peers:
             log.info("kvengine: peer list %s now has %d peers", self._path, len(merged))
             self._peers = merged

@@ -338,6 +338,8 @@ class UcxPeerServer:
     """Serves a :class:`RecordStore` over UCX; the control socket listens on ``bind``."""
 
     def __init__(self, store: RecordStore, bind: str, options: ServerOptions | None = None) -> None:
+        if options is not None and options.tenants is not None:
+            raise ConfigError("tenants need a wire that proves client identity (ZeroMQ CURVE); UCX cannot")
         self.ucxx = _ucxx()
         self.service = PeerService(store, options)
         self.host, self.port = split_host_port(bind)
@@ -403,7 +405,12 @@ class UcxPeerServer:
                 records = await _recv_records(ep, tag, header, pre, lengths)
                 reply = await self.service.handle(header, [r for r in records if len(r)])
                 assert reply is not None, "a decodable request always gets a reply"
-                await _send_message(ep, client_tag, reply.header, reply.records)
+                try:  # a client that stops receiving loses its connection, not a slot for good
+                    await asyncio.wait_for(_send_message(ep, client_tag, reply.header, reply.records),
+                                           self.service.options.reply_timeout)
+                except TimeoutError:
+                    self.counts["reply_abandoned_slow_client"] += 1
+                    return
 
     async def close(self) -> None:
         await self._ucx.run(self._close())

@@ -26,6 +26,7 @@ the right keys never completes the handshake: its requests time out (misses).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import itertools
 import logging
@@ -50,6 +51,7 @@ from .peer_protocol import (
     Op,
     ProtocolError,
     RecordAssembler,
+    Status,
     decode_header,
     decode_tag,
     encode_request,
@@ -57,7 +59,7 @@ from .peer_protocol import (
     split_frames,
     tagged,
 )
-from .peer_service import PeerService, ServerOptions
+from .peer_service import PeerService, Reply, ServerOptions
 from .peer_store import RecordStore
 from .placement import Peer, format_address, split_host_port
 
@@ -67,6 +69,19 @@ log = logging.getLogger(__name__)
 _STREAM_HWM = 1024
 #: First and longest pause while a reply waits for a client whose queue is full.
 _RETRY_FIRST, _RETRY_MAX = 0.0005, 0.05
+#: Fewest bytes a request's payload frame carries (except a record's last): with the header's announced
+#: payload it bounds how many frames a request may have. Clients send ``Limits.frame_bytes`` (1 MiB).
+_MIN_FRAME_BYTES = 64 << 10
+#: After dropping a flood of this many frames, hand the memory libzmq held for them back to the OS.
+_TRIM_AFTER_FRAMES = 1 << 16
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed small blocks (libzmq's ~64 B per queued frame) in its arenas; return them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,7 +113,14 @@ class CurveConfig:
 class ZmqOptions:
     #: Messages queued per direction per socket before senders wait.
     hwm: int = 16
+    #: Requests in flight per peer; more wait (within their timeout). At most the server's
+    #: ``max_inflight_per_client`` (4 by default), which answers ``BUSY`` beyond it.
+    max_inflight: int = 4
     curve: CurveConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.hwm < 1 or self.max_inflight < 1:
+            raise ConfigError("zmq hwm and max_inflight must be >= 1")
 
 
 def _socket_options(sock: zmq.Socket[Any], host: str, limits: Limits, options: ZmqOptions) -> None:
@@ -142,6 +164,7 @@ class _Connection:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(f"tcp://{peer.address}")
         self.pending: dict[int, _Pending] = {}
+        self.slots = asyncio.Semaphore(options.max_inflight)
         self.ids = itertools.count(1)
         self.counts: Counter[str] = Counter()
         self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
@@ -154,7 +177,7 @@ class _Connection:
         frames = [header, *split_frames(records, self.limits.frame_bytes)]
         pending = self.pending[request_id] = _Pending(asyncio.get_running_loop().create_future())
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout), self.slots:
                 await self.sock.send_multipart(frames, copy=False)
                 return await pending.future
         except TimeoutError:
@@ -290,7 +313,13 @@ class ZmqPeerServer:
         self._auth: Any = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._inflight: Counter[bytes] = Counter()  # requests being served, per client routing id
+        self._blamed: set[str] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        if self.service.options.tenants is not None and (
+                self.zmq_options.curve is None or self.zmq_options.curve.allowed_clients is None):
+            raise ConfigError("tenants need CURVE with an allow-list (the wire must prove each client's key); "
+                              "set curve.allowed_clients to the tenants' keys")
 
     @property
     def counts(self) -> Counter[str]:
@@ -325,30 +354,121 @@ class ZmqPeerServer:
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         slots = asyncio.Semaphore(self.service.options.max_concurrent)
+        reader: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)  # reads the parts after a message's first without futures
         while True:
             await slots.acquire()
             try:
-                msg = await sock.recv_multipart(copy=False)
+                request = await self._receive(sock, reader)
             except BaseException:
                 slots.release()
                 raise
-            task = asyncio.create_task(self._answer(sock, msg))
+            if request is None:
+                slots.release()
+                continue
+            ident = request[0]
+            self._inflight[ident] += 1
+            task = asyncio.create_task(self._answer(sock, *request))
             self._tasks.add(task)
 
-            def done(task: asyncio.Task[None]) -> None:
+            def done(task: asyncio.Task[None], ident: bytes = ident) -> None:
                 self._tasks.discard(task)
+                self._inflight[ident] -= 1
+                if not self._inflight[ident]:
+                    del self._inflight[ident]
                 slots.release()
 
             task.add_done_callback(done)
 
-    async def _answer(self, sock: zmq.asyncio.Socket, msg: list[zmq.Frame]) -> None:
-        if len(msg) < 2:
+    async def _receive(self, sock: zmq.asyncio.Socket,
+                       reader: zmq.Socket[Any]) -> tuple[bytes, bytes | None, Message, list[memoryview]] | None:
+        """Read one request part by part: (routing id, client key, header, payload frames), or None when it
+        was refused or dropped. Nothing beyond what the header announces is kept: the parts of a request
+        that breaks its own header (too many, too large), or of a client over its in-flight limit, are
+        read and dropped one at a time, so a flood of frames costs time, not memory."""
+        first = await sock.recv(copy=False)
+        ident = first.bytes
+        if not first.more:
             self.counts["dropped_no_header"] += 1
-            return
-        reply = await self.service.handle(msg[1].buffer, [f.buffer for f in msg[2:]])
+            return None
+        header = await self._next(sock, reader)
+        msg = self.service.admit(header.buffer)
+        refusal: Reply | None = None
+        if not isinstance(msg, Message):
+            refusal = msg
+        elif self._inflight[ident] >= self.service.options.max_inflight_per_client:
+            refusal = self.service.refuse(msg.request_id, Status.BUSY)
+        frames: list[memoryview] = []
+        more = header.more
+        if refusal is None and isinstance(msg, Message):
+            limits = self.service.options.limits
+            max_frames = sum(1 for n in msg.lengths if n) + msg.payload_bytes // min(_MIN_FRAME_BYTES,
+                                                                                      limits.frame_bytes)
+            received = 0
+            while more and len(frames) < max_frames and received < msg.payload_bytes:
+                frame = await self._next(sock, reader)
+                frames.append(frame.buffer)
+                received += len(frame.buffer)
+                more = frame.more
+            if more or received > msg.payload_bytes:
+                refusal = self.service.refuse(msg.request_id, Status.BAD_REQUEST)
+                frames.clear()
+                self._blame(header, "sent a payload larger than its header announces")
+        if more:
+            await self._discard(sock, reader)
+        if refusal is not None or not isinstance(msg, Message):
+            if refusal is not None:
+                self._reply_now(reader, ident, refusal)
+            return None
+        client = str(header.get("User-Id")) if self.service.options.tenants is not None else ""
+        return ident, client.encode() or None, msg, frames
+
+    def _blame(self, frame: zmq.Frame, what: str) -> None:
+        """Log, once per client, a client that breaks the protocol on purpose or by a bug (an operator
+        removes its key from the allow-list; libzmq offers no way to cut one client off)."""
+        who = f"{frame.get('Peer-Address')}" + (f" (key {frame.get('User-Id')})" if self._auth is not None else "")
+        if who not in self._blamed and len(self._blamed) < 1024:
+            self._blamed.add(who)
+            log.warning("kvengine peer server: client %s %s; its requests are refused", who, what)
+
+    async def _next(self, sock: zmq.asyncio.Socket, reader: zmq.Socket[Any]) -> zmq.Frame:
+        """The next part of the message being read (its parts arrive together: libzmq delivers whole messages)."""
+        while True:
+            try:
+                return reader.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # not expected; wait rather than block the loop
+                await sock.poll(zmq.POLLIN)
+
+    async def _discard(self, sock: zmq.asyncio.Socket, reader: zmq.Socket[Any]) -> None:
+        """Read and drop the rest of the message being read (copies are cheaper than frames for the tiny
+        parts of a flood), yielding to other work now and then."""
+        dropped = 0
+        while True:
+            try:
+                reader.recv(zmq.NOBLOCK)
+            except zmq.Again:  # not expected (whole messages); wait rather than block the loop
+                await sock.poll(zmq.POLLIN)
+                continue
+            dropped += 1
+            if not reader.getsockopt(zmq.RCVMORE):
+                break
+            if dropped % 4096 == 0:
+                await asyncio.sleep(0)
+        self.counts["frames_dropped"] += dropped
+        if dropped >= _TRIM_AFTER_FRAMES:
+            _release_freed_memory()
+
+    def _reply_now(self, raw: zmq.Socket[Any], ident: bytes, reply: Reply) -> None:
+        """Send a small refusal if the client's queue has room; else drop it (the client's timeout answers)."""
+        try:
+            raw.send_multipart([ident, reply.header], flags=zmq.DONTWAIT)
+        except zmq.ZMQError:
+            self.counts["refusal_dropped"] += 1
+
+    async def _answer(self, sock: zmq.asyncio.Socket, ident: bytes, client: bytes | None, msg: Message,
+                      frames: list[memoryview]) -> None:
+        reply = await self.service.serve(msg, frames, client)
         if reply is None:
             return
-        ident = msg[0]
         frame_bytes = self.service.options.limits.frame_bytes
         deadline = asyncio.get_running_loop().time() + self.service.options.reply_timeout
         try:

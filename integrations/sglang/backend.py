@@ -125,10 +125,15 @@ class KVEngineHiCacheStorage(HiCacheStorage):
 
     # -- zero-copy (v1) ------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many of ``keys``, from the first, are stored."""
+        """How many of ``keys``, from the first, are stored and verified.
+
+        SGLang sizes its prefetch by this answer, so pages found only on disk or
+        at a peer are read, verified and promoted into kvengine's memory before
+        they are counted: a corrupt page is a miss now, not a failed load later.
+        """
         if not keys:
             return 0
-        found = self._keyed().exists(_key_bytes(keys))
+        found = self._keyed().exists(_key_bytes(keys), verify=True)
         return next((i for i, hit in enumerate(found) if not hit), len(found))
 
     def exists(self, key: str) -> bool:

@@ -29,6 +29,7 @@ from kvengine.errors import ConfigError, UnsupportedModelError
 from kvengine.integrations.sglang import extra_config as backend_extra_config
 from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
 from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS
+from kvengine.keyed import keyed_chunk_key
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = sglang_env.PoolGeometry().page
@@ -355,6 +356,35 @@ WRITER = textwrap.dedent("""
     backend.close()
     torch.save([host.get_data_page(i * host.page_size).clone() for i in range(n)], args["expected"])
 """)
+
+
+def test_exists_counts_only_pages_that_verify(tmp_path: Path) -> None:
+    """Regression (issue 18): batch_exists answered from the disk index, so a page with a damaged payload was
+    counted and SGLang's prefetch promised more pages than it could load. Now the answer stops at the damaged
+    page, and every page it counts then loads exactly."""
+    _, writer_host = sglang_env.make_mha_pools("page_first")
+    fill_random(writer_host, seed=4)
+    _, keys = page_keys(4, seed=4)
+    src = torch.arange(0, 4 * PAGE)
+    expected = pages_at(writer_host, src)
+    writer = make_backend(writer_host, tmp_path)
+    assert writer.batch_set_v1(keys, src) == [True] * 4
+    damaged = keyed_chunk_key(writer.binding, keys[2].encode()).chunk_hash.hex()
+    writer.close()
+    victim = next(p for p in (tmp_path / "disk").rglob("*") if p.is_file() and damaged in p.name)
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    _, reader_host = sglang_env.make_mha_pools("page_first")
+    reader = make_backend(reader_host, tmp_path)
+    try:
+        assert reader.batch_exists(keys) == 2
+        dst = torch.arange(8 * PAGE, 10 * PAGE)
+        assert reader.batch_get_v1(keys[:2], dst) == [True, True]
+        for got, want in zip(pages_at(reader_host, dst), expected):
+            assert torch.equal(got, want)
+    finally:
+        reader.close()
 
 
 def test_second_process_reads_what_the_first_wrote(tmp_path: Path) -> None:

@@ -355,7 +355,7 @@ def test_chunk_stored_on_a_is_a_byte_identical_hit_on_b(cluster: Cluster) -> Non
     cluster.peers("b", *both)
     assert cluster.a.ask(op="store", seed=1, tokens=TOKENS, forget=True)["stored"] == 4
     got = cluster.b.ask(op="fetch", seed=1, tokens=TOKENS, request="r1")
-    assert got["matched"] == got["loaded"] == 64
+    assert got["matched"] == got["loaded"] == 64, got
     assert got["digest"] == expected_digest(1, TOKENS, 64)
     assert got["integrity_failures"] == 0
     again = cluster.a.ask(op="fetch", seed=1, tokens=TOKENS, request="r1")  # A forgot it: back from the peers

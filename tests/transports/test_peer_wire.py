@@ -666,6 +666,43 @@ def test_peers_off_loopback_need_a_secret_or_curve(tmp_path: Path, peers, secret
         assert create_transport(config).options.secret == secret
 
 
+async def test_a_peers_file_that_gains_an_unprotected_remote_peer_is_refused_on_reload(tmp_path: Path) -> None:
+    """Fail closed at runtime too: a peers_file edited to add a peer off loopback (no secret, no CURVE) is
+    refused on reload; the last good list stays in use and the refusal is counted. The file is read in a
+    worker thread, not on the loop."""
+    peers = tmp_path / "peers"
+    peers.write_text("127.0.0.2:7000\n")
+    with pytest.raises(ConfigError, match="not on loopback"):
+        create_transport({"peers_file": str(_write(tmp_path / "bad", "10.9.9.9:7000\n"))})
+    transport = create_transport({"peers_file": str(peers), "reload_interval": 0.01})
+    membership = transport.membership
+    assert [p.address for p in await membership.refresh()] == ["127.0.0.2:7000"]
+    peers.write_text("127.0.0.2:7000\n10.9.9.9:7000\n")
+    await asyncio.sleep(0.02)
+    assert [p.address for p in await membership.refresh()] == ["127.0.0.2:7000"]
+    assert membership.refused_reloads == 1
+    peers.write_text("127.0.0.2:7000\n127.0.0.3:7000\n")  # a loopback peer is fine
+    await asyncio.sleep(0.02)
+    assert [p.address for p in await membership.refresh()] == ["127.0.0.2:7000", "127.0.0.3:7000"]
+    await transport.close()
+
+
+async def test_concurrent_callers_during_a_reload_all_get_the_new_list(tmp_path: Path) -> None:
+    """Regression: with the re-read moved off the loop, callers arriving while it ran got the list being
+    replaced (an empty one at start), so concurrent write-behind puts found no owners and were dropped."""
+    peers = _write(tmp_path / "peers", "")
+    membership = Membership(path=peers, reload_interval=0.01)
+    peers.write_text("127.0.0.2:7000\n127.0.0.3:7000\n")
+    await asyncio.sleep(0.02)
+    lists = await asyncio.gather(*(membership.refresh() for _ in range(8)))
+    assert {len(p) for p in lists} == {2}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 def test_a_short_or_missing_secret_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "short").write_bytes(b"abc")
     with pytest.raises(ConfigError, match="holds 3 bytes"):
