@@ -103,6 +103,17 @@ class PeersConfig(_Section):
     curve_server_key: str | None = None
 
 
+class TierConfig(_Section):
+    """A tier from another package, below disk and peers: a transport registered under the
+    ``kvengine.transports`` entry-point group, found by its name."""
+
+    transport: str = Field(min_length=1)
+    #: Codec of the records written to it. Must be of the disk codec's family.
+    codec: str = "raw"
+    #: Passed to the transport's factory as they are.
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class EngineConfig(_Section):
     chunk_size: int = Field(default=256, gt=0, le=1 << 20)
     #: Store a trailing partial chunk too (rarely matched; see hashing.py).
@@ -118,6 +129,8 @@ class EngineConfig(_Section):
     memory: MemoryConfig = MemoryConfig()
     disk: DiskConfig = DiskConfig()
     peers: PeersConfig = PeersConfig()
+    #: More tiers, by registered transport name, looked up after disk and peers.
+    tiers: tuple[TierConfig, ...] = ()
     shadow: ShadowConfig = ShadowConfig()
     #: Serve Prometheus metrics over HTTP on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

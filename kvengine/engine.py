@@ -51,7 +51,7 @@ from .record import RecordFlag, RecordHeader, descriptors_for, encode_header, un
 from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
 from .tiers import Tier
-from .transport import Buffer, ChunkTransport, ReadsInPlace, WritesGathered, read_scope
+from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place, writes_gathered
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T_ = TypeVar("T_")
@@ -139,7 +139,7 @@ class CacheEngine:
         #: codec -> its tiers, each with whether it takes records as parts (:class:`WritesGathered`)
         self._tiers_by_codec: dict[Codec, list[tuple[ChunkTransport, bool]]] = {}
         for transport, codec in self._tiers:  # each record is encoded once per codec, not once per tier
-            self._tiers_by_codec.setdefault(codec, []).append((transport, isinstance(transport, WritesGathered)))
+            self._tiers_by_codec.setdefault(codec, []).append((transport, writes_gathered(transport)))
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._memory_stored_bytes = self.metrics.stored_bytes.labels(tier="memory")
@@ -309,7 +309,7 @@ class CacheEngine:
             run = next((i for i, ok in enumerate(present) if not ok), len(want))
             if run == 0:
                 continue
-            if isinstance(transport, ReadsInPlace):
+            if reads_in_place(transport):
                 got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted))
                 promoted += got
                 if len(got) < run:
@@ -554,11 +554,6 @@ class CacheEngine:
         if res.owner is not self.reservations:
             raise InvalidRequestError(f"reservation of request {res.request_id!r} was made by another engine; "
                                       "load or release it through the engine that looked it up")
-
-    async def release_request(self, binding: ModelBinding, request_id: str) -> None:
-        res = self.reservations.get(binding.digest, request_id)
-        if res is not None and res.state is ReservationState.RESERVED:
-            self._end(res)
 
     def _end(self, res: Reservation) -> bool:
         if not self.reservations.end(res):

@@ -151,9 +151,6 @@ class KVEngine:
     def release(self, reservation: Reservation) -> None:
         self.run(self.core.release(reservation))
 
-    def release_request(self, binding: ModelBinding, request_id: str) -> None:
-        self.run(self.core.release_request(binding, request_id))
-
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         return self.run(self.core.store(binding, tokens, source))
 

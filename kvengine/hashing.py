@@ -66,11 +66,6 @@ def token_bytes(tokens: TokenInput) -> memoryview:
     return memoryview(packed).cast("B")
 
 
-def num_chunks(num_tokens: int, chunk_size: int, *, partial: bool = False) -> int:
-    full, rest = divmod(num_tokens, chunk_size)
-    return full + (1 if partial and rest else 0)
-
-
 def prefix_hashes(
     tokens: TokenInput,
     chunk_size: int,

@@ -43,7 +43,7 @@ from .engine import AdmitRejected, CacheEngine, copy_all
 from .errors import InvalidRequestError
 from .keys import ChunkHash, ChunkKey, Namespace
 from .memory_tier import MemoryEntry, Prepared
-from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope
+from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place
 from .types import ModelBinding
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ class KeyedStore:
             if not todo:
                 continue
             found = [ckeys[i] for i in todo]
-            results = (await self._read_in_place(transport, found, todo) if isinstance(transport, ReadsInPlace)
+            results = (await self._read_in_place(transport, found, todo) if reads_in_place(transport)
                        else await self._read_buffered(transport, found, todo))
             for i, result in results:
                 if isinstance(result, MemoryEntry):

@@ -42,7 +42,6 @@ class MemoryEntry:
     nbytes: int
     pins: int = 0
     committed: bool = False
-    unverified: bool = False
     _views: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     @property
@@ -81,11 +80,6 @@ class MemoryTier:
     def total_pins(self) -> int:
         with self._lock:
             return sum(e.pins for e in self._entries.values())
-
-    def pins_of(self, key: ChunkKey) -> int:
-        with self._lock:
-            entry = self._entries.get(key)
-            return entry.pins if entry else 0
 
     def check_fits(self, nbytes: int) -> None:
         """Raise :class:`CapacityError` if an object of ``nbytes`` can never be stored."""

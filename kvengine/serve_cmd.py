@@ -76,9 +76,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def _store(args: argparse.Namespace) -> tuple[Any, str]:
     if args.disk:
-        from kvengine.transports.local_disk import create_transport
+        from .tiers import build_transport
 
-        return create_transport({"path": args.disk, "capacity_bytes": args.capacity}), f"disk {args.disk}"
+        return build_transport("local_disk", {"path": args.disk, "capacity_bytes": args.capacity},
+                               setting="--disk"), f"disk {args.disk}"
     from kvengine.transports.peer_store import MemoryRecordStore
 
     return MemoryRecordStore(args.capacity), f"memory ({args.capacity / 2**30:.1f} GiB)"

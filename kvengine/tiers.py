@@ -1,15 +1,39 @@
-"""Building the tiers below memory from configuration."""
+"""Building the tiers below memory from configuration.
+
+:func:`build_tiers` is the one builder: the :class:`~kvengine.KVEngine`
+facade, the vLLM and SGLang integrations and ``kvengine serve`` all use it,
+so one configuration means the same tiers everywhere. A configured tier is
+built or refused with a :class:`ConfigError`, never silently left out.
+
+Transports are found by name (:func:`transport_factory`): registered under
+the ``kvengine.transports`` entry-point group (how another package adds
+one, see ``tiers`` in :class:`~kvengine.config.EngineConfig`), else bundled
+with kvengine (so a source checkout without installed metadata works).
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import Any
 
 from .config import EngineConfig
 from .errors import ConfigError
+from .keys import NamespaceDigest
 from .transport import ChunkTransport
 
 ENTRY_POINT_GROUP = "kvengine.transports"
+#: Transports that ship with kvengine: name -> module whose ``create_transport`` builds one.
+_BUNDLED = {
+    "local_disk": "kvengine.transports.local_disk",
+    "peers_zmq": "kvengine.transports.zmq_peer",
+    "peers_ucx": "kvengine.transports.ucx_peer",
+}
+
+#: ``factory(options) -> transport``; raises ConfigError for options it cannot use.
+TransportFactory = Callable[[Mapping[str, Any]], ChunkTransport]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,27 +46,61 @@ class Tier:
     setting: str = "codec"
 
 
-def transport_factories() -> dict[str, object]:
-    """Transport factories registered by kvengine and third parties."""
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def transport_names() -> list[str]:
+    """Every transport that can be built by name: registered ones and the bundled ones."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} | set(_BUNDLED))
 
 
-def _load(name: str, why: str) -> object:
-    factories = transport_factories()
-    if name not in factories:
-        raise ConfigError(f"{why} but the {name} transport is not installed")
-    return factories[name].load()  # type: ignore[attr-defined]
+def transport_factory(name: str) -> TransportFactory:
+    """The factory of the transport called ``name``: a registered entry point first, else a bundled one."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
+        factory: TransportFactory = ep.load()
+        return factory
+    if name in _BUNDLED:
+        module = importlib.import_module(_BUNDLED[name])
+        bundled: TransportFactory = module.create_transport
+        return bundled
+    raise ConfigError(f"no transport named {name!r} is installed (available: {', '.join(transport_names())}); "
+                      f"a package provides one by registering it under the {ENTRY_POINT_GROUP!r} entry-point group")
 
 
-def build_tiers(config: EngineConfig) -> list[Tier]:
-    """The tiers the configuration asks for, in lookup order (disk, then peers)."""
+def build_transport(name: str, options: Mapping[str, Any], *, setting: str) -> ChunkTransport:
+    """Build one transport; its failures become a :class:`ConfigError` naming ``setting``."""
+    factory = transport_factory(name)
+    try:
+        transport = factory(options)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{setting}: the {name} transport could not be built ({type(exc).__name__}: {exc})") \
+            from exc
+    if not isinstance(transport, ChunkTransport):
+        raise ConfigError(f"{setting}: the {name} transport factory returned {type(transport).__name__}, "
+                          "not a ChunkTransport")
+    return transport
+
+
+def build_tiers(config: EngineConfig, *, namespaces: Sequence[NamespaceDigest] = (),
+                disk_options: Mapping[str, Any] | None = None) -> list[Tier]:
+    """The tiers ``config`` asks for, in lookup order: disk, peers, then ``config.tiers``.
+
+    ``namespaces`` restricts the disk tier's index to those namespaces (an
+    engine that serves one model's rank, as SGLang's); ``disk_options`` adds
+    local-disk options beyond :class:`~kvengine.config.DiskConfig`.
+    """
     tiers: list[Tier] = []
     if config.disk.path is not None:
-        factory = _load("local_disk", "disk.path is set")
-        tiers.append(Tier(factory(config.disk.model_dump()), config.disk.codec, "disk.codec"))  # type: ignore[operator]
+        options: dict[str, Any] = {**config.disk.model_dump(), **(disk_options or {})}
+        if namespaces:
+            options["namespaces"] = [ns.hex() for ns in namespaces]
+        tiers.append(Tier(build_transport("local_disk", options, setting="disk"), config.disk.codec, "disk.codec"))
     peers = config.peers
     if peers.peers or peers.peers_file is not None:
-        factory = _load(f"peers_{peers.transport}", f"peers.transport={peers.transport!r}")
         options = peers.model_dump(exclude={"transport", "codec"}, exclude_none=True)
-        tiers.append(Tier(factory(options), peers.codec, "peers.codec"))  # type: ignore[operator]
+        tiers.append(Tier(build_transport(f"peers_{peers.transport}", options, setting="peers"), peers.codec,
+                          "peers.codec"))
+    for i, extra in enumerate(config.tiers):
+        setting = f"tiers[{i}]"
+        tiers.append(Tier(build_transport(extra.transport, extra.options, setting=setting), extra.codec,
+                          f"{setting}.codec"))
     return tiers

@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 from .keys import ChunkKey
 
@@ -133,3 +133,13 @@ class WritesGathered(ChunkTransport, Protocol):
     gathered_writes: bool
 
     async def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[Buffer]]]) -> list[bool]: ...
+
+
+def reads_in_place(transport: ChunkTransport) -> TypeGuard[ReadsInPlace]:
+    """Whether ``transport`` offers placed reads and says so (``placed_reads`` True, not merely present)."""
+    return isinstance(transport, ReadsInPlace) and transport.placed_reads is True
+
+
+def writes_gathered(transport: ChunkTransport) -> TypeGuard[WritesGathered]:
+    """Whether ``transport`` takes records as parts and says so (``gathered_writes`` True)."""
+    return isinstance(transport, WritesGathered) and transport.gathered_writes is True

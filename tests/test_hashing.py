@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvengine.errors import InvalidRequestError
-from kvengine.hashing import num_chunks, prefix_hashes
+from kvengine.hashing import prefix_hashes
 from kvengine.keys import Namespace
 
 SEED = Namespace(model="m").digest()
@@ -62,7 +62,6 @@ def test_partial_chunk_only_on_request():
     toks = list(range(300))
     assert len(prefix_hashes(toks, 256, SEED)) == 1
     assert len(prefix_hashes(toks, 256, SEED, partial=True)) == 2
-    assert num_chunks(300, 256) == 1 and num_chunks(300, 256, partial=True) == 2
 
 
 def test_max_tokens_bounds_the_chain():

@@ -461,3 +461,34 @@ async def test_a_closed_disk_transport_is_a_counted_miss_not_an_exception(layout
     await reader.release(res)
     await reader.close()
     await writer.close()
+
+
+class DeclinedCapabilities(DictTransport):
+    """Has the optional methods but sets their flags False: the engine must not use them."""
+
+    name = "declined"
+    placed_reads = False
+    gathered_writes = False
+
+    async def get_into(self, key, place):
+        raise AssertionError("get_into used although placed_reads is False")
+
+    async def put_parts(self, items):
+        raise AssertionError("put_parts used although gathered_writes is False")
+
+
+async def test_capability_flags_are_read_not_just_present(layout):
+    """Regression (issue 14): the optional protocols were matched by isinstance alone, so a transport
+    declaring ``placed_reads = False`` still got placed reads. Now the flag decides."""
+    transport = DeclinedCapabilities()
+    eng = await make_engine(transport, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    toks, kv = list(range(2 * CHUNK)), FakeKV(2 * CHUNK)
+    assert (await eng.store(b, toks, kv.source)).tier_failures == 0
+    await eng.close()
+    eng = await make_engine(transport)
+    b = eng.bind(Namespace(model="m"), layout)
+    out = [torch.zeros_like(t) for t in kv.layers]
+    result = await eng.load(await eng.lookup(b, "r", toks), copier(out))
+    assert result.loaded_tokens == 2 * CHUNK and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    await eng.close()

@@ -16,7 +16,8 @@ from the pool. Until then every data call raises.
 
 Zero-copy ``batch_get_v1`` / ``batch_set_v1`` copy straight between the host
 pool's page regions (``get_page_buffer_meta``) and kvengine's memory tier;
-the disk tier (``disk.path``) is filled write-behind from there. The legacy
+the lower tiers the kvengine config names (``disk.path``, ``peers``, ``tiers``)
+are filled from there per the write mode. The legacy
 ``get`` / ``set`` / ``batch_*`` methods take SGLang's flat pages.
 
 Results are per key (True: stored / delivered). A fault inside kvengine (no
@@ -48,11 +49,11 @@ from kvengine.engine import copy_all
 from kvengine.errors import InvalidRequestError, UnsupportedModelError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore
+from kvengine.tiers import build_tiers
 from kvengine.types import ModelBinding
 
 from .options import BackendOptions, namespace_for
 from .pages import HostPages, geometry_of
-from .tiers import lower_tiers
 
 logger = logging.getLogger("kvengine.sglang")
 
@@ -91,7 +92,10 @@ class KVEngineHiCacheStorage(HiCacheStorage):
         layout = geometry.chunk_layout()
         config = self.options.engine_for(geometry.page_size)
         binding = ModelBinding.create(namespace, layout)
-        kv = KVEngine(config, transports=lower_tiers(config, binding, self.options.disk_transport))
+        # Each rank is a process with its own engine: its disk index holds its own namespace only, so
+        # ranks (or models) sharing a directory keep their capacity accounting apart.
+        kv = KVEngine(config, transports=build_tiers(config, namespaces=[binding.digest],
+                                                      disk_options=self.options.disk_transport))
         try:
             kv.bind(namespace, layout)
         except BaseException:

@@ -56,18 +56,8 @@ logger = logging.getLogger("vllm.kvengine")
 
 
 def build_engine(options: ConnectorOptions) -> KVEngine:
-    """The worker's cache engine, with the disk tier when ``disk.path`` is set."""
-    config = options.engine
-    if config.disk.path is None:
-        return KVEngine(config, transports=[])
-    from kvengine.tiers import transport_factories
-
-    if "local_disk" in transport_factories():
-        return KVEngine(config)
-    # Source checkouts may lack the entry-point registration; the transport is the same.
-    from kvengine.transports.local_disk import create_transport
-
-    return KVEngine(config, transports=[create_transport(config.disk.model_dump())])
+    """The worker's cache engine, with every tier its configuration names (:func:`kvengine.tiers.build_tiers`)."""
+    return KVEngine(options.engine)
 
 
 class ReservationDesk:

@@ -106,10 +106,6 @@ def test_bf16_llama_hit_matches_plain_run():
 
 def test_chunks_survive_an_engine_restart_on_disk(tmp_path, tiny_llama):
     """Scenario: a disk-backed engine stores a prompt; a new engine on the same directory serves it exactly."""
-    from kvengine.tiers import transport_factories
-
-    if "local_disk" not in transport_factories():
-        pytest.skip("local_disk transport not installed")
     ids, _ = prompt_for(tiny_llama, 3 * CHUNK + 3, seed=30)
     want = reference_generate(tiny_llama, ids, None, 6)
     cfg = {"disk": {"path": str(tmp_path)}, "write_mode": "write_through"}

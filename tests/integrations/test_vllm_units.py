@@ -217,6 +217,23 @@ def test_options_defaults_and_engine_config():
     assert opts.engine.chunk_size == 512 and opts.lookup_wait_s == pytest.approx(0.05)
 
 
+def test_the_worker_engine_builds_every_configured_tier(tmp_path):
+    """Regression (issue 14): a connector configured with peers and no disk.path ran with no lower tier
+    at all. The worker now builds its tiers with the one builder every integration uses."""
+    pytest.importorskip("vllm")
+    from kvengine.integrations.vllm.worker import build_engine
+
+    peers_only = ConnectorOptions.from_extra_config({"kvengine": {"peers": {"peers": ["127.0.0.2:7000"]}}})
+    both = ConnectorOptions.from_extra_config({"kvengine": {"peers": {"peers": ["127.0.0.2:7000"]},
+                                                            "disk": {"path": str(tmp_path)}}})
+    for options, names in ((peers_only, ["peers_zmq"]), (both, ["local_disk", "peers_zmq"])):
+        engine = build_engine(options)
+        try:
+            assert [t.name for t in engine.core.transports] == names
+        finally:
+            engine.close(flush=False)
+
+
 @pytest.mark.parametrize("extra, match", [
     ({"chunksize": 256}, "unknown kv_connector_extra_config keys"),
     ({"kvengine": {"chunk_sise": 256}}, "unknown key"),
