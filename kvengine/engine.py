@@ -601,16 +601,22 @@ class CacheEngine:
 
         ``source`` is called only for chunks that will be stored. Storing stops
         at the first chunk that finds no room (a later chunk is unreachable
-        without it).
+        without it), or where ``source`` returns None (it has no more).
+
+        Whatever was copied is committed and reaches the lower tiers in either
+        write mode, also when ``source`` raises (the error then reaches the
+        caller once the copied chunks are handed on).
         """
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
         if not (self.transports and self.config.write_mode == "write_through"):
             # Write-behind: tier writes start after the copies. Overlapping them was measured to make the
             # data durable ~10% sooner but this call ~35% slower (2 cores, one memory bus), and this
             # call's latency is what a write-behind caller waits for.
-            result, held = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
+            result, held, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
             if held:
                 result = replace(result, tier_failures=await self.write_lower_tiers(binding, held))
+            if error is not None:
+                raise error
             return result
         # Write-through: the caller waits for the tiers anyway, so each chunk's writes start as soon as
         # it is copied, overlapping the rest of the copies.
@@ -620,17 +626,19 @@ class CacheEngine:
         def start_write(entry: MemoryEntry) -> None:
             writes.append(asyncio.ensure_future(self._write_through(binding, entry)))
 
-        try:
-            def hand_off(entry: MemoryEntry) -> None:
-                loop.call_soon_threadsafe(start_write, entry)
+        def hand_off(entry: MemoryEntry) -> None:
+            loop.call_soon_threadsafe(start_write, entry)
 
-            result, _ = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off)
-        except BaseException:
-            if writes:  # what was copied is written before the error reaches the caller
+        try:
+            result, _, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off)
+        except BaseException:  # cancelled: what was copied is still written before this returns
+            if writes:
                 await asyncio.wait(writes)
             raise
         # Every start_write ran before this point: the copy thread scheduled them before its result.
         written = await asyncio.gather(*writes)
+        if error is not None:
+            raise error
         return replace(result, tier_failures=written.count(False))
 
     async def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:
@@ -660,8 +668,9 @@ class CacheEngine:
     def _copy_in(
         self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource,
         hand_off: Callable[[MemoryEntry], object] | None = None,
-    ) -> tuple[StoreResult, list[MemoryEntry]]:
-        """Copy new chunks into memory; return the result and the new entries (pinned for the lower tiers).
+    ) -> tuple[StoreResult, list[MemoryEntry], BaseException | None]:
+        """Copy new chunks into memory: the result, the new entries (pinned for the lower tiers), and
+        what ``source`` raised, if it did (the chunks copied before it are committed all the same).
 
         With ``hand_off``, each chunk is committed as soon as it is copied and
         passed (pinned) to ``hand_off`` instead of being returned.
@@ -671,6 +680,8 @@ class CacheEngine:
         try:
             for view, entry in zip(staged.chunks, staged.entries):
                 tensors = source(view.index, *view.token_range)
+                if tensors is None:  # the source has no more: the store ends here
+                    break
                 binding.layout.check(tensors, view.token_range[1] - view.token_range[0])
                 copy_all(view.tensors, tensors)
                 filled += 1
@@ -678,11 +689,9 @@ class CacheEngine:
                     self.memory.commit(entry, keep_pin=True)
                     staged.published = filled
                     hand_off(entry)
-        except BaseException:
-            _, held = self._commit_slots(staged, filled)
-            self.memory.unpin(held)  # what was copied stays in memory; the caller sees the error
-            raise
-        return self._commit_slots(staged, filled)
+        except BaseException as exc:  # raised to the caller once the copied chunks are handed on
+            return (*self._commit_slots(staged, filled), exc)
+        return (*self._commit_slots(staged, filled), None)
 
     def _prepare_slots(self, binding: ModelBinding, hashes: list, total: int) -> StagedStore:
         """Slots for the new chunks, pinned for the writer.

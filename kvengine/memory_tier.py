@@ -7,6 +7,16 @@ the caller fills it, :meth:`commit` publishes it (or :meth:`abort` returns
 it). A prepared entry is invisible to lookups until committed.
 
 Invariant: an entry with ``pins > 0`` is never evicted or freed.
+
+Concurrency: one ``threading.Lock`` guards the index, the pins, the eviction
+policy and the allocator. Every method holds it only for dictionary and
+free-list work proportional to the entries it touches, never across a copy,
+an I/O or a wait (``on_evict`` runs under it and only counts). So it may be
+taken from any thread, the event loop included, and it is: the engine's loop
+(pins for lookups, commits), its copy threads (``prepare`` / ``commit`` of
+stores), the local-disk tier's I/O threads (``prepare`` of a placed read)
+and peer-server threads (reads of resident chunks by ``EngineStore``). Tensor
+views of an entry are read or written outside the lock, by whoever holds a pin.
 """
 
 from __future__ import annotations

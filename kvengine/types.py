@@ -59,8 +59,9 @@ class ChunkView:
     layout: ChunkLayout
 
 
-#: ``source(chunk_index, token_start, token_end)`` returns a chunk's tensors.
-ChunkSource = Callable[[int, int, int], Sequence[torch.Tensor]]
+#: ``source(chunk_index, token_start, token_end)`` returns a chunk's tensors, or None to end the store
+#: there (the chunks before it are stored; the source is not called again).
+ChunkSource = Callable[[int, int, int], Sequence[torch.Tensor] | None]
 #: ``sink(view)`` copies one chunk out of the cache.
 ChunkSink = Callable[[ChunkView], None]
 

@@ -371,32 +371,6 @@ async def test_write_through_starts_each_chunks_writes_as_soon_as_it_is_copied(l
     await eng.close()
 
 
-@pytest.mark.parametrize(("write_mode", "below"), [("write_behind", 0), ("write_through", 2)])
-async def test_a_store_that_fails_midway_keeps_what_it_copied(layout, write_mode, below):
-    """The source raises at the third chunk: the store raises; the two chunks copied are served from
-    memory. Write-behind hands nothing of a failed store to the lower tier; write-through has already
-    written what it copied by the time the error reaches the caller. No pin is left."""
-    t = DictTransport()
-    eng = await make_engine(t, write_mode=write_mode)
-    b = eng.bind(Namespace(model="m"), layout)
-    kv = FakeKV(4 * CHUNK)
-
-    def source(index: int, start: int, end: int):
-        if index == 2:
-            raise RuntimeError("model state gone")
-        return kv.source(index, start, end)
-
-    with pytest.raises(RuntimeError, match="model state gone"):
-        await eng.store(b, list(range(4 * CHUNK)), source)
-    assert len(t.blobs) == below
-    await eng.flush()
-    assert len(t.blobs) == below and len(eng.memory) == 2 and eng.memory.total_pins() == 0
-    res = await eng.lookup(b, "r", list(range(4 * CHUNK)))
-    assert res.matched_tokens == 2 * CHUNK
-    await eng.release(res)
-    await eng.close()
-
-
 class RaisingTransport(DictTransport):
     """A tier whose reads raise (a broken disk, a closed transport, a peer's protocol error)."""
 
@@ -491,4 +465,41 @@ async def test_capability_flags_are_read_not_just_present(layout):
     out = [torch.zeros_like(t) for t in kv.layers]
     result = await eng.load(await eng.lookup(b, "r", toks), copier(out))
     assert result.loaded_tokens == 2 * CHUNK and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    await eng.close()
+
+
+@pytest.mark.parametrize("mode", ["write_behind", "write_through"])
+@pytest.mark.parametrize("ending", ["raises", "returns_none"])
+async def test_a_store_that_ends_part_way_hands_its_copied_prefix_to_the_tiers(layout, mode, ending):
+    """Regression (issue 14): a source that failed at chunk 2 left chunks 0-1 in memory only under
+    write_behind (they never reached a lower tier) but wrote them under write_through. Now both modes hand
+    the committed prefix on; a source may also end the store by returning None (no exception)."""
+    transport = DictTransport()
+    eng = await make_engine(transport, write_mode=mode)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks, kv = list(range(3 * CHUNK)), FakeKV(3 * CHUNK)
+
+    def source(index, start, end):
+        if index == 2:
+            if ending == "raises":
+                raise RuntimeError("the inference engine lost this chunk")
+            return None
+        return kv.source(index, start, end)
+
+    if ending == "raises":
+        with pytest.raises(RuntimeError, match="lost this chunk"):
+            await eng.store(b, toks, source)
+    else:
+        assert (await eng.store(b, toks, source)).stored_chunks == 2
+    await eng.flush()
+    assert len(transport.blobs) == 2
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+    eng = await make_engine(transport)  # a fresh engine hits the two chunks from the lower tier, exactly
+    b = eng.bind(Namespace(model="m"), layout)
+    out = [torch.zeros_like(t) for t in kv.layers]
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 2 * CHUNK
+    assert (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
+    assert all(torch.equal(o[:, :, : 2 * CHUNK], k[:, :, : 2 * CHUNK]) for o, k in zip(out, kv.layers))
     await eng.close()

@@ -235,13 +235,15 @@ class AttachedModel:
         full = len(tokens) // self.chunk_size * self.chunk_size
         if full == 0:
             return 0
-        try:
-            st = self.engine.store(ctx.binding, tokens[:full],
-                                   lambda i, s, e: self.codec.chunk_tensors(cache, i, snapshots))
-        except ChunkUnavailable as exc:
-            logger.info("kvengine: store stopped: %s", exc)
-            return 0
-        return st.stored_chunks
+
+        def source(index: int, start: int, end: int) -> list[torch.Tensor] | None:
+            try:
+                return self.codec.chunk_tensors(cache, index, snapshots)
+            except ChunkUnavailable as exc:  # e.g. a sliding window moved past it: the store ends here
+                logger.info("kvengine: store stopped at chunk %d: %s", index, exc)
+                return None
+
+        return self.engine.store(ctx.binding, tokens[:full], source).stored_chunks
 
     # -- the generate loop ---------------------------------------------------------------
     def generate(

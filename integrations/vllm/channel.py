@@ -15,7 +15,9 @@ and announced to the scheduler through vLLM's own handshake-metadata path
 runs scheduler and worker in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 the same channel is used: one code path, a local round trip costs ~0.1 ms.
 
-Protocol (requests are handled in order, one at a time):
+Protocol (calls of one request are handled in the order sent; calls of
+different requests at once, so a lookup that promotes from disk holds up
+no other request's answer):
 
 * :class:`LookupCall` -> :class:`Reply` (``matched_tokens``, or
   ``shadow_tokens`` for a hit sampled for a shadow check: nothing is
@@ -30,6 +32,7 @@ counts it as a miss); a broken connection makes every later call a miss.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -37,7 +40,9 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
@@ -46,6 +51,8 @@ from typing import Any, Protocol
 logger = logging.getLogger("vllm.kvengine")
 
 _POLL_S = 0.2
+#: Calls answered at once (each waits in a thread on the cache engine's loop, which interleaves them).
+_HANDLERS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,40 @@ class LookupHandler(Protocol):
     def stats(self) -> dict[str, float]: ...
 
 
+class OrderedExecutor:
+    """Runs calls on a thread pool: concurrently across keys, one at a time and in submission order per key."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._queues: dict[Hashable, deque[Callable[[], None]]] = {}  # keys with a call running: what waits
+
+    def submit(self, key: Hashable, call: Callable[[], None]) -> None:
+        with self._lock:
+            waiting = self._queues.get(key)
+            if waiting is not None:
+                waiting.append(call)
+                return
+            self._queues[key] = deque()
+        self._start(key, call)
+
+    def _start(self, key: Hashable, call: Callable[[], None]) -> None:
+        try:
+            self._pool.submit(call).add_done_callback(lambda _: self._next(key))
+        except RuntimeError:  # the pool is shut down: nothing more runs
+            with self._lock:
+                self._queues.pop(key, None)
+
+    def _next(self, key: Hashable) -> None:
+        with self._lock:
+            waiting = self._queues[key]
+            if not waiting:
+                del self._queues[key]
+                return
+            call = waiting.popleft()
+        self._start(key, call)
+
+
 class LookupService:
     """Worker end: serves a :class:`LookupHandler` on a private Unix socket.
 
@@ -103,6 +144,8 @@ class LookupService:
 
     def __init__(self, handler: LookupHandler) -> None:
         self._handler = handler
+        self._pool = ThreadPoolExecutor(_HANDLERS, thread_name_prefix="kvengine-vllm-lookup")
+        self._calls = OrderedExecutor(self._pool)
         self._dir = tempfile.mkdtemp(prefix="kvengine-vllm-")
         self.path = os.path.join(self._dir, "lookup.sock")
         self.authkey = secrets.token_bytes(32)
@@ -132,6 +175,18 @@ class LookupService:
             self._spawn(self._serve, "kvengine-vllm-lookup", conn)
 
     def _serve(self, conn: Connection) -> None:
+        sending = threading.Lock()  # replies come from several handler threads
+
+        def answer(msg: object) -> None:
+            reply = self._handle(msg)
+            if reply is None:
+                return
+            with sending:
+                try:
+                    conn.send(reply)
+                except OSError:  # the scheduler is gone; the reader below notices
+                    pass
+
         with conn:
             while not self._stop.is_set():
                 try:
@@ -140,13 +195,9 @@ class LookupService:
                     msg = conn.recv()
                 except (OSError, EOFError):
                     return
-                reply = self._handle(msg)
-                if reply is None:
-                    continue
-                try:
-                    conn.send(reply)
-                except OSError:
-                    return
+                # Calls of one request keep their order (a release never overtakes its lookup).
+                key = getattr(msg, "request_id", None) or ("seq", getattr(msg, "seq", None))
+                self._calls.submit(key, functools.partial(answer, msg))
 
     def _handle(self, msg: object) -> Reply | None:
         try:
@@ -174,6 +225,7 @@ class LookupService:
                 pass
         for t in self._threads:
             t.join(timeout=2 * _POLL_S + 1)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

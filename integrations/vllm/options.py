@@ -12,9 +12,10 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
   yourself: replaces the content digest of the weight files (by default
   every byte of every weight file is hashed, see :mod:`kvengine.weights`).
   Change it whenever the weights change, or stale KV is served.
-* ``lookup_wait_ms`` -- how long the scheduler waits for a lookup answer from
-  the worker before it tells vLLM "not known yet" (``None``: vLLM asks again
-  next step). Default 200.
+* ``lookup_wait_ms`` -- how long the scheduler waits for a new lookup's answer
+  from the worker before it tells vLLM "not known yet" (``None``: vLLM asks
+  again next step, and that ask does not wait). Default 2: long enough for an
+  answer from memory, far shorter than a promotion from disk.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ConnectorOptions:
     engine: EngineConfig
     #: The requested chunk size (None: "auto", derived from vLLM's block sizes).
     chunk_size: int | None = None
-    lookup_wait_s: float = 0.2
+    lookup_wait_s: float = 0.002
     #: An explicit model identity (None: the content digest of the weight files).
     model_fingerprint: str | None = None
 
@@ -55,7 +56,7 @@ class ConnectorOptions:
         source = extra.get("kvengine")
         if source is not None and not isinstance(source, (Mapping, str, os.PathLike)):
             raise ConfigError("kv_connector_extra_config['kvengine'] must be a mapping or a YAML path")
-        wait_ms = extra.get("lookup_wait_ms", 200)
+        wait_ms = extra.get("lookup_wait_ms", 2)
         try:
             wait_s = float(wait_ms) / 1000
         except (TypeError, ValueError):

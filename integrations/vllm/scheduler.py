@@ -3,10 +3,13 @@
 Per request, a small state machine (:class:`_Phase`):
 
 * ``get_num_new_matched_tokens`` sends a lookup to the worker's engine over
-  the channel and waits up to ``lookup_wait_ms``. The engine *reserves* the
-  matched chunks (pins them, with a lease); asking again is idempotent and
-  renews the lease. An answer still in flight is reported as ``None`` and
-  vLLM asks again next step. -> RESERVED
+  the channel and waits up to ``lookup_wait_ms`` (2 ms: an answer from the
+  memory tier comes back well within it). The engine *reserves* the matched
+  chunks (pins them, with a lease); asking again is idempotent and renews
+  the lease. An answer still in flight (a promotion from disk or peers) is
+  reported as ``None`` and vLLM asks again next step; that ask only looks
+  for the answer, it never waits. The worker answers lookups of different
+  requests at once, so the scheduler never waits on a disk. -> RESERVED
 * ``update_state_after_alloc`` with tokens to load commits a load plan
   (request, token range, block ids) -> COMMITTED; with none, the
   reservation is released at once -> IDLE.
@@ -126,6 +129,7 @@ class SchedulerSide:
         if not st.can_read or self._client is None or limit < self._chunk:
             return 0, False
         try:
+            wait = 0.0  # asked again: the answer is there or still pending, never waited for twice
             if st.pending_seq == 0 or st.pending_len != limit:
                 if st.pending_seq:
                     self._client.forget(st.pending_seq)
@@ -133,7 +137,8 @@ class SchedulerSide:
                                                      token_bytes(request.all_token_ids[:limit]), limit)
                 st.pending_len = limit
                 self.stats.lookups += 1
-            reply = self._client.result(st.pending_seq, self._wait)
+                wait = self._wait
+            reply = self._client.result(st.pending_seq, wait)
         except ChannelClosed as exc:
             self._count_error(f"channel: {exc}")
             return 0, False

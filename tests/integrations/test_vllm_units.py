@@ -22,18 +22,19 @@ from kvengine.types import ChunkView
 
 # ------------------------------------------------------------------ channel --
 class FakeHandler:
-    """Matches the first 8 tokens of anything; records calls; can be slowed or broken."""
+    """Matches the first 8 tokens of anything; records calls; can be slowed (all, or per request) or broken."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.delay = 0.0
+        self.delays: dict[str, float] = {}
         self.fail = False
         self.released = threading.Event()
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int):
         from kvengine.integrations.vllm.channel import Answer
 
-        time.sleep(self.delay)
+        time.sleep(self.delays.get(request_id, self.delay))
         if self.fail:
             raise RuntimeError("boom")
         self.calls.append(("lookup", request_id))
@@ -98,6 +99,20 @@ def test_release_is_handled_after_the_lookup_it_follows(channel):
     client.release("r1")
     assert handler.released.wait(5.0)
     assert handler.calls == [("lookup", "r1"), ("release", "r1")]
+
+
+def test_a_slow_lookup_holds_up_no_other_requests_answer(channel):
+    """Regression (issue 14): the worker served one call at a time, so one lookup promoting from disk held
+    every other request's answer. Now requests are answered at once (each in order with itself)."""
+    handler, _, client = channel
+    handler.delays["slow"] = 1.0
+    slow = client.submit("slow", "", bytes(40), 9)
+    t0 = time.monotonic()
+    fast = [client.submit(f"fast{i}", "", bytes(40), 9) for i in range(8)]
+    assert all(client.result(seq, 5.0) is not None for seq in fast)
+    assert time.monotonic() - t0 < 0.5
+    assert client.result(slow, 0.0) is None  # still promoting
+    assert client.result(slow, 5.0) is not None
 
 
 def test_handler_error_is_a_reply_not_a_dead_service(channel):

@@ -1,0 +1,158 @@
+"""Scheduler-side latency of the vLLM connector's ``get_num_new_matched_tokens``, before and after the
+non-blocking probe (issue 14), side by side in one run.
+
+    .venv/bin/python benchmarks/bench_vllm_lookup.py [--rounds 3] [--requests 16] [--before-rev e3d4aea]
+
+The connector's real scheduler half, channel and worker-side reservation desk run on a real engine
+with a disk tier; no vLLM engine (the scheduler loop is simulated: every step asks each request
+still waiting, as vLLM's scheduler does). 16 requests arrive at once, each with a 4-chunk prompt
+whose chunks sit on disk only (a fresh engine on the directory, page cache dropped): the cold-disk
+case. Per call: how long the scheduler was held. Reported per arm: p50 / p99 / max call latency,
+the steps until every request was answered, and wall time; "before" is the code at ``--before-rev``
+(one lookup served at a time, every ask waiting up to 200 ms), "after" the working tree. Arms run in
+separate processes, alternating, on the same records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import drop_caches, print_header, print_table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK, CHUNKS, LAYERS = 256, 4, 8
+SHAPE = (2, 8, CHUNK, 64)  # K and V, 8 heads, 64 dims: 2 MiB of fp32 per layer and chunk
+
+
+def layout():
+    import torch
+
+    from kvengine import ChunkLayout, KVCategory, TensorSpec
+
+    return ChunkLayout(CHUNK, tuple(TensorSpec(name=f"l{i}", group=0, category=KVCategory.FULL_ATTENTION,
+                                               dtype=torch.float32, shape=SHAPE, token_dim=2)
+                                    for i in range(LAYERS)))
+
+
+def config(disk: str) -> dict:
+    return {"chunk_size": CHUNK, "memory": {"capacity_bytes": "1GiB"}, "disk": {"path": disk, "fsync": "never"}}
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[1000 * (r + 1) + t for t in range(CHUNKS * CHUNK + 1)] for r in range(n)]
+
+
+def prepare(disk: str, n: int) -> None:
+    """Store every prompt's chunks on disk (write-through), then close: memory forgets them."""
+    import torch
+
+    from kvengine import KVEngine, Namespace
+
+    cfg = {**config(disk), "write_mode": "write_through"}
+    with KVEngine(cfg) as engine:
+        binding = engine.bind(Namespace(model="bench-lookup"), layout())
+        for tokens in prompts(n):
+            engine.store(binding, tokens[: CHUNKS * CHUNK],
+                         lambda i, s, e: [torch.full(SHAPE, float(i)) for _ in range(LAYERS)])
+
+
+def arm(disk: str, n: int) -> dict:
+    """One arm in this process (whichever code is on sys.path): the simulated scheduler loop."""
+    from kvengine import KVEngine, Namespace
+    from kvengine.integrations.vllm.channel import LookupService
+    from kvengine.integrations.vllm.metadata import ChannelAddress
+    from kvengine.integrations.vllm.options import ConnectorOptions
+    from kvengine.integrations.vllm.scheduler import SchedulerSide
+    from kvengine.integrations.vllm.worker import ReservationDesk
+
+    wait = ConnectorOptions.from_extra_config({}).lookup_wait_s  # the connector's default
+    engine = KVEngine(config(disk))
+    desk = ReservationDesk(engine, Namespace(model="bench-lookup"), layout())
+    service = LookupService(desk)
+    path, key = service.start()
+    sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=wait)
+    sched.connect(ChannelAddress(path, key, 0))
+    requests = [SimpleNamespace(request_id=f"r{i}", num_tokens=len(t), all_token_ids=t, prompt_token_ids=t,
+                                num_prompt_tokens=len(t), mm_features=[], lora_request=None, cache_salt=None,
+                                skip_reading_prefix_cache=False, pooling_params=None, prompt_embeds=None)
+                for i, t in enumerate(prompts(n))]
+    calls: list[float] = []
+    matched: dict[str, int] = {}
+    steps = 0
+    t0 = time.perf_counter()
+    while len(matched) < n and steps < 100_000:
+        steps += 1
+        for req in requests:
+            if req.request_id in matched:
+                continue
+            c0 = time.perf_counter()
+            got, _ = sched.get_num_new_matched_tokens(req, 0)
+            calls.append(time.perf_counter() - c0)
+            if got is not None:
+                matched[req.request_id] = got
+        time.sleep(0.002)  # the rest of a scheduler step (a forward pass is far longer)
+    wall = time.perf_counter() - t0
+    sched.shutdown()
+    service.close()
+    engine.close(flush=False)
+    calls.sort()
+    return {"calls": len(calls), "p50_ms": 1e3 * statistics.median(calls),
+            "p99_ms": 1e3 * calls[min(len(calls) - 1, int(0.99 * len(calls)))], "max_ms": 1e3 * calls[-1],
+            "steps": steps, "wall_s": wall, "hit_tokens": sum(matched.values()), "lookup_wait_ms": 1e3 * wait}
+
+
+def snapshot(rev: str, into: Path) -> Path:
+    """The code at ``rev`` laid out as it is imported (transports/ and integrations/ inside kvengine/)."""
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    for sub in ("transports", "integrations"):
+        (into / sub).rename(into / "kvengine" / sub)
+    return into
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--before-rev", default="e3d4aea", help="the code of the 'before' arm")
+    p.add_argument("--arm", nargs=2, metavar=("DISK", "N"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.arm:
+        print(json.dumps(arm(args.arm[0], int(args.arm[1]))))
+        return
+    print_header()
+    with tempfile.TemporaryDirectory() as work:
+        disk = os.path.join(work, "disk")
+        prepare(disk, args.requests)
+        before = snapshot(args.before_rev, Path(work) / "before")
+        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        for r in range(args.rounds):
+            for name in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                drop_caches([f for f in Path(disk).rglob("*") if f.is_file()])
+                env = dict(os.environ, PYTHONPATH=str(before)) if name == "before" else dict(os.environ)
+                out = subprocess.run([sys.executable, __file__, "--arm", disk, str(args.requests)], env=env,
+                                     cwd=work, check=True, capture_output=True, text=True).stdout
+                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    keys = ("p50_ms", "p99_ms", "max_ms", "steps", "wall_s", "hit_tokens", "lookup_wait_ms")
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
+    print_table(f"get_num_new_matched_tokens, {args.requests} concurrent requests, cold disk tier "
+                f"(medians of {args.rounds} rounds)", ["arm", *keys],
+                [[name, *(m[k] for k in keys)] for name, m in medians.items()])
+    print(f"\np99 after / before: {medians['after']['p99_ms'] / medians['before']['p99_ms']:.3f}; "
+          f"wall after / before: {medians['after']['wall_s'] / medians['before']['wall_s']:.2f}")
+    path = write_json("vllm_lookup.json", {"runs": runs, "medians": medians, "before_rev": args.before_rev})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
