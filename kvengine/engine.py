@@ -833,10 +833,21 @@ class CacheEngine:
             self.memory.unpin([entry])
         return complete
 
-    def encode_record(self, binding: ModelBinding, entry: MemoryEntry) -> bytes:
-        """The chunk record of a pinned entry as sent to peers, in :attr:`peer_codec` (blocking)."""
-        header, payload = self._record_parts(binding, entry, self.peer_codec)
-        return b"".join((header, payload))  # one copy
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether the memory tier holds ``key`` now (a later read may still miss: it can be evicted)."""
+        return self.memory.contains(key)
+
+    def resident_record(self, binding: ModelBinding, key: ChunkKey) -> bytes | None:
+        """The record of chunk ``key`` of ``binding`` if memory holds it, encoded as this engine sends
+        records to peers (:attr:`peer_codec`); None otherwise. Blocking: run it in a worker thread."""
+        entry = self.memory.pin(key)
+        if entry is None:
+            return None
+        try:
+            header, payload = self._record_parts(binding, entry, self.peer_codec)
+            return b"".join((header, payload))  # one copy
+        finally:
+            self.memory.unpin([entry])
 
     def _encode(self, binding: ModelBinding, entry: MemoryEntry, codec: Codec, *, joined: bool) -> _EncodedRecord:
         """A pinned entry's record as header + payload, the payload where it lies for the raw codec (blocking).

@@ -142,7 +142,7 @@ class KeyedStore:
         if verify:
             return [o is GetOutcome.HIT for o in await self._fetch(self.chunk_keys(keys), None)]
         ckeys = self.chunk_keys(keys)
-        found = [self.engine.memory.contains(k) for k in ckeys]
+        found = [self.engine.holds(k) for k in ckeys]
         for transport in self.engine.transports:
             todo = [i for i, hit in enumerate(found) if not hit]
             if not todo:

@@ -165,7 +165,7 @@ class EngineStore:
         return out
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        out = [k.namespace in self._bindings and self.engine.memory.contains(k) for k in keys]
+        out = [k.namespace in self._bindings and self.engine.holds(k) for k in keys]
         missing = [i for i, ok in enumerate(out) if not ok]
         if missing:
             for i, ok in zip(missing, await self.backing.exists([keys[i] for i in missing])):
@@ -182,13 +182,8 @@ class EngineStore:
         out: list[bytes | None] = []
         for key in keys:
             binding = self._bindings.get(key.namespace)
-            entry = None if binding is None else self.engine.memory.pin(key)
-            if binding is None or entry is None:
-                out.append(None)
-                continue
-            try:
-                record = self.engine.encode_record(binding, entry)
-                out.append(seal_record(record, self._secret) if self._secret is not None else record)
-            finally:
-                self.engine.memory.unpin([entry])
+            record = None if binding is None else self.engine.resident_record(binding, key)
+            if record is not None and self._secret is not None:
+                record = seal_record(record, self._secret)
+            out.append(record)
         return out

@@ -674,15 +674,13 @@ async def test_a_peers_file_that_gains_an_unprotected_remote_peer_is_refused_on_
     peers.write_text("127.0.0.2:7000\n")
     with pytest.raises(ConfigError, match="not on loopback"):
         create_transport({"peers_file": str(_write(tmp_path / "bad", "10.9.9.9:7000\n"))})
-    transport = create_transport({"peers_file": str(peers), "reload_interval": 0.01})
+    transport = create_transport({"peers_file": str(peers), "reload_interval": 1e-6})  # every call re-checks
     membership = transport.membership
     assert [p.address for p in await membership.refresh()] == ["127.0.0.2:7000"]
     peers.write_text("127.0.0.2:7000\n10.9.9.9:7000\n")
-    await asyncio.sleep(0.02)
     assert [p.address for p in await membership.refresh()] == ["127.0.0.2:7000"]
     assert membership.refused_reloads == 1
     peers.write_text("127.0.0.2:7000\n127.0.0.3:7000\n")  # a loopback peer is fine
-    await asyncio.sleep(0.02)
     assert [p.address for p in await membership.refresh()] == ["127.0.0.2:7000", "127.0.0.3:7000"]
     await transport.close()
 
@@ -691,9 +689,10 @@ async def test_concurrent_callers_during_a_reload_all_get_the_new_list(tmp_path:
     """Regression: with the re-read moved off the loop, callers arriving while it ran got the list being
     replaced (an empty one at start), so concurrent write-behind puts found no owners and were dropped."""
     peers = _write(tmp_path / "peers", "")
-    membership = Membership(path=peers, reload_interval=0.01)
+    now = [0.0]
+    membership = Membership(path=peers, reload_interval=1.0, clock=lambda: now[0])
     peers.write_text("127.0.0.2:7000\n127.0.0.3:7000\n")
-    await asyncio.sleep(0.02)
+    now[0] = 2.0  # the re-read is due
     lists = await asyncio.gather(*(membership.refresh() for _ in range(8)))
     assert {len(p) for p in lists} == {2}
 
