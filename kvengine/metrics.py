@@ -52,10 +52,11 @@ class EngineMetrics:
         self.provenance_checks = Counter(
             "kvengine_provenance_checks",
             "Stored KV compared with what the reading model computes (check: canary, shadow; outcome: exact, "
-            "close = within the dtype's tolerance, mismatch = quarantined, written = first writer's canary)",
+            "close = within the dtype's tolerance, mismatch = quarantined, written = first writer's canary, "
+            "skipped = a shadowed hit with no chunk left to compare)",
             ["check", "outcome"], registry=r)
         for check, outcomes in (("canary", ("exact", "close", "mismatch", "written")),
-                                ("shadow", ("exact", "close", "mismatch"))):
+                                ("shadow", ("exact", "close", "mismatch", "skipped"))):
             for outcome in outcomes:  # present from the start, so an alert on them sees a 0 first
                 self.provenance_checks.labels(check=check, outcome=outcome)
         self._logged: set[str] = set()

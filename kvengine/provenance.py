@@ -162,10 +162,14 @@ def worst(comparisons: Sequence[KVComparison]) -> KVComparison | None:
     return max(comparisons, key=lambda c: (not c.within_tolerance, not c.exact, c.max_relative_error), default=None)
 
 
-def settle(engine: KVEngine, binding: ModelBinding, check: str, comparison: KVComparison, reason: str,
+def settle(engine: KVEngine, binding: ModelBinding, check: str, comparison: KVComparison | None, reason: str,
            **details: str) -> None:
     """Count a provenance check (``check``: canary, shadow) and, if its comparison failed, quarantine
-    ``binding``'s namespace for ``reason`` (from any thread)."""
+    ``binding``'s namespace for ``reason`` (from any thread). No comparison (nothing could be compared)
+    counts as ``skipped``: no evidence either way, never as exact."""
+    if comparison is None:
+        engine.metrics.provenance_checks.labels(check=check, outcome="skipped").inc()
+        return
     engine.metrics.provenance_checks.labels(check=check, outcome=comparison.outcome).inc()
     if not comparison.within_tolerance:
         engine.quarantine_namespace(binding, reason, max_relative_error=f"{comparison.max_relative_error:.3g}",

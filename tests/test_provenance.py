@@ -79,3 +79,20 @@ def test_the_first_writer_leaves_a_canary_that_later_readers_check(tmp_path: Pat
         assert eng.metrics.value("kvengine_provenance_checks_total", check="canary", outcome="mismatch") == 1
     with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 1 << 20}}) as eng:
         assert check_namespace_canary(eng, eng.bind(ns, layout), probe()).outcome is CanaryOutcome.NOT_PERSISTENT
+
+
+def test_a_check_that_compared_nothing_counts_as_skipped_never_as_exact():
+    """Regression: the HF shadow check counted a hit with no chunk left to compare as ``exact`` (vLLM
+    counted it as skipped). ``settle`` now takes no comparison as no evidence: counted ``skipped``, no
+    quarantine; a mismatch still quarantines."""
+    from kvengine.provenance import settle, worst
+
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}}) as engine:
+        binding = engine.bind(Namespace(model="m"), make_layout())
+        settle(engine, binding, "shadow", worst([]), "unused")
+        assert engine.metrics.value("kvengine_provenance_checks_total", check="shadow", outcome="skipped") == 1
+        assert engine.metrics.value("kvengine_provenance_checks_total", check="shadow", outcome="exact") == 0
+        assert not engine.core.is_quarantined(binding)
+        a = torch.zeros(4)
+        settle(engine, binding, "shadow", compare_kv([a], [a + 1]), "differs")
+        assert engine.core.is_quarantined(binding)

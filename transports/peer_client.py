@@ -39,6 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
 from kvengine.keys import ChunkKey
 from kvengine.record import seal_record, unpack_record, verify_seal
@@ -72,20 +73,24 @@ class Connector(Protocol):
     async def close(self) -> None: ...
 
 
+#: The engine configuration's peer settings are the defaults here too (one place for them).
+_CONFIGURED = PeersConfig()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerClientOptions:
-    replicas: int = 2
+    replicas: int = _CONFIGURED.replicas
     #: One request to one peer.
-    request_timeout: float = 0.5
-    #: A whole ``get`` / ``exists`` call, all owners and retries included.
-    read_deadline: float = 1.0
+    request_timeout: float = _CONFIGURED.request_timeout
+    #: A whole lookup's reads (``exists``, every ``get``), all owners and retries included.
+    read_deadline: float = _CONFIGURED.read_deadline
     #: A whole ``put`` / ``delete`` call, waiting for write budget included.
-    write_timeout: float = 5.0
+    write_timeout: float = _CONFIGURED.write_timeout
     #: A peer that failed is skipped this long.
-    cooldown: float = 5.0
+    cooldown: float = _CONFIGURED.cooldown
     max_keys_per_request: int = 16
     max_request_bytes: int = 64 << 20
-    max_inflight_write_bytes: int = 256 << 20
+    max_inflight_write_bytes: int = int(_CONFIGURED.max_inflight_write_bytes)
     limits: Limits = field(default_factory=Limits)
     #: Shared secret of the peer group: records sent are sealed with it (a keyed MAC over header and
     #: payload) and records received must verify under it, or they are counted misses. None: records
@@ -151,7 +156,8 @@ def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = F
         require_protection([f"{p.host}:{p.port}" for p in peers], secret=secret, encrypted=encrypted, what="peers")
 
     membership = Membership(config.pop("peers", ()), path=config.pop("peers_file", None),
-                            reload_interval=float(config.pop("reload_interval", 1.0)), validate=protected)
+                            reload_interval=float(config.pop("reload_interval", _CONFIGURED.reload_interval)),
+                            validate=protected)
     fields = {f.name for f in dataclasses.fields(PeerClientOptions)} - {"limits", "secret"}
     try:
         options = PeerClientOptions(**{k: config.pop(k) for k in list(config) if k in fields}, secret=secret)

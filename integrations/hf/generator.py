@@ -82,7 +82,8 @@ class GenerationResult:
     ttft_s: float
     total_s: float
     load_ok: bool
-    #: a shadow check ran instead of the load: ``exact``, ``close`` or ``mismatch`` (None: none ran)
+    #: a shadow check ran instead of the load: ``exact``, ``close``, ``mismatch``, or ``skipped`` when no
+    #: chunk could be compared (None: none ran)
     shadow: str | None = None
 
 
@@ -290,7 +291,8 @@ class AttachedModel:
         rng = torch.Generator().manual_seed(sampling.seed)
         token = _sample(logits[-1], sampling, rng)
         ttft = time.perf_counter() - t0
-        shadow_outcome = shadow.run(cache, snapshots).outcome if shadow is not None else None
+        verdict = shadow.run(cache, snapshots) if shadow is not None else None
+        shadow_outcome = None if shadow is None else "skipped" if verdict is None else verdict.outcome
         stored = self.store(ctx, ids, cache, snapshots) if store else 0
         generated = [token]
         if on_token is not None:

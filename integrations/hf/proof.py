@@ -80,8 +80,9 @@ class ShadowCheck:
     def tokens(self) -> int:
         return self._res.matched_tokens
 
-    def run(self, cache: Any, snapshots: dict[int, Snapshot]) -> KVComparison:
-        """Compare the stored chunks with ``cache`` (the request prefilled from token 0); quarantine on mismatch."""
+    def run(self, cache: Any, snapshots: dict[int, Snapshot]) -> KVComparison | None:
+        """Compare the stored chunks with ``cache`` (the request prefilled from token 0); quarantine on
+        mismatch. None when nothing could be compared (counted as ``skipped``, never as exact)."""
         attached, codec = self._attached, self._attached.codec
         results: list[KVComparison] = []
         held = True
@@ -97,7 +98,7 @@ class ShadowCheck:
                 results.append(compare_kv(view.tensors, computed))
 
         attached.engine.load(self._res, compare)
-        verdict = worst(results) or KVComparison(True, True, 0.0)
+        verdict = worst(results)  # None: e.g. a sliding window moved past every chunk
         settle(attached.engine, self._ctx.binding, "shadow", verdict,
                "a shadow-checked hit differs from the KV this model computed for it", tokens=str(self.tokens))
         return verdict

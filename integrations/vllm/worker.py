@@ -342,12 +342,12 @@ class WorkerSide:
         finally:
             self.engine.release(res)  # nothing was loaded into vLLM: not counted as a load
         verdict = worst(results)
-        if verdict is None:
-            self._m_store_skips.labels(reason="shadow_unavailable").inc()
-            return
         settle(self.engine, binding, "shadow", verdict,
                "a shadow-checked hit differs from the pages vLLM computed for it",
                request=spec.request_id, tokens=f"{lo}-{hi}")
+        if verdict is None:
+            self._m_store_skips.labels(reason="shadow_unavailable").inc()
+            return
         if verdict.within_tolerance:
             logger.info("kvengine: shadow check of %s tokens %d-%d: %s (max relative error %.3g)", spec.request_id,
                         lo, hi, verdict.outcome, verdict.max_relative_error)
