@@ -39,6 +39,7 @@ from .buffers import BufferPool
 from .codecs import Codec, CodecRegistry, RawCodec
 from .compression import codec_family, default_codecs
 from .config import EngineConfig
+from .copies import copy_all
 from .errors import ConfigError, IntegrityError, InvalidRequestError
 from .eviction import make_policy
 from .hashing import TokenInput, prefix_hashes
@@ -980,18 +981,8 @@ class _EncodedRecord:
         return len(self.header) + self.payload.nbytes
 
 
-def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    """Copy tensor-wise; one dispatch for many tensors (per-layer layouts have dozens). Never recorded
-    by autograd: cached KV is data, whatever the caller's tensors track."""
-    with torch.no_grad():
-        if len(dst) == 1:
-            dst[0].copy_(src[0])
-        else:
-            torch._foreach_copy_(list(dst), list(src))
-
-
 def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-__all__ = ["AdmitRejected", "CacheEngine", "copy_all"]
+__all__ = ["AdmitRejected", "CacheEngine"]

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from .engine import AdmitRejected, CacheEngine, copy_all
+from .copies import copy_all
+from .engine import AdmitRejected, CacheEngine
 from .errors import InvalidRequestError
 from .keys import ChunkHash, ChunkKey, Namespace
 from .memory_tier import MemoryEntry, Prepared
