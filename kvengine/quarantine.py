@@ -26,12 +26,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 
 from .keys import Namespace, NamespaceDigest
+
+T = TypeVar("T")
 
 logger = logging.getLogger("kvengine.quarantine")
 
@@ -140,15 +144,20 @@ def _write_atomic(path: Path, text: str) -> None:
         logger.error("kvengine: cannot write %s: %s", path, exc)
 
 
+def _read_all(folder: Path, parse: Callable[[str], T], what: str) -> list[T]:
+    """Every ``*.json`` file of ``folder`` parsed, in name order; unreadable ones skipped and logged."""
+    out = []
+    for path in sorted(folder.glob(f"*{_SUFFIX}")):
+        try:
+            out.append(parse(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("kvengine: unreadable %s %s: %s", what, path, exc)
+    return out
+
+
 def read_markers(disk_path: Path) -> list[QuarantineEntry]:
     """The quarantine markers under a disk tier's directory (unreadable ones are skipped, logged)."""
-    out = []
-    for path in sorted((Path(disk_path) / FOLDER).glob(f"*{_SUFFIX}")):
-        try:
-            out.append(QuarantineEntry.from_json(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("kvengine: unreadable quarantine marker %s: %s", path, exc)
-    return out
+    return _read_all(Path(disk_path) / FOLDER, QuarantineEntry.from_json, "quarantine marker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,14 +170,11 @@ class NamespaceNote:
 
 
 def read_namespace_notes(disk_path: Path) -> list[NamespaceNote]:
-    out = []
-    for path in sorted((Path(disk_path) / NAMESPACES).glob(f"*{_SUFFIX}")):
-        try:
-            data = json.loads(path.read_text())
-            out.append(NamespaceNote(str(data["binding"]), str(data["root"]), str(data["model"])))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("kvengine: unreadable namespace note %s: %s", path, exc)
-    return out
+    def parse(text: str) -> NamespaceNote:
+        data = json.loads(text)
+        return NamespaceNote(str(data["binding"]), str(data["root"]), str(data["model"]))
+
+    return _read_all(Path(disk_path) / NAMESPACES, parse, "namespace note")
 
 
 def remove_marker(disk_path: Path, root: str) -> bool:

@@ -392,35 +392,43 @@ class ZmqPeerServer:
             return None
         header = await self._next(sock, reader)
         msg = self.service.admit(header.buffer)
+        more = header.more
+        frames: list[memoryview] | None = None  # set only for a request that is served
         refusal: Reply | None = None
         if not isinstance(msg, Message):
             refusal = msg
         elif self._inflight[ident] >= self.service.options.max_inflight_per_client:
             refusal = self.service.refuse(msg.request_id, Status.BUSY)
-        frames: list[memoryview] = []
-        more = header.more
-        if refusal is None and isinstance(msg, Message):
-            limits = self.service.options.limits
-            max_frames = sum(1 for n in msg.lengths if n) + msg.payload_bytes // min(_MIN_FRAME_BYTES,
-                                                                                      limits.frame_bytes)
-            received = 0
-            while more and len(frames) < max_frames and received < msg.payload_bytes:
-                frame = await self._next(sock, reader)
-                frames.append(frame.buffer)
-                received += len(frame.buffer)
-                more = frame.more
-            if more or received > msg.payload_bytes:
+        else:
+            frames, more = await self._payload(sock, reader, msg, more)
+            if frames is None:
                 refusal = self.service.refuse(msg.request_id, Status.BAD_REQUEST)
-                frames.clear()
                 self._blame(header, "sent a payload larger than its header announces")
         if more:
             await self._discard(sock, reader)
-        if refusal is not None or not isinstance(msg, Message):
+        if frames is None or not isinstance(msg, Message):
             if refusal is not None:
                 self._reply_now(reader, ident, refusal)
             return None
         client = str(header.get("User-Id")) if self.service.options.tenants is not None else ""
         return ident, client.encode() or None, msg, frames
+
+    async def _payload(self, sock: zmq.asyncio.Socket, reader: zmq.Socket[Any], msg: Message,
+                       more: bool) -> tuple[list[memoryview] | None, bool]:
+        """The payload frames ``msg`` announces, read while they stay within it: (frames or None when the
+        payload breaks the header, whether parts of the message remain unread)."""
+        max_frames = sum(1 for n in msg.lengths if n) + msg.payload_bytes // min(
+            _MIN_FRAME_BYTES, self.service.options.limits.frame_bytes)
+        frames: list[memoryview] = []
+        received = 0
+        while more and len(frames) < max_frames and received < msg.payload_bytes:
+            frame = await self._next(sock, reader)
+            frames.append(frame.buffer)
+            received += len(frame.buffer)
+            more = frame.more
+        if more or received > msg.payload_bytes:
+            return None, more
+        return frames, more
 
     def _blame(self, frame: zmq.Frame, what: str) -> None:
         """Log, once per client, a client that breaks the protocol on purpose or by a bug (an operator

@@ -199,7 +199,7 @@ async def forged_puts(host: str) -> Outcome:
         attempts = detected = 0
         t0 = time.monotonic()
         for key, _ in victim.items:
-            forged = _rekey(build_record(64 << 10, namespace=key.namespace)[1], key)  # valid checksums
+            forged = _forged(key, 64 << 10)
             for client in (attacker, wrong_key):
                 deleted = await client.delete([key])
                 stored = await client.put([(key, forged)])
@@ -224,9 +224,14 @@ async def forged_puts(host: str) -> Outcome:
 
 
 def _forge_payload(record: bytes) -> bytes:
-    """The same key and shape with other payload bytes and recomputed checksums (anyone can do this)."""
+    """The same key and size as ``record``, other payload bytes, checksums recomputed (anyone can do this)."""
     header, data = unpack_record(memoryview(record))
-    return _rekey(build_record(len(data), namespace=header.key.namespace)[1], header.key)
+    return _forged(header.key, len(data))
+
+
+def _forged(key: ChunkKey, size: int) -> bytes:
+    """A well-formed record of ``size`` random payload bytes under ``key``, valid checksums, no MAC."""
+    return _rekey(build_record(size, namespace=key.namespace)[1], key)
 
 
 def _rekey(record: bytes, key: ChunkKey) -> bytes:
@@ -443,7 +448,7 @@ async def malicious_replica(host: str, honest_host: str, rounds: int = 8) -> Out
 
 
 def _forgery(kind: str, key: ChunkKey) -> bytes:
-    record = _rekey(build_record(16 << 10, namespace=key.namespace)[1], key)
+    record = _forged(key, 16 << 10)
     if kind == "other_secret":
         return bytes(seal_record(memoryview(record), b"another-groups-secret-0123456789"))
     if kind == "other_key":
