@@ -1,4 +1,5 @@
-"""The hostile-peer report: every attack of tests/transports/hostile.py, one table (docs/security.md).
+"""The hostile-peer report: every attack of tests/transports/hostile.py (ZeroMQ) and hostile_tcp.py (tcp
+wire), one table (docs/security.md).
 
     .venv/bin/python benchmarks/bench_hostile_peers.py
 
@@ -22,13 +23,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _util import print_header, write_json
 
-from tests.transports import hostile
+from tests.transports import hostile, hostile_tcp
 
 
 def main() -> None:
     print_header()
     with tempfile.TemporaryDirectory() as work:
         outcomes = asyncio.run(hostile.run_all(Path(work)))
+        outcomes += asyncio.run(hostile_tcp.run_all(Path(work)))
     print()
     print(hostile.HEADER)
     for outcome in outcomes:

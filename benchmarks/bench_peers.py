@@ -16,6 +16,9 @@ CPU: client plus server process CPU time per 32 MiB get, which, unlike
 GB/s, hardly depends on what else runs on the machine (on 2 shared cores,
 throughput follows CPU cost once the cores are busy).
 
+Also kvengine's own tcp wire (``kvtcp``; ``kvtls``: the same over mutual TLS,
+certificates from a throwaway CA made with ``openssl``).
+
 Baselines: a raw TCP socket (``TCP_NODELAY``, ``recv_into`` a reused
 buffer: its best case) next to ZeroMQ; ``ucx_perftest`` (tag bandwidth and
 latency, same ``UCX_TLS``, from the libucx wheel) next to UCX for each of
@@ -36,9 +39,11 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -82,10 +87,15 @@ def _peer_server(kind: str, bind: str) -> None:
 
     async def main() -> None:
         store = MemoryRecordStore(4 * RECORD_BYTES)
+        server: Any
         if kind == "zmq":
             from kvengine.transports.zmq_peer import ZmqPeerServer
 
             server = ZmqPeerServer(store, bind)
+        elif kind in ("kvtcp", "kvtls"):
+            from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions
+
+            server = TcpPeerServer(store, bind, None, TcpServerOptions(tls=_tls("server", kind)))
         else:
             from kvengine.transports.ucx_peer import UcxPeerServer
 
@@ -180,10 +190,15 @@ def _peer_client(kind: str, transfers: int, rounds: int) -> None:
 
     proc, address = _spawn([f"{kind}-server", "127.0.0.1:0"])
     try:
+        connector: Any
         if kind == "zmq":
             from kvengine.transports.zmq_peer import ZmqConnector
 
             connector = ZmqConnector()
+        elif kind in ("kvtcp", "kvtls"):
+            from kvengine.transports.tcp_peer import TcpConnector, TcpOptions
+
+            connector = TcpConnector(options=TcpOptions(tls=_tls("client", kind)))
         else:
             from kvengine.transports.ucx_peer import UcxConnector
 
@@ -222,6 +237,16 @@ def _peer_client(kind: str, transfers: int, rounds: int) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _tls(name: str, kind: str) -> Any:
+    """The TLS settings of ``name`` (server/client) from the run's CA (``kvtls`` only)."""
+    if kind != "kvtls":
+        return None
+    from kvengine.transports.tcp_peer import TlsConfig
+
+    pki = Path(os.environ["KVENGINE_BENCH_PKI"])
+    return TlsConfig(cert=pki / f"{name}.pem", key=pki / f"{name}.key", ca=pki / "ca.pem")
 
 
 def _record(n: int) -> tuple[object, bytes]:
@@ -310,6 +335,16 @@ def _has_ucxx() -> bool:
     return True
 
 
+def _make_pki(root: Path) -> None:
+    """A CA and a server and a client certificate it signed, in ``root`` (for ``kvtls``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.transports.certs import Pki
+
+    pki = Pki.create(root)
+    for name in ("server", "client"):
+        pki.issue(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
@@ -330,9 +365,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print_header()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    clients = {"zmq": PeerClient("zmq", args.transfers, args.rounds)}
+    pki = tempfile.TemporaryDirectory()
+    _make_pki(Path(pki.name))
+    os.environ["KVENGINE_BENCH_PKI"] = pki.name
+    clients = {kind: PeerClient(kind, args.transfers, args.rounds) for kind in ("zmq", "kvtcp", "kvtls")}
     cases: list[tuple[str, Callable[[], dict[str, float] | None]]] = [
-        ("tcp", lambda: bench_tcp(args.transfers, args.rounds)), ("zmq", clients["zmq"].measure)]
+        ("tcp", lambda: bench_tcp(args.transfers, args.rounds)),
+        *((kind, client.measure) for kind, client in clients.items())]
     ucx_ok = not args.skip_ucx and _has_ucxx()
     if ucx_ok:
         for tls in ("tcp", "sm"):
@@ -350,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for c in clients.values():
             c.close()
+        pki.cleanup()
     med = {name: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for name, runs in samples.items() if runs}
 
     def ratio(a: str, b: str, k: str) -> float | None:
@@ -359,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         "zmq_vs_tcp_get": ratio("zmq", "tcp", "get_gbps"),
         "zmq_cpu_per_get_vs_tcp": ratio("zmq", "tcp", "get_cpu_ms"),
         "zmq_vs_tcp_put": ratio("zmq", "tcp", "put_gbps"),
+        "kvtcp_vs_tcp_get": ratio("kvtcp", "tcp", "get_gbps"),
+        "kvtcp_vs_tcp_put": ratio("kvtcp", "tcp", "put_gbps"),
+        "kvtcp_vs_zmq_get": ratio("kvtcp", "zmq", "get_gbps"),
+        "kvtls_vs_kvtcp_get": ratio("kvtls", "kvtcp", "get_gbps"),
         "ucx_sm_vs_perftest": ratio("ucx/sm", "ucx_perftest/sm", "get_gbps"),
         "ucx_tcp_vs_perftest": ratio("ucx/tcp", "ucx_perftest/tcp", "get_gbps"),
     }

@@ -77,7 +77,9 @@ class ShadowConfig(_Section):
 class PeersConfig(_Section):
     """Peer sharing tier (off unless ``peers`` or ``peers_file`` is set)."""
 
-    transport: Literal["zmq", "ucx"] = "zmq"
+    #: zmq (CURVE for identity), tcp (kvengine's own framing, bounded before buffering; TLS for identity)
+    #: or ucx (RDMA / shared memory; no transport security).
+    transport: Literal["zmq", "tcp", "ucx"] = "zmq"
     #: Codec of the records sent to peers. Must be of the disk codec's family.
     codec: str = "raw"
     #: Static peer list, "host:port" each.
@@ -101,6 +103,11 @@ class PeersConfig(_Section):
     curve_public_key: str | None = None
     curve_secret_key: str | None = None
     curve_server_key: str | None = None
+    #: TLS (tcp only), PEM files: the CA of the peers' certificates (turns TLS on), and this client's
+    #: certificate and key for servers that require one (their tenants file names its fingerprint).
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
 
 class TierConfig(_Section):
@@ -142,8 +149,11 @@ class EngineConfig(_Section):
         if self.memory.effective_slab_bytes() > self.memory.capacity_bytes:
             raise ValueError("memory.slab_bytes must not exceed memory.capacity_bytes")
         curve = (self.peers.curve_public_key, self.peers.curve_secret_key, self.peers.curve_server_key)
-        if self.peers.transport == "ucx" and any(curve):
-            raise ValueError("peers.curve_* keys are ZeroMQ-only; UCX has no authentication")
+        if self.peers.transport != "zmq" and any(curve):
+            raise ValueError(f"peers.curve_* keys are ZeroMQ-only, not for peers.transport={self.peers.transport}")
+        tls = (self.peers.tls_ca, self.peers.tls_cert, self.peers.tls_key)
+        if self.peers.transport != "tcp" and any(tls):
+            raise ValueError(f"peers.tls_* files are for peers.transport=tcp, not {self.peers.transport}")
         return self
 
 

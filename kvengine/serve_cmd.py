@@ -13,10 +13,15 @@ certificates, both in pyzmq's format
 (``zmq.auth.create_certificates(dir, name)``). Clients configure the
 server's public key.
 
-Tenants (ZeroMQ with CURVE): ``--tenants FILE`` grants client keys to
-tenants, writing or read-only, and keeps each tenant to its own namespaces
-(format in :mod:`kvengine.transports.tenants`); only the keys it lists are
-admitted. Namespaces not pinned in the file belong to the first tenant that
+TLS (``--transport tcp``): ``--tls-cert`` / ``--tls-key`` are the server's
+certificate and key (PEM); ``--tls-ca`` the CA whose client certificates
+are admitted (clients without one are refused).
+
+Tenants (ZeroMQ with CURVE, or tcp with TLS and a client CA): ``--tenants
+FILE`` grants client keys (CURVE public keys, or TLS certificate
+fingerprints) to tenants, writing or read-only, and keeps each tenant to its
+own namespaces (format in :mod:`kvengine.transports.tenants`); over CURVE
+only the keys it lists are admitted. Namespaces not pinned in the file belong to the first tenant that
 writes them; those claims are kept in ``--claims FILE`` (default
 ``DIR/tenant-claims.json`` with ``--disk``, else in memory).
 """
@@ -57,7 +62,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """The ``serve`` options, added to ``parser`` (a CLI subcommand's) or to a parser of their own."""
     p = parser or argparse.ArgumentParser(prog="kvengine serve", description=__doc__.split("\n")[0])
     p.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on (port 0: any)")
-    p.add_argument("--transport", choices=("zmq", "ucx"), default="zmq")
+    p.add_argument("--transport", choices=("zmq", "tcp", "ucx"), default="zmq",
+                   help="zmq (CURVE), tcp (own framing, bounded before buffering; TLS) or ucx")
     p.add_argument("--disk", metavar="DIR", help="serve a local-disk tier in DIR instead of memory")
     p.add_argument("--capacity", type=_size, default=_size("4GiB"), help="store capacity (default 4GiB)")
     p.add_argument("--namespace", type=_namespace, action="append", metavar="HEX",
@@ -69,7 +75,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "(required off loopback unless CURVE is on)")
     p.add_argument("--curve-cert", metavar="FILE", help="server secret certificate (turns CURVE on)")
     p.add_argument("--curve-allow", metavar="DIR", help="admit only clients whose public certificates are here")
-    p.add_argument("--tenants", metavar="FILE", help="per-tenant access control by client key (needs --curve-cert)")
+    p.add_argument("--tls-cert", metavar="FILE", help="tcp: server certificate, PEM (turns TLS on)")
+    p.add_argument("--tls-key", metavar="FILE", help="tcp: the certificate's private key, PEM")
+    p.add_argument("--tls-ca", metavar="FILE", help="tcp: admit only clients with a certificate this CA signed")
+    p.add_argument("--message-timeout", type=float, default=5.0, metavar="S",
+                   help="tcp: a message must arrive whole within this time of its first byte (default 5)")
+    p.add_argument("--tenants", metavar="FILE",
+                   help="per-tenant access control by client key (needs --curve-cert, or --tls-ca with tcp)")
     p.add_argument("--claims", metavar="FILE", help="where tenants' namespace claims are kept")
     return p
 
@@ -90,16 +102,22 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     from kvengine.transports.peer_service import ServerOptions
 
     secret = read_secret(args.secret_file)
-    require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert) and args.transport == "zmq",
-                       what="--bind")
+    _check_wire_options(args)
+    require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert or args.tls_cert), what="--bind")
     gate = _gatekeeper(args)
     options = ServerOptions(namespaces=frozenset(args.namespace) if args.namespace else None,
                             verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent, secret=secret,
                             tenants=gate)
+    if args.transport == "tcp":
+        from pathlib import Path
+
+        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
+        tls = None
+        if args.tls_cert:
+            tls = TlsConfig(cert=Path(args.tls_cert), key=Path(args.tls_key) if args.tls_key else None,
+                            ca=Path(args.tls_ca) if args.tls_ca else None)
+        return TcpPeerServer(store, args.bind, options, TcpServerOptions(tls=tls, message_timeout=args.message_timeout))
     if args.transport == "ucx":
-        if args.curve_cert or args.curve_allow or args.tenants:
-            raise ConfigError("--curve-cert/--curve-allow/--tenants are ZeroMQ options (UCX cannot prove a "
-                              "client's identity)")
         os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
         from kvengine.transports.ucx_peer import UcxPeerServer
@@ -121,6 +139,24 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
             allowed = (allowed or frozenset()) | frozenset(zmq.auth.load_certificates(args.curve_allow))
         curve = CurveConfig(public_key=public, secret_key=secret, allowed_clients=allowed)
     return ZmqPeerServer(store, args.bind, options, ZmqOptions(curve=curve))
+
+
+def _check_wire_options(args: argparse.Namespace) -> None:
+    """Each wire's own options, and what tenants need on it; a mismatch is refused, never ignored."""
+    curve, tls = args.curve_cert or args.curve_allow, args.tls_cert or args.tls_key or args.tls_ca
+    if curve and args.transport != "zmq":
+        raise ConfigError("--curve-cert/--curve-allow are ZeroMQ options")
+    if tls and args.transport != "tcp":
+        raise ConfigError("--tls-cert/--tls-key/--tls-ca are options of --transport tcp")
+    if (args.tls_key or args.tls_ca) and not args.tls_cert:
+        raise ConfigError("--tls-key and --tls-ca need --tls-cert")
+    if args.curve_allow and not args.curve_cert:
+        raise ConfigError("--curve-allow needs --curve-cert")
+    if args.tenants and not (args.curve_cert if args.transport == "zmq" else args.tls_ca):
+        raise ConfigError({"zmq": "--tenants needs --curve-cert (CURVE proves each client's key)",
+                           "tcp": "--tenants needs --tls-ca (client certificates prove each client)",
+                           "ucx": "--tenants cannot be used with UCX (it cannot prove a client's identity)",
+                           }[args.transport])
 
 
 def _gatekeeper(args: argparse.Namespace) -> Any:

@@ -30,6 +30,7 @@ _BUNDLED = {
     "local_disk": "kvengine.transports.local_disk",
     "peers_zmq": "kvengine.transports.zmq_peer",
     "peers_ucx": "kvengine.transports.ucx_peer",
+    "peers_tcp": "kvengine.transports.tcp_peer",
 }
 
 #: ``factory(options) -> transport``; raises ConfigError for options it cannot use.

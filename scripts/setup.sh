@@ -16,3 +16,7 @@ if [ -n "$extras" ]; then
 else
   $py -m pip install -q -e .
 fi
+# The TLS tests make throwaway certificates with the openssl command line.
+if [ "$extras" = "test" ] && ! command -v openssl >/dev/null; then
+  (apt-get install -y -q openssl || (apt-get update -q && apt-get install -y -q openssl)) >/dev/null
+fi

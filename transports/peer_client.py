@@ -130,14 +130,15 @@ def is_loopback(host: str) -> bool:
 
 
 def require_protection(addresses: Sequence[str], *, secret: bytes | None, encrypted: bool, what: str) -> None:
-    """Fail closed: ``host:port`` addresses off loopback need a shared secret (records authenticated) or CURVE."""
+    """Fail closed: ``host:port`` addresses off loopback need a shared secret (records authenticated) or an
+    encrypted, authenticated wire (CURVE, TLS)."""
     remote = [a for a in addresses if not is_loopback(a.rpartition(":")[0].strip("[]"))]
     if remote and secret is None and not encrypted:
         raise ConfigError(
             f"{what} {', '.join(remote[:3])} {'is' if len(remote) == 1 else 'are'} "
             "not on loopback: anyone who reaches them could serve or plant KV. Set peers.secret_file (records "
             "authenticated with a keyed MAC; required for UCX, which has no transport security) or the "
-            "peers.curve_* keys (ZeroMQ CURVE), or keep peers on 127.0.0.0/8")
+            "peers.curve_* keys (ZeroMQ CURVE) or peers.tls_ca (tcp with TLS), or keep peers on 127.0.0.0/8")
 
 
 def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = False) -> tuple[Membership,

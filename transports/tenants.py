@@ -2,10 +2,11 @@
 
 A peer server shared by several tenants must keep each one to its own
 chunks: reading another tenant's KV leaks its prompts, writing or deleting
-it poisons or starves its cache. Clients are identified by their ZeroMQ
-CURVE public key (the only wire identity a server can prove; the wire
-reports it with each message), and each key is granted to one tenant,
-either to write (read, put, delete) or to read only.
+it poisons or starves its cache. Clients are identified by what their wire
+proves: a ZeroMQ CURVE public key (40 Z85 characters), or the SHA-256
+fingerprint of a TLS client certificate (``sha256:`` and 64 hex digits, see
+:func:`kvengine.transports.tcp_peer.fingerprint`). Each key is granted to
+one tenant, either to write (read, put, delete) or to read only.
 
 A namespace belongs to one tenant:
 
@@ -24,7 +25,7 @@ Tenants file (JSON)::
     {"tenants": {
         "alice": {"writers": ["<Z85 public key>"], "readers": ["<Z85>"],
                   "namespaces": ["<32 hex digits>"]},
-        "bob":   {"writers": ["<Z85>"]}}}
+        "bob":   {"writers": ["sha256:<64 hex digits>"]}}}
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,6 +41,13 @@ from pathlib import Path
 
 from kvengine.errors import ConfigError
 from kvengine.keys import DIGEST_BYTES, NamespaceDigest
+
+_FINGERPRINT = re.compile(rb"sha256:[0-9a-f]{64}")
+
+
+def is_client_key(key: bytes) -> bool:
+    """A CURVE public key (40 Z85 characters) or a TLS certificate fingerprint (``sha256:<hex>``)."""
+    return len(key) == 40 or _FINGERPRINT.fullmatch(key) is not None
 
 
 class Access(enum.Enum):
@@ -64,8 +73,9 @@ class TenantPolicy:
     def __post_init__(self) -> None:
         if not self.grants:
             raise ConfigError("a tenant policy needs at least one client key")
-        if any(len(k) != 40 for k in self.grants):
-            raise ConfigError("tenant client keys must be 40-byte Z85 CURVE public keys")
+        if not all(is_client_key(k) for k in self.grants):
+            raise ConfigError("tenant client keys must be 40-byte Z85 CURVE public keys or 'sha256:<64 hex>' "
+                              "TLS certificate fingerprints")
 
     @property
     def client_keys(self) -> frozenset[bytes]:
@@ -159,8 +169,9 @@ def load_tenants(path: str | os.PathLike[str]) -> TenantPolicy:
         for role, writes in (("writers", True), ("readers", False)):
             for key in entry.get(role, []):
                 encoded = key.encode() if isinstance(key, str) else b""
-                if len(encoded) != 40:
-                    raise ConfigError(f"{where}: tenant {name!r} {role}: {key!r} is not a 40-character Z85 key")
+                if not is_client_key(encoded):
+                    raise ConfigError(f"{where}: tenant {name!r} {role}: {key!r} is neither a 40-character Z85 "
+                                      "CURVE key nor a 'sha256:<64 hex digits>' certificate fingerprint")
                 if encoded in grants:
                     raise ConfigError(f"{where}: key {key} is granted twice (a key acts for one tenant)")
                 grants[encoded] = Grant(name, writes)

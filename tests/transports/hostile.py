@@ -38,6 +38,7 @@ from kvengine.transports.peer_protocol import Limits, Op, Status, decode_header,
 from kvengine.transports.peer_service import ServerOptions
 from kvengine.transports.peer_store import MemoryRecordStore
 from kvengine.transports.placement import Membership, Peer, rendezvous_owners
+from kvengine.transports.tcp_peer import TcpConnector, TcpOptions
 from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer
 from tests.transports.conftest import build_record
 
@@ -121,8 +122,14 @@ def _secret_file() -> str:
     return str(path)
 
 
-def transport(addresses: Sequence[str], options: PeerClientOptions = OPTIONS, **zmq_options: Any) -> PeerTransport:
-    return PeerTransport(ZmqConnector(options.limits, ZmqOptions(**zmq_options)), Membership(addresses), options)
+def transport(addresses: Sequence[str], options: PeerClientOptions = OPTIONS, *, wire: str = "zmq",
+              **wire_options: Any) -> PeerTransport:
+    """An honest client over ``wire`` (zmq: :class:`ZmqOptions`; tcp: :class:`TcpOptions` keyword arguments)."""
+    if wire == "tcp":
+        connector: Any = TcpConnector(options.limits, TcpOptions(**wire_options))
+    else:
+        connector = ZmqConnector(options.limits, ZmqOptions(**wire_options))
+    return PeerTransport(connector, Membership(addresses), options)
 
 
 def records(n: int, size: int = 4096, namespace: NamespaceDigest | None = None) -> list[tuple[ChunkKey, bytes]]:
@@ -145,8 +152,8 @@ class Victim:
         self.slowest = 0.0
 
     @classmethod
-    async def on(cls, address: str, n: int = 8, size: int = 64 << 10) -> Victim:
-        victim = cls(transport([address]), records(n, size))
+    async def on(cls, address: str, n: int = 8, size: int = 64 << 10, wire: str = "zmq") -> Victim:
+        victim = cls(transport([address], wire=wire), records(n, size))
         assert await victim.client.put(victim.items) == [True] * n, "the victim could not store its records"
         return victim
 

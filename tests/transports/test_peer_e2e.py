@@ -1,6 +1,6 @@
 """Peer sharing end to end: engine processes on their own loopback addresses, real sockets.
 
-Per wire (ZeroMQ; UCX over ``UCX_TLS=tcp`` and ``UCX_TLS=sm``) a cluster of
+Per wire (ZeroMQ; kvengine's own tcp framing; UCX over ``UCX_TLS=tcp`` and ``UCX_TLS=sm``) a cluster of
 subprocesses is started once:
 
 * nodes A (127.0.0.2) and B (127.0.0.3): a :class:`KVEngine` whose only tier
@@ -42,6 +42,7 @@ REQUEST_TIMEOUT = 1.0
 READ_DEADLINE = 2.0
 WIRES = {
     "zmq": {},
+    "tcp": {},
     "ucx-tcp": {"UCX_TLS": "tcp"},
     "ucx-sm": {"UCX_TLS": "sm"},
 }
@@ -71,6 +72,10 @@ def _connector(wire: str) -> Any:
         from kvengine.transports.zmq_peer import ZmqConnector
 
         return ZmqConnector()
+    if wire == "tcp":
+        from kvengine.transports.tcp_peer import TcpConnector
+
+        return TcpConnector()
     from kvengine.transports.ucx_peer import UcxConnector
 
     return UcxConnector()
@@ -81,6 +86,10 @@ def _server(wire: str, store: Any, bind: str) -> Any:
         from kvengine.transports.zmq_peer import ZmqPeerServer
 
         return ZmqPeerServer(store, bind)
+    if wire == "tcp":
+        from kvengine.transports.tcp_peer import TcpPeerServer
+
+        return TcpPeerServer(store, bind)
     from kvengine.transports.ucx_peer import UcxPeerServer
 
     return UcxPeerServer(store, bind)

@@ -14,8 +14,10 @@ from kvengine.keys import Namespace
 from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_request, split_frames
 from kvengine.transports.peer_service import PeerService, ServerOptions
 from kvengine.transports.peer_store import MemoryRecordStore
+from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions
 from kvengine.transports.tenants import ClaimBook, Gatekeeper, load_tenants
 from kvengine.transports.zmq_peer import ZmqPeerServer
+from tests.transports.certs import Pki
 
 MiB = 1 << 20
 A, A_READ, B = (zmq.curve_keypair()[0] for _ in range(3))
@@ -64,7 +66,8 @@ async def test_a_namespace_belongs_to_its_first_writer_and_only_its_tenant_may_t
 
 @pytest.mark.parametrize("change, message", [
     ({"tenants": {}}, "non-empty"),
-    ({"tenants": {"a": {"writers": ["short"]}}}, "not a 40-character Z85 key"),
+    ({"tenants": {"a": {"writers": ["short"]}}}, "neither a 40-character Z85 CURVE key nor a 'sha256:"),
+    ({"tenants": {"a": {"writers": ["sha256:" + "0" * 63]}}}, "neither a 40-character Z85"),
     ({"tenants": {"a": {"writers": [A.decode()]}, "b": {"readers": [A.decode()]}}}, "granted twice"),
     ({"tenants": {"a": {"writers": [A.decode()], "namespaces": ["zz"]}}}, "not a namespace digest"),
     ({"tenants": {"a": {"writers": [A.decode()], "namespaces": [NS_A.hex()]},
@@ -89,6 +92,20 @@ def test_tenants_need_a_wire_that_proves_the_client_key(tmp_path: Path) -> None:
     from kvengine.serve_cmd import main as serve
 
     assert serve(["--bind", "127.0.0.2:0", "--tenants", str(tenants_file(tmp_path))]) == 1
+    with pytest.raises(ConfigError, match="tenants need TLS with a client CA"):
+        TcpPeerServer(MemoryRecordStore(MiB), "127.0.0.2:0", ServerOptions(tenants=gate))
+
+
+def test_tls_tenants_are_granted_by_certificate_fingerprint(tmp_path: Path) -> None:
+    """A tenants file may name TLS clients by fingerprint; a TLS server refuses one that names CURVE keys."""
+    fp = "sha256:" + "ab" * 32
+    policy = load_tenants(tenants_file(tmp_path, tenants={"a": {"writers": [fp]}}))
+    assert policy.grants[fp.encode()].tenant == "a"
+    pki = Pki.create(tmp_path / "pki")
+    curve_gate = Gatekeeper(load_tenants(tenants_file(tmp_path)))
+    with pytest.raises(ConfigError, match="by certificate fingerprint"):
+        TcpPeerServer(MemoryRecordStore(MiB), "127.0.0.2:0", ServerOptions(tenants=curve_gate),
+                      TcpServerOptions(tls=pki.tls("server")))
 
 
 async def test_with_a_secret_a_delete_removes_only_records_that_fail_verification(make_record: Any) -> None:

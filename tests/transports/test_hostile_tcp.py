@@ -1,0 +1,46 @@
+"""The hostile-peer suite on the tcp wire: what libzmq cannot bound (a message is buffered whole before the
+server sees it), kvengine's own framing refuses before buffering. Each attack of
+:mod:`tests.transports.hostile_tcp` on real sockets against a ``kvengine serve --transport tcp`` process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.transports import hostile_tcp
+from tests.transports.test_hostile_peers import check
+
+pytestmark = pytest.mark.slow
+
+
+async def test_bytes_beyond_the_announced_payload_cut_the_sender_off_before_they_are_buffered() -> None:
+    outcome = await hostile_tcp.byte_flood("127.0.0.31")
+    check(outcome)
+    assert outcome.time_to_miss_s < 5, outcome
+
+
+async def test_an_oversized_header_is_refused_on_its_length_field() -> None:
+    check(await hostile_tcp.oversized_header("127.0.0.32"))
+
+
+async def test_stalled_connections_are_capped_per_client_and_closed_at_the_message_deadline() -> None:
+    outcome = await hostile_tcp.slowloris("127.0.0.33")
+    check(outcome)
+    assert outcome.time_to_miss_s < 5, outcome
+
+
+async def test_the_server_survives_a_fuzzer_and_keeps_serving() -> None:
+    outcome = await hostile_tcp.fuzzer("127.0.0.34")
+    check(outcome, all_detected=False)  # some mutations are still valid requests, answered as such
+    assert outcome.detected > outcome.attempts // 2, outcome
+
+
+async def test_a_client_that_never_reads_loses_its_connections_not_the_server() -> None:
+    outcome = await hostile_tcp.non_reading_client("127.0.0.35")
+    check(outcome, all_detected=False)
+    assert outcome.detected >= 1, outcome
+
+
+async def test_tls_tenants_cannot_read_or_touch_each_others_chunks(tmp_path: Path) -> None:
+    check(await hostile_tcp.tenants_attack_each_other("127.0.0.36", tmp_path))

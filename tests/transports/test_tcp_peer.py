@@ -1,0 +1,220 @@
+"""The tcp wire (kvengine's own framing, optional TLS) on real loopback sockets, client and server on one loop.
+
+Attacks against a standalone server process are in test_hostile_tcp.py; multi-process clusters in
+test_peer_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvengine.config import load_config
+from kvengine.errors import ConfigError
+from kvengine.tiers import build_tiers
+from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
+from kvengine.transports.peer_protocol import Op, encode_request
+from kvengine.transports.peer_service import ServerOptions
+from kvengine.transports.peer_store import MemoryRecordStore
+from kvengine.transports.placement import Membership, Peer
+from kvengine.transports.tcp_peer import (
+    TcpConnector,
+    TcpOptions,
+    TcpPeerServer,
+    TcpServerOptions,
+    TlsConfig,
+    create_transport,
+)
+from tests.transports.certs import Pki
+
+MiB = 1 << 20
+FAST = PeerClientOptions(replicas=1, request_timeout=0.5, read_deadline=1.0, write_timeout=2.0, cooldown=30.0)
+_LEN = struct.Struct("<I")
+
+
+async def _server(store: MemoryRecordStore | None = None, options: ServerOptions | None = None,
+                  **tcp: Any) -> TcpPeerServer:
+    server = TcpPeerServer(store or MemoryRecordStore(256 * MiB), "127.0.0.2:0", options, TcpServerOptions(**tcp))
+    await server.start()
+    return server
+
+
+def _client(server: TcpPeerServer, options: PeerClientOptions = FAST, **tcp: Any) -> PeerTransport:
+    assert server.address is not None
+    return PeerTransport(TcpConnector(options.limits, TcpOptions(**tcp)), Membership([server.address]), options)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[TcpPeerServer]:
+    s = await _server()
+    yield s
+    await s.close()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki.create(tmp_path_factory.mktemp("pki"))
+
+
+async def test_put_get_exists_delete_round_trip_small_and_large_records(server: TcpPeerServer,
+                                                                        make_record: Any) -> None:
+    """Records below and above the one-buffer payload size, with misses between hits in one reply."""
+    client = _client(server)
+    items = [make_record(n) for n in (10, 5000, 300 << 10, 9 * MiB)]
+    absent = make_record(10)[0]
+    assert await client.put(items) == [True] * 4
+    keys = [items[0][0], absent, items[1][0], items[2][0], absent, items[3][0]]
+    got = await client.get(keys)
+    assert [None if g is None else bytes(g) for g in got] == [items[0][1], None, items[1][1], items[2][1], None,
+                                                              items[3][1]]
+    assert await client.exists([items[2][0], absent]) == [True, False]
+    assert await client.delete([items[0][0]]) == [True]
+    assert await client.get([items[0][0]]) == [None]
+    await client.close()
+
+
+async def test_mutual_tls_round_trip_and_strangers_are_refused(pki: Pki, tmp_path: Path, make_record: Any) -> None:
+    """A client with a certificate of the group's CA is served; one without a certificate, or one that trusts
+    another CA (so cannot verify the server), gets misses, never an exception."""
+    server = await _server(tls=pki.tls("server"))
+    member = _client(server, tls=pki.tls("member"))
+    item = make_record(4096)
+    assert await member.put([item]) == [True]
+    assert [bytes(r) for r in await member.get([item[0]]) if r is not None] == [item[1]]
+    anonymous = _client(server, tls=TlsConfig(ca=pki.ca))
+    other = Pki.create(tmp_path / "other", "other")
+    wrong_trust = _client(server, tls=other.tls("outsider"))
+    for stranger in (anonymous, wrong_trust):
+        assert await stranger.get([item[0]]) == [None]
+        assert any(k.startswith("error_") for k in stranger.connector.counts)  # type: ignore[attr-defined]
+        await stranger.close()
+    assert server.counts["op_get"] == 1  # only the member's get reached the service
+    await member.close()
+    await server.close()
+
+
+async def test_a_trickled_message_is_cut_at_its_deadline_and_idle_connections_are_reopened(make_record: Any) -> None:
+    server = await _server(message_timeout=0.3, idle_timeout=0.3)
+    assert server.address is not None
+    host, port = server.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(_LEN.pack(40)[:3])
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+    assert 0.25 < time.monotonic() - t0 < 2
+    assert server.counts["closed_message_timeout"] == 1
+    client = _client(server)
+    item = make_record(100)
+    assert await client.put([item]) == [True]
+    await asyncio.sleep(0.6)  # the pooled connection is closed as idle ...
+    assert server.counts["closed_idle"] >= 1
+    assert [bytes(r) for r in await client.get([item[0]]) if r is not None] == [item[1]]  # ... and reopened
+    await client.close()
+    await server.close()
+
+
+async def test_requests_beyond_the_receive_budget_wait_unread_then_are_served(make_record: Any) -> None:
+    server = await _server(receive_budget_bytes=MiB)
+    client = _client(server)
+    items = [make_record(700 << 10) for _ in range(4)]
+    assert await asyncio.gather(*(client.put([item]) for item in items)) == [[True]] * 4
+    assert server.budget.free == MiB  # every byte taken was given back
+    await client.close()
+    await server.close()
+
+
+async def test_a_late_reply_is_never_taken_for_a_later_request(make_record: Any) -> None:
+    """A request that times out loses its connection, so its reply cannot meet the next request."""
+    class Slow(MemoryRecordStore):
+        delays = [0.6, 0.0]
+
+        async def get(self, keys: Any) -> Any:
+            await asyncio.sleep(self.delays.pop(0))
+            return await super().get(keys)
+
+    store = Slow(MiB)
+    a, b = make_record(100), make_record(100)
+    await store.put([a, b])
+    server = await _server(store)
+    connector = TcpConnector(options=TcpOptions(connections_per_peer=1))
+    peer = Peer.parse(server.address or "")
+    assert await connector.request(peer, Op.GET, [a[0]], (), timeout=0.2) is None
+    answer = await connector.request(peer, Op.GET, [b[0]], (), timeout=5.0)
+    assert answer is not None and [bytes(r) for r in answer[1]] == [b[1]]
+    assert connector.counts["timeouts"] == 1
+    await connector.close()
+    await server.close()
+
+
+async def test_a_client_beyond_its_in_flight_share_is_refused_busy(make_record: Any) -> None:
+    class Slow(MemoryRecordStore):
+        async def get(self, keys: Any) -> Any:
+            await asyncio.sleep(0.3)
+            return await super().get(keys)
+
+    store = Slow(MiB)
+    item = make_record(100)
+    await store.put([item])
+    server = await _server(store, ServerOptions(max_inflight_per_client=1))
+    connector = TcpConnector(options=TcpOptions(connections_per_peer=2))
+    peer = Peer.parse(server.address or "")
+    answers = await asyncio.gather(*(connector.request(peer, Op.GET, [item[0]], (), timeout=2.0) for _ in range(2)))
+    statuses = sorted(a[0].status.name for a in answers if a is not None)
+    assert statuses == ["BUSY", "OK"]
+    assert server.counts["refused_busy"] == 1
+    await connector.close()
+    await server.close()
+
+
+async def test_connections_beyond_the_per_client_cap_are_closed_at_once() -> None:
+    server = await _server(max_connections_per_client=2)
+    assert server.address is not None
+    host, port = server.address.rsplit(":", 1)
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+    assert await asyncio.wait_for(conns[2][0].read(), 2) == b""
+    assert server.counts["refused_connection_client_limit"] == 1
+    ping = encode_request(Op.PING, 1, [])
+    conns[0][1].write(_LEN.pack(len(ping)) + ping)  # the first two are served
+    assert len(await asyncio.wait_for(conns[0][0].read(100), 2)) > 0
+    for _, writer in conns:
+        writer.close()
+    await server.close()
+
+
+def test_engine_config_builds_a_tls_tcp_peer_tier_and_refuses_mismatched_wire_options(pki: Pki) -> None:
+    tls = pki.tls("engine")
+    config = load_config({"peers": {"transport": "tcp", "peers": ["127.0.0.2:7000"],
+                                                    "tls_ca": str(tls.ca), "tls_cert": str(tls.cert),
+                                                    "tls_key": str(tls.key)}})
+    (tier,) = build_tiers(config)
+    assert isinstance(tier.transport, PeerTransport) and tier.transport.name == "peers_tcp"
+    with pytest.raises(ConfigError, match=r"peers\.tls_\* files are for peers\.transport=tcp, not zmq"):
+        load_config({"peers": {"peers": ["127.0.0.2:7000"], "tls_ca": str(tls.ca)}})
+    with pytest.raises(ConfigError, match="curve_.* ZeroMQ-only, not for peers.transport=tcp"):
+        load_config({"peers": {"transport": "tcp", "curve_public_key": "x" * 40}})
+    with pytest.raises(ConfigError, match="tls_cert/tls_key need tls_ca"):
+        create_transport({"peers": ["127.0.0.2:7000"], "tls_cert": str(tls.cert)})
+    with pytest.raises(ConfigError, match="not on loopback.*peers.tls_ca"):
+        create_transport({"peers": ["10.1.2.3:7000"]})
+    assert create_transport({"peers": ["10.1.2.3:7000"], "tls_ca": str(tls.ca)}).name == "peers_tcp"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tls-cert", "c.pem"], "options of --transport tcp"),
+    (["--transport", "tcp", "--curve-cert", "c"], "ZeroMQ options"),
+    (["--transport", "tcp", "--tls-ca", "ca.pem"], "need --tls-cert"),
+    (["--transport", "tcp", "--tenants", "t.json"], "--tenants needs --tls-ca"),
+    (["--transport", "ucx", "--tenants", "t.json"], "cannot be used with UCX"),
+    (["--tenants", "t.json"], "--tenants needs --curve-cert"),
+])
+def test_serve_refuses_options_of_another_wire(capsys: Any, argv: list[str], message: str) -> None:
+    from kvengine.serve_cmd import main as serve
+
+    assert serve(["--bind", "127.0.0.2:0", *argv]) == 1
+    assert message in capsys.readouterr().err
