@@ -11,6 +11,12 @@ Primitives (all ``async``; CPU copies run in worker threads, never on the loop):
   are filled write-behind (or write-through) from there.
 * :meth:`CacheEngine.reclaim_expired` – end reservations whose lease ran out.
 
+The engine holds lookup, reservations and the copy-in of stores; its parts
+do the rest: :class:`~kvengine.tier_set.TierSet` (the lower tiers and their
+codecs), :class:`~kvengine.promotion.Promoter` (lower tiers -> memory,
+verified) and :class:`~kvengine.tier_writer.TierWriter` (memory -> lower
+tiers, per ``write_mode``), over one :class:`~kvengine.memory_tier.MemoryTier`.
+
 Cache faults (corrupt records, dead tiers, no room) become counted misses.
 Caller mistakes (bad tokens, tensors that do not match the layout) raise
 :class:`InvalidRequestError` and leave the pool as it was.
@@ -20,42 +26,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from functools import partial
-from typing import TypeVar, cast
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-import numpy as np
 import torch
 
 from .allocator import SlabAllocator
 from .buffers import BufferPool
-from .codecs import Codec, CodecRegistry, RawCodec
-from .compression import codec_family, default_codecs
+from .codecs import CodecRegistry
+from .compression import default_codecs
 from .config import EngineConfig
 from .copies import copy_all
-from .errors import ConfigError, IntegrityError, InvalidRequestError
+from .errors import InvalidRequestError
 from .eviction import make_policy
 from .hashing import TokenInput, prefix_hashes
 from .keys import ChunkKey, Namespace
 from .layout import ChunkLayout
 from .memory_tier import MemoryEntry, MemoryTier, Prepared
-from .metrics import EngineMetrics, TierStatsCollector
+from .metrics import EngineMetrics
+from .promotion import Promoter
 from .quarantine import Quarantine
-from .record import RecordFlag, RecordHeader, descriptors_for, encode_header, unpack_record
 from .reservations import Reservation, ReservationState, ReservationTable
 from .staging import StagedStore
+from .tier_set import TierSet, resolve_codec
+from .tier_writer import TierWriter
 from .tiers import Tier
-from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place, writes_gathered
+from .transport import ChunkTransport, read_scope
 from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
-
-T_ = TypeVar("T_")
 
 #: A load (begin_load) or staged store (begin_store) still unfinished after this many leases is
 #: abandoned: its pins are dropped (counted). Generous: a step's copies take milliseconds, but a
@@ -64,25 +63,8 @@ ABANDON_AFTER_LEASES = 10
 
 logger = logging.getLogger("kvengine")
 
-#: Tier writes in flight at once (each encoded just before its put; at most this many record buffers).
-_WRITES_IN_FLIGHT = 8
-#: Promotion reads this many records at a time, the next window while admitting this one.
-_READ_WINDOW = 4
-#: Promotion through a transport with placed reads keeps this many reads in flight, each
-#: straight into its memory slot (no read buffers), admitted in order as they complete.
-_READ_AHEAD = 8
-#: Longest a placed read waits for the previous record's placement (its header read), so that
-#: slots are taken in prompt order; past it, it goes ahead (order only matters when memory is short).
-_PLACE_WAIT_S = 2.0
-#: Idle record buffers kept for tier writes (at most capacity / 4).
+#: Idle record buffers kept (at most capacity / 4).
 _RECORD_POOL_BYTES = 256 * 2**20
-
-
-class AdmitRejected(enum.Enum):
-    """Why a lower-tier record was not admitted into memory."""
-
-    CORRUPT = "corrupt"  # a lower-tier record failed verification; delete it
-    NO_ROOM = "no_room"  # a verified record found no room in memory; keep it
 
 
 class CacheEngine:
@@ -98,25 +80,10 @@ class CacheEngine:
         self.config = config
         self.metrics = metrics or EngineMetrics()
         self.codecs = codecs or default_codecs()
-        #: (transport, codec) per lower tier; a bare transport writes with disk.codec.
-        self._tiers = tuple(self._tier_codec(t, config) for t in transports)
-        self.transports = tuple(t for t, _ in self._tiers)
-        if self.transports:
-            self.metrics.registry.register(TierStatsCollector(self.transports))
-        families = {codec_family(c) for _, c in self._tiers}
-        if len(families) > 1:
-            # One namespace is served by every tier, so the tiers must decode to the same KV.
-            raise ConfigError(
-                "the lower tiers' codecs decode to different KV (families "
-                f"{sorted(families)}); use one lossy codec everywhere or lossless codecs only"
-            )
-        self._lower_family = families.pop() if families else None
+        self.tiers = TierSet(transports, self.codecs, default_codec=config.disk.codec, metrics=self.metrics)
         #: The codec of records this engine serves to peers from memory (see EngineStore).
-        self.peer_codec = self._codec(config.peers.codec, "peers.codec")
+        self.peer_codec = resolve_codec(self.codecs, config.peers.codec, "peers.codec")
         self._clock = clock
-        self._raw_codec = RawCodec()
-        #: Page-aligned, already-faulted record buffers for tier writes, recycled (O_DIRECT writes them as is).
-        self._record_buffers = BufferPool(min(_RECORD_POOL_BYTES, int(config.memory.capacity_bytes) // 4))
         allocator = SlabAllocator(
             int(config.memory.capacity_bytes),
             config.memory.effective_slab_bytes(),
@@ -124,23 +91,18 @@ class CacheEngine:
             prefault=config.memory.prefault,
         )
         self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
+        #: Page-aligned record buffers, recycled: records written to tiers, encoded payloads read in place.
+        record_buffers = BufferPool(min(_RECORD_POOL_BYTES, int(config.memory.capacity_bytes) // 4))
+        self.promoter = Promoter(self.memory, self.tiers, self.codecs, self.metrics, record_buffers)
+        self.writer = TierWriter(self.memory, self.tiers, self.metrics, write_mode=config.write_mode,
+                                 max_pending=config.max_pending_writes, record_buffers=record_buffers)
         self.reservations = ReservationTable()
         #: Namespaces whose stored KV failed a provenance check: never served (persisted with the disk tier).
         self.quarantine = Quarantine(config.disk.path)
         self._roots: dict[bytes, str] = {}  # binding digest -> its namespace root (bound in this engine)
         self.metrics.quarantined.set_function(lambda: len(self.quarantine))
-        self._write_queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
-        self._write_slots: asyncio.Semaphore | None = None
-        self._writes: set[asyncio.Future[bool]] = set()  # write-behind tier writes in flight
         #: begin_store results not committed yet, to the time after which they count as abandoned
         self._staged: dict[StagedStore, float] = {}
-        #: One thread encodes (checksums, compresses) for every tier write: at most one core, whatever
-        #: the number of writes in flight, so a store's copies are left a core on small machines.
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvengine-encode")
-        #: codec -> its tiers, each with whether it takes records as parts (:class:`WritesGathered`)
-        self._tiers_by_codec: dict[Codec, list[tuple[ChunkTransport, bool]]] = {}
-        for transport, codec in self._tiers:  # each record is encoded once per codec, not once per tier
-            self._tiers_by_codec.setdefault(codec, []).append((transport, writes_gathered(transport)))
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._memory_stored_bytes = self.metrics.stored_bytes.labels(tier="memory")
@@ -148,58 +110,35 @@ class CacheEngine:
         self._memory_loaded_bytes = self.metrics.loaded_bytes.labels(tier="memory")
         self._memory_evictions = self.metrics.evictions.labels(tier="memory")
 
-    def _tier_codec(self, tier: ChunkTransport | Tier, config: EngineConfig) -> tuple[ChunkTransport, Codec]:
-        if isinstance(tier, Tier):
-            return tier.transport, self._codec(tier.codec, tier.setting)
-        return tier, self._codec(config.disk.codec, "disk.codec")
-
-    def _codec(self, name: str, setting: str) -> Codec:
-        try:
-            return self.codecs.by_name(name)
-        except ValueError as exc:
-            raise ConfigError(f"{setting}: {exc}") from None
+    @property
+    def transports(self) -> tuple[ChunkTransport, ...]:
+        """The lower tiers' transports, in lookup order."""
+        return self.tiers.transports
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
         """Start background tasks (lease reaper, tier writer) on the running loop."""
-        self._write_queue = asyncio.Queue(maxsize=self.config.max_pending_writes)
-        self._write_slots = asyncio.Semaphore(_WRITES_IN_FLIGHT)
+        self.writer.start()
         self._tasks.append(asyncio.create_task(self._reaper(), name="kvengine-reaper"))
-        if self.transports:
-            self._tasks.append(asyncio.create_task(self._writer(), name="kvengine-writer"))
 
     async def flush(self) -> None:
         """Wait until every queued tier write has been attempted."""
-        if self._write_queue is not None and self.transports:
-            await self._write_queue.join()
+        await self.writer.flush()
 
     async def close(self, *, flush: bool = True) -> None:
         """Stop; flush queued tier writes (or drop them, counted) and close transports."""
         if self._closed:
             return
         self._closed = True
-        queue = self._write_queue
-        if queue is not None and self.transports:
-            if flush:
-                await queue.join()
-            else:
-                while not queue.empty():
-                    _, entry = queue.get_nowait()
-                    self.memory.unpin([entry])
-                    self.metrics.writes_dropped.labels(reason="shutdown").inc()
-                    queue.task_done()
+        await self.writer.close(flush=flush)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._writes:  # never close memory under a write still reading it
-            await asyncio.wait(list(self._writes))
-        self._encoder.shutdown(wait=False)
         for res in self.reservations.all():
             self._end(res)
-        for transport in self.transports:
-            await transport.close()
+        await self.tiers.close()
         self.memory.close()
 
     # -- binding -------------------------------------------------------------
@@ -211,16 +150,7 @@ class CacheEngine:
                 f"{self.config.chunk_size}"
             )
         self.memory.check_fits(layout.nbytes())
-        family = self._lower_family
-        if family is not None and namespace.codec_family != family:
-            # Lower tiers hold what the codec decodes to: a lossy tier must never answer a
-            # reader that asked for exact KV, so the namespace has to say what it gets.
-            names = sorted({c.name for _, c in self._tiers})
-            raise InvalidRequestError(
-                f"the lower tiers store chunks with codec {', '.join(names)} (family {family!r}) "
-                f"but the namespace asks for codec_family={namespace.codec_family!r}; bind with "
-                f"Namespace(..., codec_family={family!r}) or configure lossless tier codecs"
-            )
+        self.tiers.check_namespace(namespace)
         if not namespace.verified:
             logger.warning(
                 "kvengine: model %r bound WITHOUT attach verification (debug override); "
@@ -275,7 +205,7 @@ class CacheEngine:
         entries = self.memory.pin_prefix(keys)
         if len(entries) < len(keys) and self.transports:
             with read_scope():  # one deadline for all of this lookup's reads from lower tiers
-                entries += await self._promote(binding, keys[len(entries) :], len(entries))
+                entries += await self.promoter.promote(binding, keys[len(entries) :], len(entries))
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
@@ -294,195 +224,6 @@ class CacheEngine:
         self.metrics.hit_tokens.inc(res.matched_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
         return res
-
-    async def _promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int) -> list[MemoryEntry]:
-        """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned.
-
-        ``keys[0]`` is chunk number ``first_chunk`` of the request; each record
-        must cover exactly that chunk's token positions.
-        """
-        promoted: list[MemoryEntry] = []
-        for transport in self.transports:
-            want = keys[len(promoted) :]
-            if not want:
-                break
-            present = await self.guarded(transport, "exists", transport.exists(want), [False] * len(want))
-            run = next((i for i, ok in enumerate(present) if not ok), len(want))
-            if run == 0:
-                continue
-            if reads_in_place(transport):
-                got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted))
-                promoted += got
-                if len(got) < run:
-                    return promoted
-                continue
-            # A few records at a time, the next window read while this one is admitted: read
-            # buffers are recycled (no page faults) and at most 2 windows of records exist at once.
-            windows = [want[i : min(i + _READ_WINDOW, run)] for i in range(0, run, _READ_WINDOW)]
-            pending: asyncio.Future[list[Buffer | None]] | None = asyncio.ensure_future(transport.get(windows[0]))
-            try:
-                for k, window in enumerate(windows):
-                    assert pending is not None
-                    try:
-                        blobs = await pending
-                    except Exception as exc:  # a tier that fails a read is a miss from there on
-                        pending = None
-                        self.tier_fault(transport, "get", exc)
-                        return promoted
-                    pending = asyncio.ensure_future(transport.get(windows[k + 1])) if k + 1 < len(windows) else None
-                    for key, blob in zip(window, blobs):
-                        if blob is None:
-                            return promoted
-                        start = (first_chunk + len(promoted)) * binding.chunk_size
-                        entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
-                        if entry is AdmitRejected.CORRUPT:
-                            await self.guarded(transport, "delete", transport.delete([key]), None)
-                        if not isinstance(entry, MemoryEntry):
-                            return promoted
-                        promoted.append(entry)
-                    del blobs  # this window's read buffers go back to the transport's pool
-            finally:
-                if pending is not None:  # stopped early: let the read in flight finish, drop it
-                    with contextlib.suppress(Exception):
-                        await pending
-        return promoted
-
-    def admit_record(
-        self, binding: ModelBinding, key: ChunkKey, blob: object, start: int, tier: str
-    ) -> MemoryEntry | AdmitRejected:
-        """Verify a record covering tokens from ``start`` and copy it into memory, pinned.
-
-        Or say why not (corrupt records are counted; the caller deletes them).
-        Blocking: run it in a worker thread.
-        """
-        try:
-            header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
-            self._check_promoted(binding, header, start)
-        except IntegrityError as exc:
-            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
-            return AdmitRejected.CORRUPT
-        except Exception as exc:
-            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
-            return AdmitRejected.CORRUPT
-        return self._admit_payload(binding, key, header, payload, tier)
-
-    @staticmethod
-    def _check_promoted(binding: ModelBinding, header: RecordHeader, start: int) -> None:
-        """Raise IntegrityError unless a (verified) header is the chunk of ``binding`` starting at ``start``."""
-        n = header.token_end - header.token_start
-        if header.token_start != start or not 0 < n <= binding.chunk_size:
-            raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
-                                 f"{header.token_end}, expected a chunk starting at {start}")
-        if header.tensors != descriptors_for(binding.layout, n):
-            raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
-        if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
-            raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
-
-    def _admit_payload(
-        self, binding: ModelBinding, key: ChunkKey, header: RecordHeader, payload: memoryview, tier: str
-    ) -> MemoryEntry | AdmitRejected:
-        """Decode a verified record's payload into a new memory entry, pinned (blocking)."""
-        try:
-            raw = self.codecs.by_id(header.codec_id).decode(payload, header.tensors)
-            if len(raw) != header.raw_length:
-                raise IntegrityError("codec_length", f"decoded {len(raw)} B, header says {header.raw_length}")
-        except IntegrityError as exc:
-            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
-            return AdmitRejected.CORRUPT
-        except Exception as exc:  # a codec library failing on garbage is still a miss
-            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
-            return AdmitRejected.CORRUPT
-        entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
-        if isinstance(entry, Prepared):
-            # Present already (a concurrent promotion) or no room: pin what is there, if anything.
-            return self.memory.pin(key) or AdmitRejected.NO_ROOM
-        self.memory.raw(entry).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
-        self.memory.commit(entry, keep_pin=True)
-        self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
-        return entry
-
-    async def _promote_placed(
-        self, binding: ModelBinding, transport: ReadsInPlace, keys: list[ChunkKey], first_chunk: int
-    ) -> list[MemoryEntry]:
-        """The longest prefix of ``keys`` (all present in ``transport``) read straight into memory, pinned.
-
-        For :class:`~kvengine.transport.ReadsInPlace` transports (see also
-        :class:`_PlacedRead`): up to ``_READ_AHEAD`` reads in flight, no window
-        barrier and no read buffers; each header is checked before a slot is
-        taken, the payload checksum is verified once (by the transport, over
-        the slot), and records are admitted in order.
-        """
-        reads: list[_PlacedRead] = []
-        for i, key in enumerate(keys):
-            reads.append(_PlacedRead(self, binding, key, (first_chunk + i) * binding.chunk_size, transport.name,
-                                     reads[-1] if reads else None))
-        inflight: deque[tuple[_PlacedRead, asyncio.Future[RecordHeader | None]]] = deque()
-        promoted: list[MemoryEntry] = []
-
-        def launch() -> None:
-            read = reads[len(promoted) + len(inflight)]
-            inflight.append((read, asyncio.ensure_future(transport.get_into(read.key, read.place))))
-
-        try:
-            while len(inflight) < min(_READ_AHEAD, len(reads)):
-                launch()
-            while inflight:
-                read, pending = inflight.popleft()
-                entry = await self._settle(transport, read, pending)
-                if not isinstance(entry, MemoryEntry):
-                    break
-                promoted.append(entry)
-                if len(promoted) + len(inflight) < len(reads):
-                    launch()
-        finally:
-            for read, _ in inflight:
-                read.placed.set()
-            for read, pending in inflight:  # stopped early: let reads in flight finish, drop their slots
-                with contextlib.suppress(Exception):
-                    await pending
-                read.discard()
-        return promoted
-
-    async def promote_placed(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
-                             start: int) -> MemoryEntry | AdmitRejected | None:
-        """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
-        deleted from ``transport``. Used for keyed chunks."""
-        read = _PlacedRead(self, binding, key, start, transport.name, None)
-        return await self._settle(transport, read, transport.get_into(key, read.place))
-
-    async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
-                      pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:
-        """Wait for a placed read and admit it; a corrupt record is deleted from ``transport``; a read
-        that fails is a miss (counted)."""
-        try:
-            header = await pending
-        except Exception as exc:
-            read.discard()
-            self.tier_fault(transport, "get", exc)
-            return None
-        except BaseException:
-            read.discard()
-            raise
-        finally:
-            read.placed.set()  # also when the transport never asked for a place (a miss)
-        entry = await read.admit(header)
-        if entry is AdmitRejected.CORRUPT:
-            await self.guarded(transport, "delete", transport.delete([read.key]), None)
-        return entry
-
-    def tier_fault(self, transport: ChunkTransport, op: str, exc: BaseException) -> None:
-        """Count a tier's failed call (a miss or a lost write for the caller, never an exception)."""
-        self.metrics.tier_errors.labels(tier=transport.name, op=op).inc()
-        self.metrics.log_once(f"tier:{transport.name}:{op}", "kvengine: tier %s failed a %s (%s: %s); served as a "
-                              "miss", transport.name, op, type(exc).__name__, exc)
-
-    async def guarded(self, transport: ChunkTransport, op: str, call: Awaitable[T_], default: T_) -> T_:
-        """Await a tier call; a failure is counted (:meth:`tier_fault`) and answered with ``default``."""
-        try:
-            return await call
-        except Exception as exc:
-            self.tier_fault(transport, op, exc)
-            return default
 
     # -- load / release ------------------------------------------------------------
     async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
@@ -615,7 +356,7 @@ class CacheEngine:
             # call's latency is what a write-behind caller waits for.
             result, held, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
             if held:
-                result = replace(result, tier_failures=await self.write_lower_tiers(binding, held))
+                result = replace(result, tier_failures=await self.writer.hand_off(binding, held))
             if error is not None:
                 raise error
             return result
@@ -625,7 +366,7 @@ class CacheEngine:
         writes: list[asyncio.Future[bool]] = []
 
         def start_write(entry: MemoryEntry) -> None:
-            writes.append(asyncio.ensure_future(self._write_through(binding, entry)))
+            writes.append(asyncio.ensure_future(self.writer.write_through(binding, entry)))
 
         def hand_off(entry: MemoryEntry) -> None:
             loop.call_soon_threadsafe(start_write, entry)
@@ -663,7 +404,7 @@ class CacheEngine:
         self._staged.pop(staged, None)
         result, held = self._commit_slots(staged, filled_chunks)
         if held:
-            result = replace(result, tier_failures=await self.write_lower_tiers(staged.binding, held))
+            result = replace(result, tier_failures=await self.writer.hand_off(staged.binding, held))
         return result
 
     def _copy_in(
@@ -745,95 +486,6 @@ class CacheEngine:
             held = []
         return result, held
 
-    # -- lower tiers ------------------------------------------------------------------
-    async def write_lower_tiers(self, binding: ModelBinding, entries: list[MemoryEntry]) -> int:
-        """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode.
-
-        ``write_through``: returns once every write ended, with how many entries did not reach every
-        tier. ``write_behind``: returns once every entry is queued (0); a full queue makes the caller
-        wait for room (backpressure), so nothing acknowledged is ever dropped for lack of it.
-        """
-        assert self._write_queue is not None and self._write_slots is not None, "engine not started"
-        if self.config.write_mode == "write_through":
-            written = await asyncio.gather(*(self._write_through(binding, e) for e in entries))
-            return written.count(False)
-        for i, entry in enumerate(entries):
-            if self._write_queue.full():
-                self.metrics.write_waits.inc()
-                self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; stores wait for them")
-            try:
-                await self._write_queue.put((binding, entry))
-            except BaseException:  # cancelled while waiting: these were never queued
-                self.memory.unpin(entries[i:])
-                raise
-        return 0
-
-    async def _writer(self) -> None:
-        """Write queued entries, up to ``_WRITES_IN_FLIGHT`` at once: a record starts as soon as one ends,
-        so the devices never wait for the slowest record of a group."""
-        assert self._write_queue is not None and self._write_slots is not None
-        queue, slots = self._write_queue, self._write_slots
-
-        def done(task: asyncio.Future[bool]) -> None:
-            self._writes.discard(task)
-            slots.release()
-            queue.task_done()
-            if not task.cancelled() and task.exception() is not None:  # the chunk stays in memory
-                exc = task.exception()
-                self.metrics.log_once("writer", "kvengine: tier write failed: %s: %s", type(exc).__name__, exc)
-
-        while True:
-            await slots.acquire()  # before taking an entry: a cancelled writer holds none
-            try:
-                binding, entry = await queue.get()
-            except BaseException:
-                slots.release()
-                raise
-            task = asyncio.ensure_future(self._write_entry(binding, entry))
-            self._writes.add(task)
-            task.add_done_callback(done)
-
-    async def _write_through(self, binding: ModelBinding, entry: MemoryEntry) -> bool:
-        assert self._write_slots is not None, "engine not started"
-        async with self._write_slots:
-            return await self._write_entry(binding, entry)
-
-    async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry) -> bool:
-        """Encode a pinned entry once per codec, put it to every tier of that codec; unpin. True if
-        every tier took it (a failure is counted, never raised)."""
-        complete = True
-        try:
-            for codec, tiers in self._tiers_by_codec.items():
-                joined = not all(gathers for _, gathers in tiers)  # some tier needs whole records
-                try:
-                    record = await asyncio.get_running_loop().run_in_executor(
-                        self._encoder, partial(self._encode, binding, entry, codec, joined=joined))
-                except Exception as exc:
-                    complete = False
-                    self.metrics.writes_dropped.labels(reason="encode_failed").inc(len(tiers))
-                    self.metrics.log_once(f"encode:{codec.name}", "kvengine: encoding a record with %s failed "
-                                          "(%s: %s)", codec.name, type(exc).__name__, exc)
-                    continue
-                parts = (record.header, record.payload)
-                results = await asyncio.gather(*(
-                    t.put_parts([(record.key, parts)]) if gathers  # type: ignore[attr-defined]
-                    else t.put([(record.key, cast(Buffer, record.joined))])  # joined: some tier needs it
-                    for t, gathers in tiers), return_exceptions=True)  # none still reads the slot
-                for (transport, _), result in zip(tiers, results):
-                    if isinstance(result, BaseException):  # a transport bug: counted as a failed put
-                        self.metrics.log_once(f"put:{transport.name}", "kvengine: %s put raised %s: %s",
-                                              transport.name, type(result).__name__, result)
-                    elif result[0]:
-                        self.metrics.stored_bytes.labels(tier=transport.name).inc(record.nbytes)
-                        self.metrics.stored_chunks.labels(tier=transport.name).inc()
-                        continue
-                    complete = False
-                    self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()
-                del record  # its buffers go back to the pool
-        finally:
-            self.memory.unpin([entry])
-        return complete
-
     def holds(self, key: ChunkKey) -> bool:
         """Whether the memory tier holds ``key`` now (a later read may still miss: it can be evicted)."""
         return self.memory.contains(key)
@@ -845,144 +497,17 @@ class CacheEngine:
         if entry is None:
             return None
         try:
-            header, payload = self._record_parts(binding, entry, self.peer_codec)
+            header, payload = self.writer.record_parts(binding, entry, self.peer_codec)
             return b"".join((header, payload))  # one copy
         finally:
             self.memory.unpin([entry])
 
-    def _encode(self, binding: ModelBinding, entry: MemoryEntry, codec: Codec, *, joined: bool) -> _EncodedRecord:
-        """A pinned entry's record as header + payload, the payload where it lies for the raw codec (blocking).
-
-        With ``joined``, also the whole record in a recycled page-aligned buffer:
-        one copy and no page faults.
-        """
-        header, payload = self._record_parts(binding, entry, codec)
-        body = memoryview(payload).cast("B")
-        record = None
-        if joined:
-            record = self._record_buffers.take(len(header) + body.nbytes)
-            record[: len(header)] = header
-            record[len(header) :] = body
-        return _EncodedRecord(entry.key, header, body, record)
-
-    def _record_parts(
-        self, binding: ModelBinding, entry: MemoryEntry, codec: Codec
-    ) -> tuple[bytes, bytes | memoryview]:
-        """Header and ``codec``-encoded payload of a pinned entry's record (blocking)."""
-        raw = memoryview(self.memory.raw(entry).numpy().data)
-        tensors = descriptors_for(binding.layout, entry.num_tokens)
-        try:
-            payload = codec.encode(raw, tensors)
-        except InvalidRequestError as exc:  # e.g. NaN/inf under a quantizing codec
-            if not codec.lossless:
-                raise  # raw bytes would be exact, i.e. not what this lossy namespace promises
-            self.metrics.log_once("encode", "kvengine: codec %s refused a chunk (%s); stored raw", codec.name, exc)
-            codec, payload = self._raw_codec, raw
-        flags = RecordFlag.NONE if binding.namespace.verified else RecordFlag.UNVERIFIED
-        header = encode_header(entry.key, entry.token_range, tensors, codec_id=codec.codec_id,
-                               raw_length=entry.nbytes, payload=payload, flags=flags)
-        return header, payload
-
     def _on_evict(self, entry: MemoryEntry) -> None:
         self._memory_evictions.inc()
-
-
-class _PlacedRead:
-    """One record of a placed promotion: where its payload goes, and what became of it.
-
-    :meth:`place` runs on the transport's I/O thread once the record's header
-    is verified: it checks the header against the request and returns the
-    destination, i.e. a new memory slot for a raw payload, a recycled buffer
-    for an encoded one (decoded in :meth:`admit`), or None to stop the read.
-    Slots are taken in prompt order (each placement waits for the previous
-    record's), so when memory runs short it is the tail that goes without.
-    :meth:`admit` and :meth:`discard` run on the event loop after the read.
-    """
-
-    __slots__ = ("engine", "binding", "key", "start", "tier", "prev", "placed", "entry", "scratch", "outcome")
-
-    def __init__(self, engine: CacheEngine, binding: ModelBinding, key: ChunkKey, start: int, tier: str,
-                 prev: _PlacedRead | None) -> None:
-        self.engine, self.binding, self.key, self.start, self.tier = engine, binding, key, start, tier
-        self.prev = prev
-        self.placed = threading.Event()  # set once this record's place is settled (or never asked for)
-        self.entry: MemoryEntry | None = None
-        self.scratch: memoryview | None = None
-        self.outcome: IntegrityError | Prepared | None = None  # why place() declined
-
-    def place(self, header: RecordHeader) -> memoryview | None:
-        # Reads are submitted in order to a FIFO pool, so the previous one is running or done.
-        if self.prev is not None:
-            self.prev.placed.wait(_PLACE_WAIT_S)
-            self.prev = None
-        try:
-            return self._place(header)
-        finally:
-            self.placed.set()
-
-    def _place(self, header: RecordHeader) -> memoryview | None:
-        engine = self.engine
-        try:
-            engine._check_promoted(self.binding, header, self.start)
-            if not isinstance(engine.codecs.by_id(header.codec_id), RawCodec):
-                self.scratch = engine._record_buffers.take(header.payload_length)
-                return self.scratch
-            if header.payload_length != header.raw_length:
-                raise IntegrityError("codec_length", f"raw payload {header.payload_length} B, "
-                                     f"header says {header.raw_length}")
-        except IntegrityError as exc:
-            self.outcome = exc
-            return None
-        entry = engine.memory.prepare(self.key, self.binding.layout, (header.token_start, header.token_end))
-        if isinstance(entry, Prepared):
-            self.outcome = entry
-            return None
-        self.entry = entry
-        return memoryview(engine.memory.raw(entry).numpy().data)
-
-    async def admit(self, header: RecordHeader | None) -> MemoryEntry | AdmitRejected | None:
-        """The pinned entry, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""
-        engine = self.engine
-        if header is None:
-            self.discard()
-            if isinstance(self.outcome, IntegrityError):
-                engine.metrics.integrity_failure(self.outcome.reason, f"{self.tier}: {self.outcome}")
-                return AdmitRejected.CORRUPT
-            if isinstance(self.outcome, Prepared):  # present already (a concurrent promotion) or no room
-                return engine.memory.pin(self.key) or AdmitRejected.NO_ROOM
-            return None
-        entry, self.entry = self.entry, None
-        if entry is None:  # an encoded payload, read into scratch
-            assert self.scratch is not None
-            payload, self.scratch = self.scratch[: header.payload_length], None
-            return await asyncio.to_thread(engine._admit_payload, self.binding, self.key, header, payload, self.tier)
-        engine.memory.commit(entry, keep_pin=True)
-        engine.metrics.loaded_bytes.labels(tier=self.tier).inc(header.raw_length)
-        return entry
-
-    def discard(self) -> None:
-        if self.entry is not None:
-            self.engine.memory.abort(self.entry)
-            self.entry = None
-        self.scratch = None
-
-
-@dataclass(frozen=True, slots=True)
-class _EncodedRecord:
-    """A record ready for the tiers: its parts, and the whole record for transports that need one."""
-
-    key: ChunkKey
-    header: bytes
-    payload: memoryview  # a memory slot (raw codec: no copy) or the codec's output
-    joined: memoryview | None
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.header) + self.payload.nbytes
 
 
 def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-__all__ = ["AdmitRejected", "CacheEngine"]
+__all__ = ["CacheEngine"]

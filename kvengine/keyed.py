@@ -40,10 +40,11 @@ import torch
 import xxhash
 
 from .copies import copy_all
-from .engine import AdmitRejected, CacheEngine
+from .engine import CacheEngine
 from .errors import InvalidRequestError
 from .keys import ChunkHash, ChunkKey, Namespace
 from .memory_tier import MemoryEntry, Prepared
+from .promotion import AdmitRejected
 from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place
 from .types import ModelBinding
 
@@ -148,7 +149,7 @@ class KeyedStore:
             todo = [i for i, hit in enumerate(found) if not hit]
             if not todo:
                 break
-            present = await self.engine.guarded(transport, "exists", transport.exists([ckeys[i] for i in todo]),
+            present = await self.engine.tiers.guarded(transport, "exists", transport.exists([ckeys[i] for i in todo]),
                                                 [False] * len(todo))
             for i, hit in zip(todo, present):
                 found[i] = hit
@@ -169,7 +170,7 @@ class KeyedStore:
         ckeys = self.chunk_keys(keys)
         outcomes, held = await asyncio.to_thread(self._copy_in, ckeys, source)
         if held:
-            await self.engine.write_lower_tiers(self.binding, held)
+            await self.engine.writer.hand_off(self.binding, held)
         return outcomes
 
     def _copy_in(self, ckeys: list[ChunkKey], source: KeyedSource) -> tuple[list[PutOutcome], list[MemoryEntry]]:
@@ -240,7 +241,7 @@ class KeyedStore:
             todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
             if not todo:
                 return
-            present = await self.engine.guarded(transport, "exists", transport.exists([ckeys[i] for i in todo]),
+            present = await self.engine.tiers.guarded(transport, "exists", transport.exists([ckeys[i] for i in todo]),
                                                 [False] * len(todo))
             todo = [i for i, hit in zip(todo, present) if hit]
             if not todo:
@@ -266,19 +267,19 @@ class KeyedStore:
                              index: list[int]) -> list[tuple[int, object]]:
         """Records through the transport's own buffers, verified and admitted (corrupt ones deleted)."""
         misses: list[Buffer | None] = [None] * len(keys)
-        blobs = await self.engine.guarded(transport, "get", transport.get(keys), misses)
+        blobs = await self.engine.tiers.guarded(transport, "get", transport.get(keys), misses)
         found = [(i, key, blob) for i, key, blob in zip(index, keys, blobs) if blob is not None]
         admitted = await asyncio.to_thread(
-            lambda: [self.engine.admit_record(self.binding, key, blob, 0, transport.name) for _, key, blob in found])
+            lambda: [self.engine.promoter.admit_record(self.binding, key, blob, 0, transport.name) for _, key, blob in found])
         corrupt = [key for (_, key, _), result in zip(found, admitted) if result is AdmitRejected.CORRUPT]
         if corrupt:
-            await self.engine.guarded(transport, "delete", transport.delete(corrupt), None)
+            await self.engine.tiers.guarded(transport, "delete", transport.delete(corrupt), None)
         return [(i, result) for (i, _, _), result in zip(found, admitted)]
 
     async def _read_in_place(self, transport: ReadsInPlace, keys: list[ChunkKey],
                              index: list[int]) -> list[tuple[int, object]]:
         """Records read straight into memory slots, concurrently (the transport bounds its I/O)."""
-        results = await asyncio.gather(*(self.engine.promote_placed(self.binding, transport, key, 0) for key in keys),
+        results = await asyncio.gather(*(self.engine.promoter.promote_one(self.binding, transport, key, 0) for key in keys),
                                        return_exceptions=True)
         return list(zip(index, results))
 

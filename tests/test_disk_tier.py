@@ -147,7 +147,7 @@ def test_long_prompt_is_promoted_from_disk_window_by_window(tmp_path):
     Regression (issue 9): promotion read a whole run of records before admitting any, so a
     32k-token prompt held a second prompt's worth of fresh, page-faulting read buffers.
     """
-    from kvengine.engine import _READ_WINDOW
+    from kvengine.promotion import _READ_WINDOW
 
     layout = make_layout()
     n = 2 * _READ_WINDOW + 2
@@ -164,7 +164,7 @@ def test_long_prompt_is_promoted_from_disk_window_by_window(tmp_path):
 def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
     """Scenario: the file of a chunk in the second read window vanishes after the index was built:
     the chunks before it are served, the rest is a miss, and no pin leaks."""
-    from kvengine.engine import _READ_WINDOW
+    from kvengine.promotion import _READ_WINDOW
     from kvengine.hashing import prefix_hashes
     from kvengine.keys import ChunkKey
     from kvengine.transports._disk_files import record_name
@@ -195,7 +195,7 @@ def test_promotion_reads_records_straight_into_memory_verifying_each_once(tmp_pa
     """Scenario (issue 9): a restarted engine promotes a prompt from disk with placed reads: every
     payload lands in its memory slot (no read buffer taken), its checksum is verified once (by the
     transport, over the slot; the engine does not unpack the record again), and the KV is exact."""
-    import kvengine.engine as engine_mod
+    import kvengine.promotion as promotion_mod
     import kvengine.transports._disk_files as files_mod
 
     layout = make_layout()
@@ -204,9 +204,9 @@ def test_promotion_reads_records_straight_into_memory_verifying_each_once(tmp_pa
     with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
         eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
     verified, unpacked = [], []
-    real_verify, real_unpack = files_mod.verify_payload, engine_mod.unpack_record
+    real_verify, real_unpack = files_mod.verify_payload, promotion_mod.unpack_record
     monkeypatch.setattr(files_mod, "verify_payload", lambda h, p: (verified.append(h.key), real_verify(h, p))[1])
-    monkeypatch.setattr(engine_mod, "unpack_record", lambda *a, **k: (unpacked.append(1), real_unpack(*a, **k))[1])
+    monkeypatch.setattr(promotion_mod, "unpack_record", lambda *a, **k: (unpacked.append(1), real_unpack(*a, **k))[1])
     with engine_with_disk(tmp_path, capacity_chunks=n) as eng:
         b = eng.bind(Namespace(model="m"), layout)
         matched, result, exact = load_all(eng, b, toks, kv)

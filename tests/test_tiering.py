@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import kvengine.engine as engine_module
+import kvengine.tier_writer as tier_writer_module
 from kvengine import CacheEngine, ChunkKey, Namespace
 from kvengine.errors import InvalidRequestError, TransportError
 from kvengine.record import unpack_record
@@ -128,7 +128,7 @@ async def test_a_full_write_queue_makes_stores_wait_and_drops_nothing(layout, mo
     """Regression (acknowledged but never written): a full write-behind queue dropped tier writes, so
     pages a caller had been told were stored went missing after a restart. Now the store waits for room
     (counted), every chunk reaches the tier, and only close(flush=False) drops what is queued, counted."""
-    monkeypatch.setattr(engine_module, "_WRITES_IN_FLIGHT", 1)
+    monkeypatch.setattr(tier_writer_module, "_WRITES_IN_FLIGHT", 1)
     t = DictTransport()
     t.put_delay = 0.05
     eng = await make_engine(t, max_pending_writes=1)
@@ -304,7 +304,7 @@ async def test_a_gathering_tier_gets_raw_payloads_straight_from_memory_while_oth
     assert gathering.blobs == whole.blobs and len(whole.blobs) == 2
     for key in list(gathering.blobs):
         eng.memory.discard(key)
-    eng.transports = [gathering]  # promote from the gathering tier only
+    whole.blobs.clear()  # promote from the gathering tier only
     res = await eng.lookup(b, "r", toks)
     out = [torch.zeros_like(t) for t in kv.layers]
     assert res.matched_tokens == 2 * CHUNK and (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
@@ -330,7 +330,7 @@ class CountingTransport(DictTransport):
 
 async def test_writes_overlap_up_to_the_in_flight_bound(layout, monkeypatch):
     """Queued chunks are written several at a time, never more than the bound, all of them in the end."""
-    monkeypatch.setattr(engine_module, "_WRITES_IN_FLIGHT", 3)
+    monkeypatch.setattr(tier_writer_module, "_WRITES_IN_FLIGHT", 3)
     t = CountingTransport()
     t.put_delay = 0.05
     eng = CacheEngine(make_config(capacity=16 * layout.nbytes()), transports=[t])

@@ -19,7 +19,11 @@ is several times slower through libzmq) sent with ``copy=False``.
 CURVE (:class:`CurveConfig`): servers need their key pair; clients need a
 key pair and the servers' public key. With ``allowed_clients`` a server
 admits only those client keys (a ZAP handler on the server's own context);
-without it, any client that knows the server's public key. A client without
+without it, any client that knows the server's public key. Off loopback a
+server must have ``allowed_clients``: libzmq assembles each message whole
+before the server sees it, so bounds on frames and bytes cannot be enforced
+before buffering (:mod:`.tcp_peer` can), and only admission keeps a
+stranger from stalling the server. A client without
 the right keys never completes the handshake: its requests time out (misses).
 """
 
@@ -43,7 +47,7 @@ from kvengine.errors import ConfigError, TransportError
 from kvengine.keys import ChunkKey
 from kvengine.transport import Buffer
 
-from .peer_client import Answer, Connector, PeerTransport, client_from_config
+from .peer_client import Answer, Connector, PeerTransport, client_from_config, is_loopback
 from .peer_protocol import (
     TAG_MAGIC,
     Limits,
@@ -316,6 +320,13 @@ class ZmqPeerServer:
         self._inflight: Counter[bytes] = Counter()  # requests being served, per client routing id
         self._blamed: set[str] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        curve = self.zmq_options.curve
+        if not is_loopback(self.host) and (curve is None or curve.allowed_clients is None):
+            raise ConfigError(
+                f"a ZeroMQ peer server on {bind} (off loopback) must admit only listed clients (CURVE with "
+                "allowed_clients; kvengine serve --curve-allow or --tenants): libzmq buffers each message whole "
+                "before kvengine can check it, so any client that connects could stall the server. For clients "
+                "you do not all trust, use the tcp wire (kvengine serve --transport tcp)")
         if self.service.options.tenants is not None and (
                 self.zmq_options.curve is None or self.zmq_options.curve.allowed_clients is None):
             raise ConfigError("tenants need CURVE with an allow-list (the wire must prove each client's key); "

@@ -718,5 +718,8 @@ def test_serving_off_loopback_without_a_secret_or_curve_refuses_to_start(capsys,
     (tmp_path / "secret").write_bytes(SECRET)
     args = serve.__globals__["build_parser"]().parse_args(["--bind", "0.0.0.0:0", "--secret-file",
                                                            str(tmp_path / "secret")])
+    with pytest.raises(ConfigError, match="must admit only listed clients.*use the tcp wire"):
+        serve.__globals__["_server"](args, MemoryRecordStore(MiB))  # zmq: a secret alone does not admit
+    args.transport = "tcp"
     server = serve.__globals__["_server"](args, MemoryRecordStore(MiB))  # built, not started: allowed
     assert server.service.options.secret == SECRET

@@ -1,0 +1,321 @@
+"""Promotion: bringing chunks from the lower tiers into memory, verified, in prompt order, pinned.
+
+:meth:`Promoter.promote` serves a lookup: the longest prefix of the asked
+chunks that some tier holds, each record verified (integrity, its key, its
+token position, the model's layout, the verification flag) before its bytes
+are admitted. A record that fails is a counted miss and is deleted where it
+was found; a tier that fails a call is a counted miss (:class:`TierSet`);
+nothing here raises for a cache fault. The chunks come back pinned, for the
+caller's reservation.
+
+Two read paths: windows of whole records (any transport), or, for
+:class:`~kvengine.transport.ReadsInPlace` transports, reads straight into
+the memory slots (:class:`_PlacedRead`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import threading
+from collections import deque
+from collections.abc import Awaitable
+
+import numpy as np
+
+from .buffers import BufferPool
+from .codecs import CodecRegistry, RawCodec
+from .errors import IntegrityError
+from .keys import ChunkKey
+from .memory_tier import MemoryEntry, MemoryTier, Prepared
+from .metrics import EngineMetrics
+from .record import RecordFlag, RecordHeader, descriptors_for, unpack_record
+from .tier_set import TierSet
+from .transport import Buffer, ReadsInPlace, reads_in_place
+from .types import ModelBinding
+
+#: Promotion reads this many records at a time, the next window while admitting this one.
+_READ_WINDOW = 4
+#: Promotion through a transport with placed reads keeps this many reads in flight, each
+#: straight into its memory slot (no read buffers), admitted in order as they complete.
+_READ_AHEAD = 8
+#: Longest a placed read waits for the previous record's placement (its header read), so that
+#: slots are taken in prompt order; past it, it goes ahead (order only matters when memory is short).
+_PLACE_WAIT_S = 2.0
+
+
+class AdmitRejected(enum.Enum):
+    """Why a lower-tier record was not admitted into memory."""
+
+    CORRUPT = "corrupt"  # a lower-tier record failed verification; delete it
+    NO_ROOM = "no_room"  # a verified record found no room in memory; keep it
+
+
+def check_position(binding: ModelBinding, header: RecordHeader, start: int) -> None:
+    """Raise IntegrityError unless a (verified) header is the chunk of ``binding`` starting at ``start``:
+    bytes that verify are not usable at another position, in another layout, or for another kind of reader."""
+    n = header.token_end - header.token_start
+    if header.token_start != start or not 0 < n <= binding.chunk_size:
+        raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
+                             f"{header.token_end}, expected a chunk starting at {start}")
+    if header.tensors != descriptors_for(binding.layout, n):
+        raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
+    if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
+        raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
+
+
+class Promoter:
+    """Reads records from a :class:`TierSet` into a :class:`MemoryTier`."""
+
+    def __init__(self, memory: MemoryTier, tiers: TierSet, codecs: CodecRegistry, metrics: EngineMetrics,
+                 scratch: BufferPool) -> None:
+        self.memory = memory
+        self.tiers = tiers
+        self.codecs = codecs
+        self.metrics = metrics
+        #: Buffers for encoded payloads read in place (decoded into their slot afterwards).
+        self.scratch = scratch
+
+    async def promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int) -> list[MemoryEntry]:
+        """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned.
+
+        ``keys[0]`` is chunk number ``first_chunk`` of the request; each record
+        must cover exactly that chunk's token positions.
+        """
+        promoted: list[MemoryEntry] = []
+        for transport in self.tiers.transports:
+            want = keys[len(promoted) :]
+            if not want:
+                break
+            present = await self.tiers.guarded(transport, "exists", transport.exists(want), [False] * len(want))
+            run = next((i for i, ok in enumerate(present) if not ok), len(want))
+            if run == 0:
+                continue
+            if reads_in_place(transport):
+                got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted))
+                promoted += got
+                if len(got) < run:
+                    return promoted
+                continue
+            # A few records at a time, the next window read while this one is admitted: read
+            # buffers are recycled (no page faults) and at most 2 windows of records exist at once.
+            windows = [want[i : min(i + _READ_WINDOW, run)] for i in range(0, run, _READ_WINDOW)]
+            pending: asyncio.Future[list[Buffer | None]] | None = asyncio.ensure_future(transport.get(windows[0]))
+            try:
+                for k, window in enumerate(windows):
+                    assert pending is not None
+                    try:
+                        blobs = await pending
+                    except Exception as exc:  # a tier that fails a read is a miss from there on
+                        pending = None
+                        self.tiers.fault(transport, "get", exc)
+                        return promoted
+                    pending = asyncio.ensure_future(transport.get(windows[k + 1])) if k + 1 < len(windows) else None
+                    for key, blob in zip(window, blobs):
+                        if blob is None:
+                            return promoted
+                        start = (first_chunk + len(promoted)) * binding.chunk_size
+                        entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
+                        if entry is AdmitRejected.CORRUPT:
+                            await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
+                        if not isinstance(entry, MemoryEntry):
+                            return promoted
+                        promoted.append(entry)
+                    del blobs  # this window's read buffers go back to the transport's pool
+            finally:
+                if pending is not None:  # stopped early: let the read in flight finish, drop it
+                    with contextlib.suppress(Exception):
+                        await pending
+        return promoted
+
+    def admit_record(
+        self, binding: ModelBinding, key: ChunkKey, blob: object, start: int, tier: str
+    ) -> MemoryEntry | AdmitRejected:
+        """Verify a record covering tokens from ``start`` and copy it into memory, pinned.
+
+        Or say why not (corrupt records are counted; the caller deletes them).
+        Blocking: run it in a worker thread.
+        """
+        try:
+            header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
+            check_position(binding, header, start)
+        except IntegrityError as exc:
+            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
+            return AdmitRejected.CORRUPT
+        except Exception as exc:
+            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
+            return AdmitRejected.CORRUPT
+        return self.admit_payload(binding, key, header, payload, tier)
+
+    def admit_payload(
+        self, binding: ModelBinding, key: ChunkKey, header: RecordHeader, payload: memoryview, tier: str
+    ) -> MemoryEntry | AdmitRejected:
+        """Decode a verified record's payload into a new memory entry, pinned (blocking)."""
+        try:
+            raw = self.codecs.by_id(header.codec_id).decode(payload, header.tensors)
+            if len(raw) != header.raw_length:
+                raise IntegrityError("codec_length", f"decoded {len(raw)} B, header says {header.raw_length}")
+        except IntegrityError as exc:
+            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
+            return AdmitRejected.CORRUPT
+        except Exception as exc:  # a codec library failing on garbage is still a miss
+            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
+            return AdmitRejected.CORRUPT
+        entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
+        if isinstance(entry, Prepared):
+            # Present already (a concurrent promotion) or no room: pin what is there, if anything.
+            return self.memory.pin(key) or AdmitRejected.NO_ROOM
+        self.memory.raw(entry).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+        self.memory.commit(entry, keep_pin=True)
+        self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
+        return entry
+
+    async def _promote_placed(
+        self, binding: ModelBinding, transport: ReadsInPlace, keys: list[ChunkKey], first_chunk: int
+    ) -> list[MemoryEntry]:
+        """The longest prefix of ``keys`` (all present in ``transport``) read straight into memory, pinned.
+
+        For :class:`~kvengine.transport.ReadsInPlace` transports (see also
+        :class:`_PlacedRead`): up to ``_READ_AHEAD`` reads in flight, no window
+        barrier and no read buffers; each header is checked before a slot is
+        taken, the payload checksum is verified once (by the transport, over
+        the slot), and records are admitted in order.
+        """
+        reads: list[_PlacedRead] = []
+        for i, key in enumerate(keys):
+            reads.append(_PlacedRead(self, binding, key, (first_chunk + i) * binding.chunk_size, transport.name,
+                                     reads[-1] if reads else None))
+        inflight: deque[tuple[_PlacedRead, asyncio.Future[RecordHeader | None]]] = deque()
+        promoted: list[MemoryEntry] = []
+
+        def launch() -> None:
+            read = reads[len(promoted) + len(inflight)]
+            inflight.append((read, asyncio.ensure_future(transport.get_into(read.key, read.place))))
+
+        try:
+            while len(inflight) < min(_READ_AHEAD, len(reads)):
+                launch()
+            while inflight:
+                read, pending = inflight.popleft()
+                entry = await self._settle(transport, read, pending)
+                if not isinstance(entry, MemoryEntry):
+                    break
+                promoted.append(entry)
+                if len(promoted) + len(inflight) < len(reads):
+                    launch()
+        finally:
+            for read, _ in inflight:
+                read.placed.set()
+            for read, pending in inflight:  # stopped early: let reads in flight finish, drop their slots
+                with contextlib.suppress(Exception):
+                    await pending
+                read.discard()
+        return promoted
+
+    async def promote_one(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
+                          start: int) -> MemoryEntry | AdmitRejected | None:
+        """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
+        deleted from ``transport``. Used for keyed chunks."""
+        read = _PlacedRead(self, binding, key, start, transport.name, None)
+        return await self._settle(transport, read, transport.get_into(key, read.place))
+
+    async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
+                      pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:
+        """Wait for a placed read and admit it; a corrupt record is deleted from ``transport``; a read
+        that fails is a miss (counted)."""
+        try:
+            header = await pending
+        except Exception as exc:
+            read.discard()
+            self.tiers.fault(transport, "get", exc)
+            return None
+        except BaseException:
+            read.discard()
+            raise
+        finally:
+            read.placed.set()  # also when the transport never asked for a place (a miss)
+        entry = await read.admit(header)
+        if entry is AdmitRejected.CORRUPT:
+            await self.tiers.guarded(transport, "delete", transport.delete([read.key]), None)
+        return entry
+
+
+class _PlacedRead:
+    """One record of a placed promotion: where its payload goes, and what became of it.
+
+    :meth:`place` runs on the transport's I/O thread once the record's header
+    is verified: it checks the header against the request and returns the
+    destination, i.e. a new memory slot for a raw payload, a recycled buffer
+    for an encoded one (decoded in :meth:`admit`), or None to stop the read.
+    Slots are taken in prompt order (each placement waits for the previous
+    record's), so when memory runs short it is the tail that goes without.
+    :meth:`admit` and :meth:`discard` run on the event loop after the read.
+    """
+
+    __slots__ = ("promoter", "binding", "key", "start", "tier", "prev", "placed", "entry", "scratch", "outcome")
+
+    def __init__(self, promoter: Promoter, binding: ModelBinding, key: ChunkKey, start: int, tier: str,
+                 prev: _PlacedRead | None) -> None:
+        self.promoter, self.binding, self.key, self.start, self.tier = promoter, binding, key, start, tier
+        self.prev = prev
+        self.placed = threading.Event()  # set once this record's place is settled (or never asked for)
+        self.entry: MemoryEntry | None = None
+        self.scratch: memoryview | None = None
+        self.outcome: IntegrityError | Prepared | None = None  # why place() declined
+
+    def place(self, header: RecordHeader) -> memoryview | None:
+        # Reads are submitted in order to a FIFO pool, so the previous one is running or done.
+        if self.prev is not None:
+            self.prev.placed.wait(_PLACE_WAIT_S)
+            self.prev = None
+        try:
+            return self._place(header)
+        finally:
+            self.placed.set()
+
+    def _place(self, header: RecordHeader) -> memoryview | None:
+        promoter = self.promoter
+        try:
+            check_position(self.binding, header, self.start)
+            if not isinstance(promoter.codecs.by_id(header.codec_id), RawCodec):
+                self.scratch = promoter.scratch.take(header.payload_length)
+                return self.scratch
+            if header.payload_length != header.raw_length:
+                raise IntegrityError("codec_length", f"raw payload {header.payload_length} B, "
+                                     f"header says {header.raw_length}")
+        except IntegrityError as exc:
+            self.outcome = exc
+            return None
+        entry = promoter.memory.prepare(self.key, self.binding.layout, (header.token_start, header.token_end))
+        if isinstance(entry, Prepared):
+            self.outcome = entry
+            return None
+        self.entry = entry
+        return memoryview(promoter.memory.raw(entry).numpy().data)
+
+    async def admit(self, header: RecordHeader | None) -> MemoryEntry | AdmitRejected | None:
+        """The pinned entry, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""
+        promoter = self.promoter
+        if header is None:
+            self.discard()
+            if isinstance(self.outcome, IntegrityError):
+                promoter.metrics.integrity_failure(self.outcome.reason, f"{self.tier}: {self.outcome}")
+                return AdmitRejected.CORRUPT
+            if isinstance(self.outcome, Prepared):  # present already (a concurrent promotion) or no room
+                return promoter.memory.pin(self.key) or AdmitRejected.NO_ROOM
+            return None
+        entry, self.entry = self.entry, None
+        if entry is None:  # an encoded payload, read into scratch
+            assert self.scratch is not None
+            payload, self.scratch = self.scratch[: header.payload_length], None
+            return await asyncio.to_thread(promoter.admit_payload, self.binding, self.key, header, payload, self.tier)
+        promoter.memory.commit(entry, keep_pin=True)
+        promoter.metrics.loaded_bytes.labels(tier=self.tier).inc(header.raw_length)
+        return entry
+
+    def discard(self) -> None:
+        if self.entry is not None:
+            self.promoter.memory.abort(self.entry)
+            self.entry = None
+        self.scratch = None
