@@ -202,10 +202,11 @@ class CacheEngine:
         if existing is not None:
             self._end(existing)
         keys = [ChunkKey(binding.digest, h) for h in hashes]
+        asked = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
         entries = self.memory.pin_prefix(keys)
         if len(entries) < len(keys) and self.transports:
             with read_scope():  # one deadline for all of this lookup's reads from lower tiers
-                entries += await self.promoter.promote(binding, keys[len(entries) :], len(entries))
+                entries += await self.promoter.promote(binding, keys[len(entries) :], len(entries), asked)
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
@@ -220,7 +221,7 @@ class CacheEngine:
         if replaced is not None:  # a concurrent lookup of the same request won the race
             self._end(replaced)
         self.metrics.lookups.inc()
-        self.metrics.lookup_tokens.inc(len(tokens) if max_tokens is None else min(len(tokens), max_tokens))
+        self.metrics.lookup_tokens.inc(asked)
         self.metrics.hit_tokens.inc(res.matched_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
         return res

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import threading
 from collections import deque
 from collections.abc import Awaitable
 
@@ -40,9 +39,6 @@ _READ_WINDOW = 4
 #: Promotion through a transport with placed reads keeps this many reads in flight, each
 #: straight into its memory slot (no read buffers), admitted in order as they complete.
 _READ_AHEAD = 8
-#: Longest a placed read waits for the previous record's placement (its header read), so that
-#: slots are taken in prompt order; past it, it goes ahead (order only matters when memory is short).
-_PLACE_WAIT_S = 2.0
 
 
 class AdmitRejected(enum.Enum):
@@ -52,11 +48,12 @@ class AdmitRejected(enum.Enum):
     NO_ROOM = "no_room"  # a verified record found no room in memory; keep it
 
 
-def check_position(binding: ModelBinding, header: RecordHeader, start: int) -> None:
-    """Raise IntegrityError unless a (verified) header is the chunk of ``binding`` starting at ``start``:
-    bytes that verify are not usable at another position, in another layout, or for another kind of reader."""
+def check_position(binding: ModelBinding, header: RecordHeader, start: int, end: int | None = None) -> None:
+    """Raise IntegrityError unless a (verified) header is the chunk of ``binding`` starting at ``start``
+    (and ending at ``end``, when known): bytes that verify are not usable at another position, in another
+    layout, or for another kind of reader."""
     n = header.token_end - header.token_start
-    if header.token_start != start or not 0 < n <= binding.chunk_size:
+    if header.token_start != start or not 0 < n <= binding.chunk_size or end not in (None, header.token_end):
         raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
                              f"{header.token_end}, expected a chunk starting at {start}")
     if header.tensors != descriptors_for(binding.layout, n):
@@ -77,11 +74,12 @@ class Promoter:
         #: Buffers for encoded payloads read in place (decoded into their slot afterwards).
         self.scratch = scratch
 
-    async def promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int) -> list[MemoryEntry]:
+    async def promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int,
+                      total_tokens: int) -> list[MemoryEntry]:
         """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned.
 
-        ``keys[0]`` is chunk number ``first_chunk`` of the request; each record
-        must cover exactly that chunk's token positions.
+        ``keys[0]`` is chunk number ``first_chunk`` of a request of ``total_tokens``
+        tokens; each record must cover exactly that chunk's token positions.
         """
         promoted: list[MemoryEntry] = []
         for transport in self.tiers.transports:
@@ -93,7 +91,8 @@ class Promoter:
             if run == 0:
                 continue
             if reads_in_place(transport):
-                got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted))
+                got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted),
+                                                 total_tokens)
                 promoted += got
                 if len(got) < run:
                     return promoted
@@ -149,75 +148,95 @@ class Promoter:
         return self.admit_payload(binding, key, header, payload, tier)
 
     def admit_payload(
-        self, binding: ModelBinding, key: ChunkKey, header: RecordHeader, payload: memoryview, tier: str
+        self, binding: ModelBinding, key: ChunkKey, header: RecordHeader, payload: memoryview, tier: str,
+        slot: MemoryEntry | None = None,
     ) -> MemoryEntry | AdmitRejected:
-        """Decode a verified record's payload into a new memory entry, pinned (blocking)."""
+        """Decode a verified record's payload into ``slot`` (prepared for it; aborted if the payload is
+        bad) or else a new memory entry; the entry comes back committed and pinned (blocking)."""
         try:
             raw = self.codecs.by_id(header.codec_id).decode(payload, header.tensors)
-            if len(raw) != header.raw_length:
+            if len(raw) != header.raw_length or (slot is not None and len(raw) != slot.nbytes):
                 raise IntegrityError("codec_length", f"decoded {len(raw)} B, header says {header.raw_length}")
-        except IntegrityError as exc:
-            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
-            return AdmitRejected.CORRUPT
         except Exception as exc:  # a codec library failing on garbage is still a miss
-            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
+            if slot is not None:
+                self.memory.abort(slot)
+            reason = exc.reason if isinstance(exc, IntegrityError) else "decode_error"
+            self.metrics.integrity_failure(reason, f"{tier}: {type(exc).__name__}: {exc}")
             return AdmitRejected.CORRUPT
-        entry = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
-        if isinstance(entry, Prepared):
-            # Present already (a concurrent promotion) or no room: pin what is there, if anything.
-            return self.memory.pin(key) or AdmitRejected.NO_ROOM
-        self.memory.raw(entry).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
-        self.memory.commit(entry, keep_pin=True)
+        if slot is None:
+            prepared = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
+            if isinstance(prepared, Prepared):
+                # Present already (a concurrent promotion) or no room: pin what is there, if anything.
+                return self.memory.pin(key) or AdmitRejected.NO_ROOM
+            slot = prepared
+        self.memory.raw(slot).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+        self.memory.commit(slot, keep_pin=True)
         self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
-        return entry
+        return slot
 
-    async def _promote_placed(
-        self, binding: ModelBinding, transport: ReadsInPlace, keys: list[ChunkKey], first_chunk: int
-    ) -> list[MemoryEntry]:
+    async def _promote_placed(self, binding: ModelBinding, transport: ReadsInPlace, keys: list[ChunkKey],
+                              first_chunk: int, total_tokens: int) -> list[MemoryEntry]:
         """The longest prefix of ``keys`` (all present in ``transport``) read straight into memory, pinned.
 
         For :class:`~kvengine.transport.ReadsInPlace` transports (see also
-        :class:`_PlacedRead`): up to ``_READ_AHEAD`` reads in flight, no window
-        barrier and no read buffers; each header is checked before a slot is
-        taken, the payload checksum is verified once (by the transport, over
-        the slot), and records are admitted in order.
+        :class:`_PlacedRead`): the memory slots are taken first, in prompt
+        order (so when memory runs short it is the tail that goes without),
+        then up to ``_READ_AHEAD`` reads run at once, each straight into its
+        slot: no read buffers, no window barrier. Each header is checked
+        before its payload is read, the payload checksum is verified once (by
+        the transport, over the slot), and records are admitted in order.
         """
-        reads: list[_PlacedRead] = []
+        size = binding.chunk_size
+        items: list[MemoryEntry | _PlacedRead] = []  # a chunk already in memory (pinned), or its read
         for i, key in enumerate(keys):
-            reads.append(_PlacedRead(self, binding, key, (first_chunk + i) * binding.chunk_size, transport.name,
-                                     reads[-1] if reads else None))
+            start = (first_chunk + i) * size
+            tokens = (start, min(start + size, total_tokens))
+            slot = self.memory.prepare(key, binding.layout, tokens)
+            if slot is Prepared.PRESENT:  # a concurrent promotion or store brought it
+                slot = self.memory.pin(key) or Prepared.NO_ROOM
+            if slot is Prepared.NO_ROOM:
+                break
+            assert isinstance(slot, MemoryEntry)
+            items.append(slot if slot.committed else _PlacedRead(self, binding, key, tokens, transport.name, slot))
         inflight: deque[tuple[_PlacedRead, asyncio.Future[RecordHeader | None]]] = deque()
+        launched = 0
         promoted: list[MemoryEntry] = []
 
         def launch() -> None:
-            read = reads[len(promoted) + len(inflight)]
-            inflight.append((read, asyncio.ensure_future(transport.get_into(read.key, read.place))))
+            nonlocal launched
+            while launched < len(items) and len(inflight) < _READ_AHEAD:
+                item = items[launched]
+                launched += 1
+                if isinstance(item, _PlacedRead):
+                    inflight.append((item, asyncio.ensure_future(transport.get_into(item.key, item.place))))
 
         try:
-            while len(inflight) < min(_READ_AHEAD, len(reads)):
+            launch()
+            for item in items:
+                if isinstance(item, _PlacedRead):
+                    read, pending = inflight.popleft()
+                    entry = await self._settle(transport, read, pending)
+                    if not isinstance(entry, MemoryEntry):
+                        break
+                    item = entry
+                promoted.append(item)
                 launch()
-            while inflight:
-                read, pending = inflight.popleft()
-                entry = await self._settle(transport, read, pending)
-                if not isinstance(entry, MemoryEntry):
-                    break
-                promoted.append(entry)
-                if len(promoted) + len(inflight) < len(reads):
-                    launch()
         finally:
-            for read, _ in inflight:
-                read.placed.set()
-            for read, pending in inflight:  # stopped early: let reads in flight finish, drop their slots
+            for _, pending in inflight:  # stopped early: let reads in flight finish
                 with contextlib.suppress(Exception):
                     await pending
-                read.discard()
+            for item in items[len(promoted):]:  # and give back every slot and pin not promoted
+                if isinstance(item, _PlacedRead):
+                    item.discard()
+                else:
+                    self.memory.unpin([item])
         return promoted
 
     async def promote_one(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
                           start: int) -> MemoryEntry | AdmitRejected | None:
         """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
         deleted from ``transport``. Used for keyed chunks."""
-        read = _PlacedRead(self, binding, key, start, transport.name, None)
+        read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
         return await self._settle(transport, read, transport.get_into(key, read.place))
 
     async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
@@ -233,8 +252,6 @@ class Promoter:
         except BaseException:
             read.discard()
             raise
-        finally:
-            read.placed.set()  # also when the transport never asked for a place (a miss)
         entry = await read.admit(header)
         if entry is AdmitRejected.CORRUPT:
             await self.tiers.guarded(transport, "delete", transport.delete([read.key]), None)
@@ -242,42 +259,29 @@ class Promoter:
 
 
 class _PlacedRead:
-    """One record of a placed promotion: where its payload goes, and what became of it.
+    """One record read in place: where its payload goes, and what became of it.
 
     :meth:`place` runs on the transport's I/O thread once the record's header
     is verified: it checks the header against the request and returns the
-    destination, i.e. a new memory slot for a raw payload, a recycled buffer
-    for an encoded one (decoded in :meth:`admit`), or None to stop the read.
-    Slots are taken in prompt order (each placement waits for the previous
-    record's), so when memory runs short it is the tail that goes without.
+    destination, i.e. the memory slot taken for it (``slot``; without one, a
+    slot is taken now) for a raw payload, or a recycled buffer for an encoded
+    one (decoded into the slot in :meth:`admit`), or None to stop the read.
     :meth:`admit` and :meth:`discard` run on the event loop after the read.
     """
 
-    __slots__ = ("promoter", "binding", "key", "start", "tier", "prev", "placed", "entry", "scratch", "outcome")
+    __slots__ = ("promoter", "binding", "key", "tokens", "tier", "entry", "scratch", "outcome")
 
-    def __init__(self, promoter: Promoter, binding: ModelBinding, key: ChunkKey, start: int, tier: str,
-                 prev: _PlacedRead | None) -> None:
-        self.promoter, self.binding, self.key, self.start, self.tier = promoter, binding, key, start, tier
-        self.prev = prev
-        self.placed = threading.Event()  # set once this record's place is settled (or never asked for)
-        self.entry: MemoryEntry | None = None
+    def __init__(self, promoter: Promoter, binding: ModelBinding, key: ChunkKey, tokens: tuple[int, int | None],
+                 tier: str, slot: MemoryEntry | None) -> None:
+        self.promoter, self.binding, self.key, self.tokens, self.tier = promoter, binding, key, tokens, tier
+        self.entry = slot  # uncommitted until admitted
         self.scratch: memoryview | None = None
         self.outcome: IntegrityError | Prepared | None = None  # why place() declined
 
     def place(self, header: RecordHeader) -> memoryview | None:
-        # Reads are submitted in order to a FIFO pool, so the previous one is running or done.
-        if self.prev is not None:
-            self.prev.placed.wait(_PLACE_WAIT_S)
-            self.prev = None
-        try:
-            return self._place(header)
-        finally:
-            self.placed.set()
-
-    def _place(self, header: RecordHeader) -> memoryview | None:
         promoter = self.promoter
         try:
-            check_position(self.binding, header, self.start)
+            check_position(self.binding, header, *self.tokens)
             if not isinstance(promoter.codecs.by_id(header.codec_id), RawCodec):
                 self.scratch = promoter.scratch.take(header.payload_length)
                 return self.scratch
@@ -287,12 +291,13 @@ class _PlacedRead:
         except IntegrityError as exc:
             self.outcome = exc
             return None
-        entry = promoter.memory.prepare(self.key, self.binding.layout, (header.token_start, header.token_end))
-        if isinstance(entry, Prepared):
-            self.outcome = entry
-            return None
-        self.entry = entry
-        return memoryview(promoter.memory.raw(entry).numpy().data)
+        if self.entry is None:
+            entry = promoter.memory.prepare(self.key, self.binding.layout, (header.token_start, header.token_end))
+            if isinstance(entry, Prepared):
+                self.outcome = entry
+                return None
+            self.entry = entry
+        return memoryview(promoter.memory.raw(self.entry).numpy().data)
 
     async def admit(self, header: RecordHeader | None) -> MemoryEntry | AdmitRejected | None:
         """The pinned entry, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""
@@ -306,10 +311,11 @@ class _PlacedRead:
                 return promoter.memory.pin(self.key) or AdmitRejected.NO_ROOM
             return None
         entry, self.entry = self.entry, None
-        if entry is None:  # an encoded payload, read into scratch
-            assert self.scratch is not None
+        if self.scratch is not None:  # an encoded payload: decode it into the slot
             payload, self.scratch = self.scratch[: header.payload_length], None
-            return await asyncio.to_thread(promoter.admit_payload, self.binding, self.key, header, payload, self.tier)
+            return await asyncio.to_thread(promoter.admit_payload, self.binding, self.key, header, payload,
+                                           self.tier, entry)
+        assert entry is not None
         promoter.memory.commit(entry, keep_pin=True)
         promoter.metrics.loaded_bytes.labels(tier=self.tier).inc(header.raw_length)
         return entry
