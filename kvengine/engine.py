@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -44,11 +45,12 @@ from .eviction import make_policy
 from .hashing import TokenInput, prefix_hashes
 from .keys import ChunkKey, Namespace
 from .layout import ChunkLayout
-from .memory_tier import MemoryEntry, MemoryTier, Prepared
+from .memory_tier import MemoryEntry, MemoryTier
 from .metrics import EngineMetrics
 from .promotion import Promoter
 from .quarantine import Quarantine
 from .reservations import Reservation, ReservationState, ReservationTable
+from .stager import Stager
 from .staging import StagedStore
 from .tier_set import TierSet, resolve_codec
 from .tier_writer import TierWriter
@@ -101,12 +103,9 @@ class CacheEngine:
         self.quarantine = Quarantine(config.disk.path)
         self._roots: dict[bytes, str] = {}  # binding digest -> its namespace root (bound in this engine)
         self.metrics.quarantined.set_function(lambda: len(self.quarantine))
-        #: begin_store results not committed yet, to the time after which they count as abandoned
-        self._staged: dict[StagedStore, float] = {}
+        self.stager = Stager(self.memory, self.metrics, hands_on=bool(self.tiers))
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self._memory_stored_bytes = self.metrics.stored_bytes.labels(tier="memory")
-        self._memory_stored_chunks = self.metrics.stored_chunks.labels(tier="memory")
         self._memory_loaded_bytes = self.metrics.loaded_bytes.labels(tier="memory")
         self._memory_evictions = self.metrics.evictions.labels(tier="memory")
 
@@ -317,11 +316,7 @@ class CacheEngine:
                     self.metrics.abandoned.labels(op="load").inc()
                 else:
                     count += 1
-        for staged, deadline in list(self._staged.items()):
-            if deadline < now and not staged.committed:
-                self._staged.pop(staged, None)
-                self._commit_slots(staged, staged.published)  # what was never committed is dropped
-                self.metrics.abandoned.labels(op="store").inc()
+        self.stager.reclaim(now)  # staged stores left unfinished: what was never committed is dropped
         if count:
             self.metrics.reservations_reclaimed.inc(count)
             self.metrics.log_once("reclaim", "kvengine: reclaimed reservations never loaded or released "
@@ -392,9 +387,9 @@ class CacheEngine:
         which must follow. Preparing stops at the first chunk that finds no room.
         """
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
-        staged = self._prepare_slots(binding, hashes, len(tokens))
-        if staged.entries:  # pinned until committed: abandoned ones are dropped by the reaper
-            self._staged[staged] = self._clock() + self.config.lease_seconds * ABANDON_AFTER_LEASES
+        staged = self._stage(binding, hashes, len(tokens))
+        # pinned until committed: abandoned ones are dropped by the reaper
+        self.stager.keep_open(staged, self._clock() + self.config.lease_seconds * ABANDON_AFTER_LEASES)
         return staged
 
     async def commit_store(self, staged: StagedStore, filled_chunks: int) -> StoreResult:
@@ -402,8 +397,7 @@ class CacheEngine:
 
         :raises InvalidRequestError: if ``staged`` was already committed (or abandoned and dropped).
         """
-        self._staged.pop(staged, None)
-        result, held = self._commit_slots(staged, filled_chunks)
+        result, held = self.stager.commit(staged, filled_chunks)
         if held:
             result = replace(result, tier_failures=await self.writer.hand_off(staged.binding, held))
         return result
@@ -412,80 +406,21 @@ class CacheEngine:
         self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource,
         hand_off: Callable[[MemoryEntry], object] | None = None,
     ) -> tuple[StoreResult, list[MemoryEntry], BaseException | None]:
-        """Copy new chunks into memory: the result, the new entries (pinned for the lower tiers), and
-        what ``source`` raised, if it did (the chunks copied before it are committed all the same).
+        """Copy new chunks into memory (blocking): the result, the new entries (pinned for the lower
+        tiers), and what ``source`` raised, if it did (the chunks copied before it are committed all the
+        same). With ``hand_off``, each chunk is handed on as soon as it is copied (see :meth:`Stager.fill`)."""
+        staged = self._stage(binding, hashes, total)
+        filled, error = self.stager.fill(staged, partial(_copy_chunk, binding.layout, source), hand_off)
+        return (*self.stager.commit(staged, filled), error)
 
-        With ``hand_off``, each chunk is committed as soon as it is copied and
-        passed (pinned) to ``hand_off`` instead of being returned.
-        """
-        staged = self._prepare_slots(binding, hashes, total)
-        filled = 0
-        try:
-            for view, entry in zip(staged.chunks, staged.entries):
-                tensors = source(view.index, *view.token_range)
-                if tensors is None:  # the source has no more: the store ends here
-                    break
-                binding.layout.check(tensors, view.token_range[1] - view.token_range[0])
-                copy_all(view.tensors, tensors)
-                filled += 1
-                if hand_off is not None:
-                    self.memory.commit(entry, keep_pin=True)
-                    staged.published = filled
-                    hand_off(entry)
-        except BaseException as exc:  # raised to the caller once the copied chunks are handed on
-            return (*self._commit_slots(staged, filled), exc)
-        return (*self._commit_slots(staged, filled), None)
-
-    def _prepare_slots(self, binding: ModelBinding, hashes: list, total: int) -> StagedStore:
-        """Slots for the new chunks, pinned for the writer.
-
-        The new entries stay pinned until committed and handed on, so that a
-        prompt larger than memory never evicts its own head (which would make
-        every later chunk unreachable); the tail that does not fit is rejected instead.
-        """
-        layout, size = binding.layout, binding.chunk_size
-        present = rejected = 0
-        entries: list[MemoryEntry] = []
-        views: list[ChunkView] = []
+    def _stage(self, binding: ModelBinding, hashes: list, total: int) -> StagedStore:
+        """Slots for the new chunks of a prompt of ``total`` tokens (none for a quarantined namespace)."""
         if self.is_quarantined(binding):  # nothing more is added to KV that failed a provenance check
             self.metrics.quarantine_refusals.labels(op="store").inc()
             return StagedStore(binding, (), 0, len(hashes), ())
-        for i, h in enumerate(hashes):
-            token_range = (i * size, min((i + 1) * size, total))
-            key = ChunkKey(binding.digest, h)
-            entry = self.memory.prepare(key, layout, token_range)
-            if entry is Prepared.PRESENT:
-                present += 1
-                continue
-            if entry is Prepared.NO_ROOM:
-                rejected = len(hashes) - i
-                self.metrics.store_rejected.labels(reason="no_room").inc(rejected)
-                self.metrics.log_once("no_room", "kvengine: no room in memory (pinned or in use); "
-                                      "the rest of a store is skipped")
-                break
-            entries.append(entry)
-            views.append(ChunkView(i, key, token_range, self.memory.tensors(entry), layout))
-        return StagedStore(binding, tuple(views), present, rejected, tuple(entries))
-
-    def _commit_slots(self, staged: StagedStore, filled: int) -> tuple[StoreResult, list[MemoryEntry]]:
-        """Commit the filled prefix (pins kept when lower tiers will take them), abort the rest."""
-        if staged.committed:
-            raise InvalidRequestError("this staged store was already committed")
-        staged.committed = True
-        filled = max(staged.published, min(filled, len(staged.entries)))
-        held = list(staged.entries[staged.published : filled])  # not handed on yet
-        for entry in held:
-            self.memory.commit(entry, keep_pin=True)
-        for entry in staged.entries[filled:]:
-            self.memory.abort(entry)
-        self._memory_stored_bytes.inc(sum(e.nbytes for e in staged.entries[:filled]))
-        self._memory_stored_chunks.inc(filled)
-        unused = len(staged.entries) - filled
-        result = StoreResult(filled, staged.present_chunks, staged.rejected_chunks + unused)
-        if not self.transports:  # otherwise the pins pass to the tier writer
-            self.memory.unpin(held)
-            held = []
-        return result, held
+        size = binding.chunk_size
+        keys = [ChunkKey(binding.digest, h) for h in hashes]
+        return self.stager.prepare(binding, keys, [(i * size, min((i + 1) * size, total)) for i in range(len(keys))])
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether the memory tier holds ``key`` now (a later read may still miss: it can be evicted)."""
@@ -505,6 +440,16 @@ class CacheEngine:
 
     def _on_evict(self, entry: MemoryEntry) -> None:
         self._memory_evictions.inc()
+
+
+def _copy_chunk(layout: ChunkLayout, source: ChunkSource, view: ChunkView) -> bool:
+    """Copy one chunk from ``source`` into its slot; False once the source has no more."""
+    tensors = source(view.index, *view.token_range)
+    if tensors is None:
+        return False
+    layout.check(tensors, view.token_range[1] - view.token_range[0])
+    copy_all(view.tensors, tensors)
+    return True
 
 
 def _cuda_available() -> bool:

@@ -43,10 +43,10 @@ from .copies import copy_all
 from .engine import CacheEngine
 from .errors import InvalidRequestError
 from .keys import ChunkHash, ChunkKey, Namespace
-from .memory_tier import MemoryEntry, Prepared
+from .memory_tier import MemoryEntry
 from .promotion import AdmitRejected
 from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place
-from .types import ModelBinding
+from .types import ChunkView, ModelBinding
 
 if TYPE_CHECKING:
     from .facade import KVEngine
@@ -115,10 +115,7 @@ class KeyedStore:
         self.binding = binding
         self._full = (0, binding.chunk_size)
         metrics = engine.metrics
-        self._stored_bytes = metrics.stored_bytes.labels(tier="memory")
-        self._stored_chunks = metrics.stored_chunks.labels(tier="memory")
         self._loaded_bytes = metrics.loaded_bytes.labels(tier="memory")
-        self._no_room = metrics.store_rejected.labels(reason="no_room")
 
     def chunk_keys(self, keys: Sequence[bytes]) -> list[ChunkKey]:
         return [keyed_chunk_key(self.binding, k) for k in keys]
@@ -168,50 +165,34 @@ class KeyedStore:
         if self._refused("put", len(keys)):
             return [PutOutcome.REFUSED] * len(keys)
         ckeys = self.chunk_keys(keys)
-        outcomes, held = await asyncio.to_thread(self._copy_in, ckeys, source)
-        if held:
+        outcomes, held, error = await asyncio.to_thread(self._copy_in, ckeys, source)
+        if held:  # the committed ones reach the tiers, also when the source failed part-way
             await self.engine.writer.hand_off(self.binding, held)
+        if error is not None:
+            raise error
         return outcomes
 
-    def _copy_in(self, ckeys: list[ChunkKey], source: KeyedSource) -> tuple[list[PutOutcome], list[MemoryEntry]]:
-        memory, layout = self.engine.memory, self.binding.layout
-        outcomes: list[PutOutcome] = []
-        held: list[MemoryEntry] = []  # pinned until handed on, so the batch never evicts itself
-        nbytes = 0
-        try:
-            for i, key in enumerate(ckeys):
-                entry = memory.prepare(key, layout, self._full)
-                if entry is Prepared.PRESENT:
-                    outcomes.append(PutOutcome.PRESENT)
-                    continue
-                if entry is Prepared.NO_ROOM:
-                    rest = len(ckeys) - i
-                    outcomes += [PutOutcome.NO_ROOM] * rest
-                    self._no_room.inc(rest)
-                    self.engine.metrics.log_once("keyed_no_room", "kvengine: no room in memory for keyed "
-                                                 "chunks (all pinned or in use); the rest of a put is skipped")
-                    break
-                try:
-                    tensors = source(i)
-                    layout.check(tensors)
-                    copy_all(memory.tensors(entry), tensors)
-                except BaseException:
-                    memory.abort(entry)
-                    raise
-                memory.commit(entry, keep_pin=True)
-                held.append(entry)
-                nbytes += entry.nbytes
-                outcomes.append(PutOutcome.STORED)
-        except BaseException:
-            memory.unpin(held)
-            raise
-        finally:
-            self._stored_bytes.inc(nbytes)
-            self._stored_chunks.inc(len(held))
-        if not self.engine.transports:
-            memory.unpin(held)
-            held = []
-        return outcomes, held
+    def _copy_in(self, ckeys: list[ChunkKey], source: KeyedSource
+                 ) -> tuple[list[PutOutcome], list[MemoryEntry], BaseException | None]:
+        """Copy the new chunks into memory (blocking, through the engine's stager): each key's outcome,
+        the committed entries to hand on, and what ``source`` raised, if it did."""
+        stager, layout = self.engine.stager, self.binding.layout
+        staged = stager.prepare(self.binding, ckeys, [self._full] * len(ckeys))
+
+        def fill(view: ChunkView) -> bool:
+            tensors = source(view.index)
+            layout.check(tensors)
+            copy_all(view.tensors, tensors)
+            return True
+
+        filled, error = stager.fill(staged, fill)
+        _, held = stager.commit(staged, filled)
+        outcomes = [PutOutcome.PRESENT] * len(ckeys)
+        for view in staged.chunks[:filled]:
+            outcomes[view.index] = PutOutcome.STORED
+        for i in range(len(ckeys) - staged.rejected_chunks, len(ckeys)):
+            outcomes[i] = PutOutcome.NO_ROOM
+        return outcomes, held, error
 
     # -- get ----------------------------------------------------------------------
     async def get(self, keys: Sequence[bytes], sink: KeyedSink) -> list[GetOutcome]:

@@ -164,9 +164,9 @@ def test_long_prompt_is_promoted_from_disk_window_by_window(tmp_path):
 def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
     """Scenario: the file of a chunk in the second read window vanishes after the index was built:
     the chunks before it are served, the rest is a miss, and no pin leaks."""
-    from kvengine.promotion import _READ_WINDOW
     from kvengine.hashing import prefix_hashes
     from kvengine.keys import ChunkKey
+    from kvengine.promotion import _READ_WINDOW
     from kvengine.transports._disk_files import record_name
 
     layout = make_layout()

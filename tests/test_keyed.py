@@ -110,6 +110,32 @@ def test_wrong_tensors_raise_and_store_nothing() -> None:
         kv.close()
 
 
+def test_a_source_that_fails_part_way_still_hands_the_stored_pages_to_the_lower_tier(tmp_path: Path) -> None:
+    """One store-failure behaviour on every store path: the pages copied before the source raised are
+    committed and reach the disk tier (as with a prefix store); the error reaches the caller; no pin leaks."""
+    kv, store = open_engine(tmp_path)
+    data = pages(2)
+
+    def source(i: int) -> list[torch.Tensor]:
+        if i == 2:
+            raise RuntimeError("the engine's buffer went away")
+        return data[i]
+
+    try:
+        with pytest.raises(RuntimeError, match="went away"):
+            store.put(keys(3), source)
+        kv.flush()
+        assert kv.core.memory.total_pins() == 0
+        assert store.exists(keys(3)) == [True, True, False]
+    finally:
+        kv.close()
+    kv, store = open_engine(tmp_path)  # a fresh engine: only the disk tier has them
+    try:
+        assert store.get(keys(2), Collect()) == [GetOutcome.HIT] * 2
+    finally:
+        kv.close()
+
+
 def test_full_memory_reports_no_room_for_the_rest() -> None:
     """Scenario: a put larger than memory stores a head and reports NO_ROOM for the rest (counted)."""
     kv, store = open_engine(capacity="64KiB")
