@@ -25,7 +25,8 @@ from .keys import NamespaceDigest
 from .transport import ChunkTransport
 
 ENTRY_POINT_GROUP = "kvengine.transports"
-#: Transports that ship with kvengine: name -> module whose ``create_transport`` builds one.
+#: Transports that ship with kvengine: name -> module whose ``create_transport`` builds one from plain
+#: options (the entry-point seam), and ``from_section`` from its typed config section (build_tiers).
 _BUNDLED = {
     "local_disk": "kvengine.transports.local_disk",
     "peers_zmq": "kvengine.transports.zmq_peer",
@@ -81,6 +82,20 @@ def build_transport(name: str, options: Mapping[str, Any], *, setting: str) -> C
     return transport
 
 
+def _bundled(name: str, *, setting: str, section: Any, **typed: Any) -> ChunkTransport:
+    """A bundled tier built from its typed config section (``from_section`` of its module): no options
+    dumped to a dict and parsed again. Its failures become a :class:`ConfigError` naming ``setting``."""
+    module = importlib.import_module(_BUNDLED[name])
+    try:
+        transport: ChunkTransport = module.from_section(section, **typed)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{setting}: the {name} transport could not be built ({type(exc).__name__}: {exc})") \
+            from exc
+    return transport
+
+
 def build_tiers(config: EngineConfig, *, namespaces: Sequence[NamespaceDigest] = (),
                 disk_options: Mapping[str, Any] | None = None) -> list[Tier]:
     """The tiers ``config`` asks for, in lookup order: disk, peers, then ``config.tiers``.
@@ -91,14 +106,12 @@ def build_tiers(config: EngineConfig, *, namespaces: Sequence[NamespaceDigest] =
     """
     tiers: list[Tier] = []
     if config.disk.path is not None:
-        options: dict[str, Any] = {**config.disk.model_dump(), **(disk_options or {})}
-        if namespaces:
-            options["namespaces"] = [ns.hex() for ns in namespaces]
-        tiers.append(Tier(build_transport("local_disk", options, setting="disk"), config.disk.codec, "disk.codec"))
+        disk = _bundled("local_disk", setting="disk", section=config.disk, namespaces=namespaces,
+                        extra=disk_options)
+        tiers.append(Tier(disk, config.disk.codec, "disk.codec"))
     peers = config.peers
     if peers.peers or peers.peers_file is not None:
-        options = peers.model_dump(exclude={"transport", "codec"}, exclude_none=True)
-        tiers.append(Tier(build_transport(f"peers_{peers.transport}", options, setting="peers"), peers.codec,
+        tiers.append(Tier(_bundled(f"peers_{peers.transport}", setting="peers", section=peers), peers.codec,
                           "peers.codec"))
     for i, extra in enumerate(config.tiers):
         setting = f"tiers[{i}]"

@@ -110,3 +110,16 @@ def test_peers_without_a_disk_are_a_tier_and_the_order_is_disk_peers_plugins(tmp
         ("local_disk", "raw", "disk.codec"), ("peers_zmq", "raw", "peers.codec"), ("dict_tier", "lz4", "tiers[0].codec")]
     only_peers = build_tiers(load_config({"peers": {"peers": ["127.0.0.2:1"]}}, environ={}))
     assert [t.transport.name for t in only_peers] == ["peers_zmq"]
+
+
+def test_bundled_tiers_are_built_from_their_typed_sections(tmp_path: Path) -> None:
+    """The disk and peer tiers take the typed config sections as they are (no dict round trip): every
+    setting arrives, and an extra disk option the transport does not know is refused by name."""
+    config = load_config({"disk": {"path": str(tmp_path / "d"), "capacity_bytes": "3MiB", "fsync": "never"},
+                          "peers": {"peers": ["127.0.0.2:1"], "replicas": 1, "read_deadline": 0.25,
+                                    "transport": "tcp"}}, environ={})
+    disk, peers = (t.transport for t in build_tiers(config, disk_options={"io_threads": 2}))
+    assert (disk.options.capacity_bytes, disk.options.fsync, disk.options.io_threads) == (3 << 20, "never", 2)
+    assert (peers.options.replicas, peers.options.read_deadline, peers.name) == (1, 0.25, "peers_tcp")
+    with pytest.raises(ConfigError, match=r"unknown local_disk options \['io_thread'\]; allowed: .*io_threads"):
+        build_tiers(config, disk_options={"io_thread": 2})

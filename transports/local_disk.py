@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -442,7 +442,8 @@ def _placed(place: Callable[[RecordHeader], Buffer | None], header: RecordHeader
     return None if dest is None else _writable(dest)
 
 
-_EXTRA_KEYS = ("namespaces", "direct_io", "io_threads", "read_pool_bytes")
+_OPTION_KEYS = ("direct_io", "io_threads", "read_pool_bytes")
+_EXTRA_KEYS = ("namespaces", *_OPTION_KEYS)
 
 
 def records_per_namespace(path: Path) -> dict[str, int]:
@@ -468,8 +469,22 @@ def delete_namespace_records(path: Path, namespace_hex: str) -> int:
     return deleted
 
 
+def from_section(disk: DiskConfig, *, namespaces: Collection[NamespaceDigest] = (),
+                 extra: Mapping[str, Any] | None = None) -> LocalDiskTransport:
+    """The disk tier of an engine's typed ``disk`` section (what :func:`kvengine.tiers.build_tiers` calls).
+
+    ``namespaces``: serve only these (default: all); ``extra``: ``direct_io``,
+    ``io_threads``, ``read_pool_bytes`` (see :class:`LocalDiskOptions`).
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_OPTION_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown local_disk options {unknown}; allowed: {list(_OPTION_KEYS)}")
+    return LocalDiskTransport(LocalDiskOptions.from_config(disk, namespaces=frozenset(namespaces) or None, **extra))
+
+
 def create_transport(config: Mapping[str, Any]) -> LocalDiskTransport:
-    """Entry-point factory (group ``kvengine.transports``, name ``local_disk``).
+    """Entry-point factory (group ``kvengine.transports``, name ``local_disk``), for plain options.
 
     Keys: those of :class:`DiskConfig` (``path`` required, sizes like "64GiB"
     accepted; ``codec`` is the engine's business and ignored here), plus
@@ -481,10 +496,9 @@ def create_transport(config: Mapping[str, Any]) -> LocalDiskTransport:
         disk = DiskConfig.model_validate(disk_keys)
     except ValidationError as exc:
         raise ConfigError(f"invalid local_disk transport config: {exc}") from None
-    extra: dict[str, Any] = {k: config[k] for k in _EXTRA_KEYS if k in config}
-    if extra.get("namespaces") is not None:
-        try:
-            extra["namespaces"] = frozenset(NamespaceDigest(bytes.fromhex(h)) for h in extra["namespaces"])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"local_disk namespaces must be hex digests: {exc}") from None
-    return LocalDiskTransport(LocalDiskOptions.from_config(disk, **extra))
+    extra = {k: config[k] for k in _OPTION_KEYS if k in config}
+    try:
+        namespaces = [NamespaceDigest(bytes.fromhex(h)) for h in config.get("namespaces") or ()]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"local_disk namespaces must be hex digests: {exc}") from None
+    return from_section(disk, namespaces=namespaces, extra=extra)

@@ -141,6 +141,29 @@ def require_protection(addresses: Sequence[str], *, secret: bytes | None, encryp
             "peers.curve_* keys (ZeroMQ CURVE) or peers.tls_ca (tcp with TLS), or keep peers on 127.0.0.0/8")
 
 
+def client_from_section(peers: PeersConfig, *, encrypted: bool) -> tuple[Membership, PeerClientOptions]:
+    """Membership and :class:`PeerClientOptions` of an engine's typed ``peers`` section. Peers off
+    loopback are refused unless records are authenticated (``secret_file``) or the wire is ``encrypted``."""
+    secret = read_secret(peers.secret_file)
+    membership = _membership(peers.peers, peers.peers_file, peers.reload_interval, secret, encrypted)
+    try:
+        options = PeerClientOptions(replicas=peers.replicas, request_timeout=peers.request_timeout,
+                                    read_deadline=peers.read_deadline, write_timeout=peers.write_timeout,
+                                    cooldown=peers.cooldown, max_inflight_write_bytes=int(peers.max_inflight_write_bytes),
+                                    secret=secret)
+    except ValueError as exc:
+        raise ConfigError(f"invalid peers config: {exc}") from None
+    return membership, options
+
+
+def _membership(addresses: Sequence[str], path: Any, reload_interval: float, secret: bytes | None,
+                encrypted: bool) -> Membership:
+    def protected(peers: tuple[Peer, ...]) -> None:  # at start and on every reload of peers_file
+        require_protection([f"{p.host}:{p.port}" for p in peers], secret=secret, encrypted=encrypted, what="peers")
+
+    return Membership(addresses, path=path, reload_interval=reload_interval, validate=protected)
+
+
 def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = False) -> tuple[Membership,
                                                                                                 PeerClientOptions]:
     """Pop the membership and :class:`PeerClientOptions` keys out of a transport factory's config.
@@ -152,13 +175,8 @@ def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = F
     records are authenticated (``secret_file``) or the wire is ``encrypted``.
     """
     secret = read_secret(config.pop("secret_file", None))
-
-    def protected(peers: tuple[Peer, ...]) -> None:  # at start and on every reload of peers_file
-        require_protection([f"{p.host}:{p.port}" for p in peers], secret=secret, encrypted=encrypted, what="peers")
-
-    membership = Membership(config.pop("peers", ()), path=config.pop("peers_file", None),
-                            reload_interval=float(config.pop("reload_interval", _CONFIGURED.reload_interval)),
-                            validate=protected)
+    membership = _membership(config.pop("peers", ()), config.pop("peers_file", None),
+                             float(config.pop("reload_interval", _CONFIGURED.reload_interval)), secret, encrypted)
     fields = {f.name for f in dataclasses.fields(PeerClientOptions)} - {"limits", "secret"}
     try:
         options = PeerClientOptions(**{k: config.pop(k) for k in list(config) if k in fields}, secret=secret)

@@ -47,12 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.keys import ChunkKey
 from kvengine.transport import Buffer
 
 from .peer_buffers import RECEIVE_BUFFERS
-from .peer_client import Answer, Connector, PeerTransport, client_from_config
+from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .peer_protocol import (
     Limits,
     Message,
@@ -404,6 +405,7 @@ class _ServerConnection(_Framed):
         self.identity: bytes | None = None  # proven identity (TLS client certificate), for tenants
         self._timer: asyncio.TimerHandle | None = None
         self._held = 0  # receive budget held by the request being read
+        self._broken = False  # closed for breaking the protocol (counted once, as that)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -487,6 +489,7 @@ class _ServerConnection(_Framed):
         self.transport.resume_reading()
 
     def on_bad(self, header: bytes, exc: ProtocolError) -> None:
+        self._broken = True
         self.server.counts[f"dropped_connection_{exc.status.name.lower()}"] += 1
         self.server.blame(self, exc.reason)
         reply = self.server.service.refuse(None if self._stage == "length" else peek_request_id(header), exc.status)
@@ -496,7 +499,7 @@ class _ServerConnection(_Framed):
     def on_lost(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        if self.mid_message:
+        if self.mid_message and not self._broken:  # the sender hung up part-way through a message
             self.server.counts["dropped_partial_message"] += 1
         self._give_back()
         self.server.forget(self)
@@ -643,10 +646,20 @@ class TcpPeerServer:
             self._server = None
 
 
+def from_section(peers: PeersConfig) -> PeerTransport:
+    """The peer tier of an engine's typed ``peers`` section (what :func:`kvengine.tiers.build_tiers` calls)."""
+    tls = _tls({"tls_ca": peers.tls_ca, "tls_cert": peers.tls_cert, "tls_key": peers.tls_key})
+    membership, options = client_from_section(peers, encrypted=tls is not None)
+    return PeerTransport(TcpConnector(options.limits, TcpOptions(tls=tls)), membership, options, name="peers_tcp")
+
+
 def _tls(config: dict[str, Any]) -> TlsConfig | None:
+    """TLS settings from (and popped out of) ``tls_ca`` / ``tls_cert`` / ``tls_key``; None without any."""
     paths = {k: config.pop(f"tls_{k}", None) for k in ("cert", "key", "ca")}
     if not any(paths.values()):
         return None
+    if paths["ca"] is None:
+        raise ConfigError("peers_tcp: tls_cert/tls_key need tls_ca (the CA of the peers' certificates)")
     return TlsConfig(**{k: Path(v) if v is not None else None for k, v in paths.items()})
 
 
@@ -660,8 +673,6 @@ def create_transport(config: Mapping[str, Any]) -> PeerTransport:
     """
     cfg = dict(config)
     tls = _tls(cfg)
-    if tls is not None and tls.ca is None:
-        raise ConfigError("peers_tcp: tls_cert/tls_key need tls_ca (the CA of the peers' certificates)")
     membership, options = client_from_config(cfg, "peers_tcp", encrypted=tls is not None)
     try:
         tcp_options = TcpOptions(**cfg, tls=tls)

@@ -51,12 +51,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.keys import ChunkKey
 from kvengine.transport import Buffer
 
 from .peer_buffers import RECEIVE_BUFFERS
-from .peer_client import Answer, Connector, PeerTransport, client_from_config
+from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .peer_protocol import Limits, Op, ProtocolError, Status, decode_header, encode_request
 from .peer_service import PeerService, ServerOptions
 from .peer_store import RecordStore
@@ -425,6 +426,12 @@ class UcxPeerServer:
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
+
+
+def from_section(peers: PeersConfig) -> PeerTransport:
+    """The peer tier of an engine's typed ``peers`` section (what :func:`kvengine.tiers.build_tiers` calls)."""
+    membership, options = client_from_section(peers, encrypted=False)
+    return PeerTransport(UcxConnector(options.limits), membership, options, name="peers_ucx")
 
 
 def create_transport(config: Mapping[str, Any]) -> PeerTransport:

@@ -43,11 +43,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.keys import ChunkKey
 from kvengine.transport import Buffer
 
-from .peer_client import Answer, Connector, PeerTransport, client_from_config, is_loopback
+from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section, is_loopback
 from .peer_protocol import (
     TAG_MAGIC,
     Limits,
@@ -529,6 +530,23 @@ class ZmqPeerServer:
         self._sock = self._ctx = self._auth = None
 
 
+def from_section(peers: PeersConfig) -> PeerTransport:
+    """The peer tier of an engine's typed ``peers`` section (what :func:`kvengine.tiers.build_tiers` calls)."""
+    curve = _curve(peers.curve_public_key, peers.curve_secret_key, peers.curve_server_key)
+    membership, options = client_from_section(peers, encrypted=curve is not None)
+    return PeerTransport(ZmqConnector(options.limits, ZmqOptions(curve=curve)), membership, options, name="peers_zmq")
+
+
+def _curve(*keys: str | bytes | None) -> CurveConfig | None:
+    """A client's CURVE settings from its public, secret and server keys (all or none)."""
+    if not any(keys):
+        return None
+    public, secret, server = (k.encode() if isinstance(k, str) else k for k in keys)
+    if public is None or secret is None or server is None:
+        raise ConfigError("CURVE needs curve_public_key, curve_secret_key and curve_server_key")
+    return CurveConfig(public_key=public, secret_key=secret, server_key=server)
+
+
 def create_transport(config: Mapping[str, Any]) -> PeerTransport:
     """Entry-point factory (group ``kvengine.transports``, name ``peers_zmq``).
 
@@ -539,12 +557,7 @@ def create_transport(config: Mapping[str, Any]) -> PeerTransport:
     cfg = dict(config)
     curve_keys = [cfg.pop(k, None) for k in ("curve_public_key", "curve_secret_key", "curve_server_key")]
     membership, options = client_from_config(cfg, "peers_zmq", encrypted=all(curve_keys))
-    curve = None
-    if any(curve_keys):
-        if not all(curve_keys):
-            raise ConfigError("CURVE needs curve_public_key, curve_secret_key and curve_server_key")
-        public, secret, server = (k.encode() if isinstance(k, str) else k for k in curve_keys)
-        curve = CurveConfig(public_key=public, secret_key=secret, server_key=server)
+    curve = _curve(*curve_keys)
     zmq_options = ZmqOptions(hwm=int(cfg.pop("hwm", ZmqOptions().hwm)), curve=curve)
     if cfg:
         raise ConfigError(f"unknown peers_zmq transport config keys: {sorted(cfg)}")
