@@ -25,12 +25,12 @@ from pathlib import Path
 import blosc2
 import torch
 
-from kvengine.codecs import Codec
+from kvengine.chunks.codecs import Codec
+from kvengine.chunks.layout import KVCategory, dtype_code
+from kvengine.chunks.record import TensorDescriptor
 from kvengine.compression import default_codecs
 from kvengine.compression.entropy import entropy_bound
 from kvengine.compression.quality import FAMILIES, cache_quality, synthetic_kv, tiny_model
-from kvengine.layout import KVCategory, dtype_code
-from kvengine.record import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _util import print_header, write_json

@@ -18,7 +18,7 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from _util import median_time, print_header, print_table, write_json
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
-from kvengine.hashing import prefix_hashes
+from kvengine.chunks.hashing import prefix_hashes
 
 CHUNK = 256
 

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from kvengine.keys import ChunkHash, ChunkKey, Namespace
-from kvengine.layout import KVCategory, dtype_code
-from kvengine.record import TensorDescriptor, encode_header
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
+from kvengine.chunks.layout import KVCategory, dtype_code
+from kvengine.chunks.record import TensorDescriptor, encode_header
 from kvengine.transports._disk_files import ALIGN, footprint, record_name
 from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport
 

@@ -1,4 +1,4 @@
-"""What identifying a model by the content of its weights costs (kvengine.weights).
+"""What identifying a model by the content of its weights costs (kvengine.trust.weights).
 
     .venv/bin/python benchmarks/bench_fingerprint.py [--gib 2] [--files 4] [--repeats 3]
 
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from _util import drop_caches, median_time, print_header, print_table, write_json
 
-from kvengine.weights import DigestSidecar, fingerprint_model_path
+from kvengine.trust.weights import DigestSidecar, fingerprint_model_path
 
 
 def raw_read(files: list[Path]) -> None:

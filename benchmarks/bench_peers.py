@@ -252,9 +252,9 @@ def _tls(name: str, kind: str) -> Any:
 def _record(n: int) -> tuple[object, bytes]:
     import torch
 
-    from kvengine.keys import ChunkKey, Namespace
-    from kvengine.layout import KVCategory, dtype_code
-    from kvengine.record import TensorDescriptor, encode_header
+    from kvengine.chunks.keys import ChunkKey, Namespace
+    from kvengine.chunks.layout import KVCategory, dtype_code
+    from kvengine.chunks.record import TensorDescriptor, encode_header
 
     key = ChunkKey(Namespace(model="bench/peers").digest(), os.urandom(16))
     payload = os.urandom(n)

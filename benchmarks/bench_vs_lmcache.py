@@ -43,7 +43,7 @@ import lmcache_side as driver
 from _util import print_header, write_json
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, MemoryConfig, Namespace, TensorSpec
-from kvengine.hashing import prefix_hashes
+from kvengine.chunks.hashing import prefix_hashes
 from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport
 from kvengine.types import ModelBinding
 
@@ -170,7 +170,7 @@ class KVEngineSide:
         self.version = kvengine.__version__
         self.notes = {
             "module": kvengine.__file__,  # which kvengine ran (PYTHONPATH can point at a patched copy)
-            "hash": "xxh3-128 chain over little-endian uint32 tokens (kvengine.hashing.prefix_hashes)",
+            "hash": "xxh3-128 chain over little-endian uint32 tokens (kvengine.chunks.hashing.prefix_hashes)",
             "layout": "one [2, L, 256, H, D] tensor per chunk, copied from/to slices of the KV buffer",
             "disk_durability": "local_disk transport, fsync='data' (fdatasync before the rename); the writer "
                                "engine is write_through, so persist is one store call, durable on return",

@@ -5,9 +5,13 @@ Start with :class:`KVEngine` (blocking, thread-safe) or :class:`CacheEngine`
 :class:`ChunkLayout`, bind it, then ``lookup`` / ``load`` / ``store``.
 """
 
-from .config import DiskConfig, EngineConfig, MemoryConfig, load_config
-from .engine import CacheEngine
-from .errors import (
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
+from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
+from kvengine.config import DiskConfig, EngineConfig, MemoryConfig, load_config
+from kvengine.core.engine import CacheEngine
+from kvengine.core.reservations import Reservation, ReservationState
+from kvengine.core.staging import StagedStore
+from kvengine.errors import (
     AttachError,
     CapacityError,
     ConfigError,
@@ -17,12 +21,8 @@ from .errors import (
     TransportError,
     UnsupportedModelError,
 )
-from .facade import KVEngine
-from .keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
-from .layout import ChunkLayout, KVCategory, TensorSpec
-from .reservations import Reservation, ReservationState
-from .staging import StagedStore
-from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
+from kvengine.facade import KVEngine
+from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import ConfigError
+from kvengine.errors import ConfigError
 
 ENV_PREFIX = "KVENGINE_"
 

@@ -14,19 +14,19 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .codecs import CodecRegistry
-from .config import EngineConfig, load_config
-from .engine import CacheEngine
-from .errors import KVEngineError
-from .hashing import TokenInput
-from .keys import Namespace
-from .layout import ChunkLayout
-from .metrics import EngineMetrics
-from .reservations import Reservation
-from .staging import StagedStore
-from .tiers import Tier, build_tiers
-from .transport import ChunkTransport
-from .types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
+from kvengine.chunks.codecs import CodecRegistry
+from kvengine.chunks.hashing import TokenInput
+from kvengine.chunks.keys import Namespace
+from kvengine.chunks.layout import ChunkLayout
+from kvengine.config import EngineConfig, load_config
+from kvengine.core.engine import CacheEngine
+from kvengine.core.reservations import Reservation
+from kvengine.core.staging import StagedStore
+from kvengine.errors import KVEngineError
+from kvengine.metrics import EngineMetrics
+from kvengine.tiers import Tier, build_tiers
+from kvengine.transport import ChunkTransport
+from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T = TypeVar("T")
 
@@ -173,7 +173,7 @@ class KVEngine:
         return self.core.is_quarantined(binding)
 
     def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
-        """Never serve or store ``binding``'s namespace again (see :mod:`kvengine.quarantine`)."""
+        """Never serve or store ``binding``'s namespace again (see :mod:`kvengine.trust.quarantine`)."""
         async def quarantine() -> None:
             self.core.quarantine_namespace(binding, reason, **details)
 

@@ -39,17 +39,17 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from .copies import copy_all
-from .engine import CacheEngine
-from .errors import InvalidRequestError
-from .keys import ChunkHash, ChunkKey, Namespace
-from .memory_tier import MemoryEntry
-from .promotion import AdmitRejected
-from .transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place
-from .types import ChunkView, ModelBinding
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
+from kvengine.core.copies import copy_all
+from kvengine.core.engine import CacheEngine
+from kvengine.core.memory_tier import MemoryEntry
+from kvengine.core.promotion import AdmitRejected
+from kvengine.errors import InvalidRequestError
+from kvengine.transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place
+from kvengine.types import ChunkView, ModelBinding
 
 if TYPE_CHECKING:
-    from .facade import KVEngine
+    from kvengine.facade import KVEngine
 
 
 KEYED_PREFIX = "keyed:"

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .errors import ConfigError
-from .transport import ChunkTransport, ReportsStats
+from kvengine.errors import ConfigError
+from kvengine.transport import ChunkTransport, ReportsStats
 
 logger = logging.getLogger("kvengine")
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from .config import EngineConfig
-from .errors import ConfigError
-from .keys import NamespaceDigest
-from .transport import ChunkTransport
+from kvengine.chunks.keys import NamespaceDigest
+from kvengine.config import EngineConfig
+from kvengine.errors import ConfigError
+from kvengine.transport import ChunkTransport
 
 ENTRY_POINT_GROUP = "kvengine.transports"
 #: Transports that ship with kvengine: name -> module whose ``create_transport`` builds one from plain

@@ -1,7 +1,7 @@
 """The plug-in seam for tiers below memory (local disk, peers).
 
 A transport stores opaque, self-verifying chunk records (see
-:mod:`kvengine.record`) under :class:`ChunkKey`. Every method is batched and
+:mod:`kvengine.chunks.record`) under :class:`ChunkKey`. Every method is batched and
 async; none may block the event loop (use a thread pool or async I/O).
 
 Guarantees a transport must give:
@@ -9,7 +9,7 @@ Guarantees a transport must give:
 * ``put`` publishes a record atomically: a concurrent or later ``get`` sees
   either nothing or the whole record, never a torn one.
 * ``get`` returns the stored bytes or None. It may return corrupt bytes; the
-  engine verifies every record with :func:`kvengine.record.unpack_record`
+  engine verifies every record with :func:`kvengine.chunks.record.unpack_record`
   before use, and removes a corrupt one with ``delete``.
 * Faults (I/O errors, timeouts, full disks, dead peers) are reported as
   False / None results, never raised, except for caller mistakes.
@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
-from .keys import ChunkKey
+from kvengine.chunks.keys import ChunkKey
 
 if TYPE_CHECKING:
-    from .record import RecordHeader
+    from kvengine.chunks.record import RecordHeader
 
 Buffer = bytes | bytearray | memoryview
 

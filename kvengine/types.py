@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from .errors import InvalidRequestError
-from .keys import ChunkKey, Namespace, NamespaceDigest
-from .layout import ChunkLayout
-from .quarantine import root_digest
+from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
+from kvengine.chunks.layout import ChunkLayout
+from kvengine.errors import InvalidRequestError
+from kvengine.trust.quarantine import root_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class ModelBinding:
     #: Seeds the hash chain: the namespace digest combined with the layout
     #: fingerprint, so chunks of different layouts never meet.
     digest: NamespaceDigest
-    #: The namespace's model identity, the unit of quarantine (:func:`~kvengine.quarantine.root_digest`).
+    #: The namespace's model identity, the unit of quarantine (:func:`~kvengine.trust.quarantine.root_digest`).
     root: str = ""
 
     @classmethod

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvengine.codecs import Codec, RawCodec
+from kvengine.chunks.codecs import Codec, RawCodec
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
+from kvengine.chunks.layout import KVCategory, dtype_code
+from kvengine.chunks.record import TensorDescriptor, encode_header, unpack_record
 from kvengine.compression import (
     LOSSLESS_FAMILY,
     Format,
@@ -29,9 +32,6 @@ from kvengine.compression._frame import HEADER_BYTES, seal
 from kvengine.compression.entropy import entropy_bound
 from kvengine.compression.quality import synthetic_kv
 from kvengine.errors import IntegrityError, InvalidRequestError
-from kvengine.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
-from kvengine.layout import KVCategory, dtype_code
-from kvengine.record import TensorDescriptor, encode_header, unpack_record
 
 REGISTRY = default_codecs(threads=2)
 LOSSLESS = lossless_codecs(threads=2)

@@ -147,7 +147,7 @@ def test_long_prompt_is_promoted_from_disk_window_by_window(tmp_path):
     Regression (issue 9): promotion read a whole run of records before admitting any, so a
     32k-token prompt held a second prompt's worth of fresh, page-faulting read buffers.
     """
-    from kvengine.promotion import _READ_WINDOW
+    from kvengine.core.promotion import _READ_WINDOW
 
     layout = make_layout()
     n = 2 * _READ_WINDOW + 2
@@ -164,9 +164,9 @@ def test_long_prompt_is_promoted_from_disk_window_by_window(tmp_path):
 def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
     """Scenario: the file of a chunk in the second read window vanishes after the index was built:
     the chunks before it are served, the rest is a miss, and no pin leaks."""
-    from kvengine.hashing import prefix_hashes
-    from kvengine.keys import ChunkKey
-    from kvengine.promotion import _READ_WINDOW
+    from kvengine.chunks.hashing import prefix_hashes
+    from kvengine.chunks.keys import ChunkKey
+    from kvengine.core.promotion import _READ_WINDOW
     from kvengine.transports._disk_files import record_name
 
     layout = make_layout()
@@ -185,8 +185,8 @@ def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
 
 
 def _chunk_keys(b, toks):
-    from kvengine.hashing import prefix_hashes
-    from kvengine.keys import ChunkKey
+    from kvengine.chunks.hashing import prefix_hashes
+    from kvengine.chunks.keys import ChunkKey
 
     return [ChunkKey(b.digest, h) for h in prefix_hashes(toks, CHUNK, b.digest)]
 
@@ -195,7 +195,7 @@ def test_promotion_reads_records_straight_into_memory_verifying_each_once(tmp_pa
     """Scenario (issue 9): a restarted engine promotes a prompt from disk with placed reads: every
     payload lands in its memory slot (no read buffer taken), its checksum is verified once (by the
     transport, over the slot; the engine does not unpack the record again), and the KV is exact."""
-    import kvengine.promotion as promotion_mod
+    import kvengine.core.promotion as promotion_mod
     import kvengine.transports._disk_files as files_mod
 
     layout = make_layout()
@@ -247,7 +247,7 @@ def test_placed_promotion_stops_at_a_corrupt_record_and_frees_its_slot(tmp_path)
 def test_placed_promotion_refuses_a_record_at_the_wrong_position(tmp_path):
     """Scenario: a record whose bytes verify but whose header claims another token range is refused
     from its header alone (before any slot is taken), counted by the engine and deleted."""
-    from kvengine.record import descriptors_for, encode_header, unpack_record
+    from kvengine.chunks.record import descriptors_for, encode_header, unpack_record
     from kvengine.transports._disk_files import record_name
 
     layout = make_layout()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvengine import ConfigError, InvalidRequestError, KVEngine, Namespace, load_config
-from kvengine.record import decode_header
+from kvengine.chunks.record import decode_header
 from kvengine.tiers import build_tiers
 from kvengine.transports.peer_service import ServerThread
 from kvengine.transports.peer_store import EngineStore, MemoryRecordStore

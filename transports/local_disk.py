@@ -30,7 +30,7 @@ indexed at open: give one of them the writer role.
 Faults never raise: a full disk (ENOSPC/EDQUOT), a read-only directory
 (EROFS/EACCES/EPERM) or another I/O error makes ``put`` return False
 (counted per reason, logged once per reason) and reads keep working. Every
-``get`` verifies with :func:`kvengine.record.unpack_record`; a failure is a
+``get`` verifies with :func:`kvengine.chunks.record.unpack_record`; a failure is a
 miss, the file is deleted and the reason counted. Caller mistakes (a record
 not matching its key, a namespace outside ``namespaces``, use after
 ``close``) raise.
@@ -54,10 +54,10 @@ from typing import Any, TypeVar, get_args
 
 from pydantic import ValidationError
 
+from kvengine.chunks.keys import DIGEST_BYTES, ChunkKey, NamespaceDigest
+from kvengine.chunks.record import RecordHeader, decode_header, unpack_record
 from kvengine.config import DiskConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError, TransportError
-from kvengine.keys import DIGEST_BYTES, ChunkKey, NamespaceDigest
-from kvengine.record import RecordHeader, decode_header, unpack_record
 from kvengine.transport import Buffer
 
 from ._disk_files import RECORD_SUFFIX, FsyncPolicy, RecordFiles, ScanResult, footprint

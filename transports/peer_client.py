@@ -39,10 +39,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvengine.chunks.keys import ChunkKey
+from kvengine.chunks.record import seal_record, unpack_record, verify_seal
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
-from kvengine.keys import ChunkKey
-from kvengine.record import seal_record, unpack_record, verify_seal
 from kvengine.transport import Buffer, read_deadline
 
 from .peer_protocol import Limits, Message, Op, Status, record_matches

@@ -42,9 +42,9 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvengine.chunks.keys import ChunkHash, ChunkKey, NamespaceDigest
+from kvengine.chunks.record import decode_header as decode_record_header
 from kvengine.errors import IntegrityError, TransportError
-from kvengine.keys import ChunkHash, ChunkKey, NamespaceDigest
-from kvengine.record import decode_header as decode_record_header
 from kvengine.transport import Buffer
 
 from .peer_buffers import RECEIVE_BUFFERS

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
+from kvengine.chunks.keys import ChunkKey, NamespaceDigest
+from kvengine.chunks.record import unpack_record, verify_seal
 from kvengine.errors import IntegrityError
-from kvengine.keys import ChunkKey, NamespaceDigest
-from kvengine.record import unpack_record, verify_seal
 from kvengine.transport import Buffer
 
 from .peer_protocol import (

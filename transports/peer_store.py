@@ -21,11 +21,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
+from kvengine import CacheEngine
+from kvengine.chunks.keys import ChunkKey, NamespaceDigest
+from kvengine.chunks.record import seal_record
 from kvengine.compression import codec_family
-from kvengine.engine import CacheEngine
 from kvengine.errors import InvalidRequestError
-from kvengine.keys import ChunkKey, NamespaceDigest
-from kvengine.record import seal_record
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
 

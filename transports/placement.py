@@ -34,8 +34,8 @@ from pathlib import Path
 
 import xxhash
 
+from kvengine.chunks.keys import ChunkKey
 from kvengine.errors import ConfigError
-from kvengine.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvengine.chunks.keys import ChunkKey
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
-from kvengine.keys import ChunkKey
 from kvengine.transport import Buffer
 
 from .peer_buffers import RECEIVE_BUFFERS

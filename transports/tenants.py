@@ -39,8 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvengine.chunks.keys import DIGEST_BYTES, NamespaceDigest
 from kvengine.errors import ConfigError
-from kvengine.keys import DIGEST_BYTES, NamespaceDigest
 
 _FINGERPRINT = re.compile(rb"sha256:[0-9a-f]{64}")
 

@@ -51,9 +51,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvengine.chunks.keys import ChunkKey
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
-from kvengine.keys import ChunkKey
 from kvengine.transport import Buffer
 
 from .peer_buffers import RECEIVE_BUFFERS

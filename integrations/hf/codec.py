@@ -29,8 +29,8 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from kvengine.chunks.layout import ChunkLayout
 from kvengine.errors import UnsupportedModelError
-from kvengine.layout import ChunkLayout
 from kvengine.semantics.spec import AttentionPart, LayerGroup, ModelKVSpec, StatePart
 from kvengine.types import ChunkView
 

@@ -30,13 +30,12 @@ from typing import Any
 import torch
 import xxhash
 
-from kvengine import KVEngine, Namespace
+from kvengine import KVEngine, Namespace, Reservation
+from kvengine.chunks.hashing import token_bytes
+from kvengine.chunks.layout import ChunkLayout
 from kvengine.errors import InvalidRequestError, ModelChangedError
-from kvengine.hashing import token_bytes
-from kvengine.layout import ChunkLayout
-from kvengine.provenance import CanaryResult, ShadowSampler
-from kvengine.reservations import Reservation
 from kvengine.semantics.spec import ModelKVSpec
+from kvengine.trust.provenance import CanaryResult, ShadowSampler
 from kvengine.types import ModelBinding
 
 from .codec import ChunkUnavailable, HFCacheCodec, Snapshot

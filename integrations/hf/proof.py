@@ -4,10 +4,10 @@
   the model moves to a new namespace): the KV this model computes for a fixed
   probe prompt is compared with the canary its namespace's first writer left
   on the persistent or shared tiers (or becomes that canary), before any
-  chunk of the namespace is served (:func:`kvengine.provenance.check_namespace_canary`).
+  chunk of the namespace is served (:func:`kvengine.trust.provenance.check_namespace_canary`).
 * :class:`ShadowCheck` -- a sampled hit is not loaded: the request is
   prefilled in full and the stored chunks are compared with the KV just
-  computed (:func:`kvengine.provenance.compare_kv`).
+  computed (:func:`kvengine.trust.provenance.compare_kv`).
 
 Either mismatch quarantines the namespace: the model keeps answering, from
 its own prefill, and nothing of that namespace is served again.
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvengine.provenance import CanaryResult, KVComparison, check_namespace_canary, compare_kv, settle, worst
-from kvengine.reservations import Reservation
+from kvengine import Reservation
+from kvengine.trust.provenance import CanaryResult, KVComparison, check_namespace_canary, compare_kv, settle, worst
 from kvengine.types import ChunkView
 
 from .codec import ChunkUnavailable, Snapshot

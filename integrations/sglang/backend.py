@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvengine.copies import copy_all
+from kvengine.core.copies import copy_all
 from kvengine.errors import InvalidRequestError, UnsupportedModelError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore

@@ -12,7 +12,7 @@ Extra config keys (``--hicache-storage-backend-extra-config``, JSON):
   ``model_name``, i.e. ``--served-model-name`` or the model path).
 * ``model_fingerprint``: the model's identity, when you version weights
   yourself. By default every byte of the weight files of ``model`` (a local
-  path or a downloaded hub id) is hashed (:mod:`kvengine.weights`); a model
+  path or a downloaded hub id) is hashed (:mod:`kvengine.trust.weights`); a model
   that cannot be found to hash is refused unless this is set.
 * ``disk_transport``: options of the local-disk tier beyond kvengine's
   ``disk`` section: ``direct_io`` (None: O_DIRECT for large records where
@@ -28,11 +28,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvengine.chunks.keys import Namespace
 from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 from kvengine.keyed import keyed_namespace
-from kvengine.keys import Namespace
-from kvengine.weights import model_identity
+from kvengine.trust.weights import model_identity
 
 from .pages import PageGeometry, PoolKind
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.errors import InvalidRequestError, UnsupportedModelError
-from kvengine.layout import ChunkLayout, KVCategory, TensorSpec
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 

@@ -2,7 +2,7 @@
 
 * ``model`` -- the model id or path vLLM was given.
 * ``model_fingerprint`` -- the HF config, dtype, quantization and load
-  format, plus the *content* of every weight file (:mod:`kvengine.weights`:
+  format, plus the *content* of every weight file (:mod:`kvengine.trust.weights`:
   full-file xxh3-128, cached in a sidecar by size, mtime, inode and ctime).
   A hub id resolves to its local snapshot (revision and file digests). An
   explicit ``model_fingerprint`` option replaces the weights part, for users
@@ -22,8 +22,8 @@ import json
 
 import xxhash
 
-from kvengine.keys import Namespace
-from kvengine.weights import model_identity
+from kvengine.chunks.keys import Namespace
+from kvengine.trust.weights import model_identity
 
 
 def model_fingerprint(vllm_config: object, explicit: str | None = None) -> str:

@@ -9,7 +9,7 @@ naming the group, layer or setting):
 * :func:`derive_layout` (worker) -- from the registered per-layer caches, the
   attention backend each layer declares and the resolved
   :class:`~vllm.v1.kv_cache_layout.KVCacheLayout`: a :class:`PagedLayout`
-  whose :class:`~kvengine.layout.ChunkLayout` stores, per layer, the whole
+  whose :class:`~kvengine.chunks.layout.ChunkLayout` stores, per layer, the whole
   KV pages of one chunk.
 
 A chunk is stored as whole pages: vLLM hands each layer over as a logical
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import xxhash
 
+from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.errors import UnsupportedModelError
-from kvengine.layout import ChunkLayout, KVCategory, TensorSpec
 
 #: One list of block ids per KV cache group, as vLLM's ``KVCacheBlocks.get_block_ids()``.
 BlockIds = tuple[tuple[int, ...], ...]

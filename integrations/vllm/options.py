@@ -10,7 +10,7 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
   of every KV cache group's block size, or the connector refuses to start.
 * ``model_fingerprint`` -- the model's identity, when you manage versions
   yourself: replaces the content digest of the weight files (by default
-  every byte of every weight file is hashed, see :mod:`kvengine.weights`).
+  every byte of every weight file is hashed, see :mod:`kvengine.trust.weights`).
   Change it whenever the weights change, or stale KV is served.
 * ``lookup_wait_ms`` -- how long the scheduler waits for a new lookup's answer
   from the worker before it tells vLLM "not known yet" (``None``: vLLM asks

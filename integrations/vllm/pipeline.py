@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvengine.reservations import Reservation
-from kvengine.staging import StagedStore
+from kvengine import Reservation, StagedStore
 from kvengine.types import ChunkView
 
 from .paging import PagedCopier

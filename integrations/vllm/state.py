@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.facade import KVEngine
-from kvengine.hashing import prefix_hashes
 from kvengine.keyed import SyncKeyedStore, keyed_namespace
-from kvengine.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.types import ModelBinding
 
 from .layout import BlockIds, GroupPlan, PagedLayout

@@ -36,12 +36,12 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
+from kvengine import Reservation
+from kvengine.chunks.keys import Namespace
+from kvengine.chunks.layout import ChunkLayout
 from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
-from kvengine.keys import Namespace
-from kvengine.layout import ChunkLayout
-from kvengine.provenance import ShadowSampler, compare_kv, settle, worst
-from kvengine.reservations import Reservation
+from kvengine.trust.provenance import ShadowSampler, compare_kv, settle, worst
 from kvengine.types import ModelBinding
 
 from .channel import Answer, LookupService

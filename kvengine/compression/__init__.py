@@ -5,7 +5,7 @@ Codec ids are stable and stored in every chunk header:
 ==========  ===================  ====================================
 id          name                 what
 ==========  ===================  ====================================
-0           raw                  :class:`kvengine.codecs.RawCodec`
+0           raw                  :class:`kvengine.chunks.codecs.RawCodec`
 1           lz4-byteshuffle      lossless, fastest decode
 2           lz4-bitshuffle       lossless, fast, ~1.1x on bf16
 3           zstd-byteshuffle     lossless, dense (~0.99 of the order-0 bound)
@@ -24,7 +24,8 @@ truncated or foreign input raises :class:`~kvengine.errors.IntegrityError`.
 
 from __future__ import annotations
 
-from ..codecs import Codec, CodecRegistry, RawCodec
+from kvengine.chunks.codecs import Codec, CodecRegistry, RawCodec
+
 from .lossless import BloscCodec, BloscScheme, Shuffle, lossless_codecs
 from .quantize import Format, Grouping, QuantCodec, QuantScheme, lossy_codecs
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from ..errors import IntegrityError, InvalidRequestError
+from kvengine.errors import IntegrityError, InvalidRequestError
 
 FRAME_VERSION = 1
 _HEAD = struct.Struct("<HHQ")

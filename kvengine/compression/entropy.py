@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..record import TensorDescriptor
+from kvengine.chunks.record import TensorDescriptor
+
 from .lossless import segments
 
 

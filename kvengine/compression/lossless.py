@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import blosc2
 
-from ..errors import IntegrityError, InvalidRequestError
-from ..layout import dtype_from_code
-from ..record import TensorDescriptor
+from kvengine.chunks.layout import dtype_from_code
+from kvengine.chunks.record import TensorDescriptor
+from kvengine.errors import IntegrityError, InvalidRequestError
+
 from ._frame import expect_length, open_frame, seal
 
 #: Largest raw span compressed as one blosc2 chunk (blosc2's limit is ~2 GiB).
@@ -98,7 +99,7 @@ def _cut(start: int, stop: int, itemsize: int) -> Iterator[tuple[int, int, int]]
 
 
 class BloscCodec:
-    """A lossless :class:`~kvengine.codecs.Codec` over python-blosc2 (thread-safe)."""
+    """A lossless :class:`~kvengine.chunks.codecs.Codec` over python-blosc2 (thread-safe)."""
 
     lossless = True
 

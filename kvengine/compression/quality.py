@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec
-from ..layout import KVCategory, dtype_code
-from ..record import TensorDescriptor
+from kvengine.chunks.codecs import Codec
+from kvengine.chunks.layout import KVCategory, dtype_code
+from kvengine.chunks.record import TensorDescriptor
 
 FAMILIES = ("llama", "qwen2", "gpt2", "mistral")
 

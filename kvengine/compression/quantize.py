@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import IntegrityError, InvalidRequestError
-from ..layout import dtype_code, dtype_from_code
-from ..record import TensorDescriptor
+from kvengine.chunks.layout import dtype_code, dtype_from_code
+from kvengine.chunks.record import TensorDescriptor
+from kvengine.errors import IntegrityError, InvalidRequestError
+
 from ._frame import expect_length, open_frame, seal
 
 _BF16 = dtype_code(torch.bfloat16)
@@ -182,7 +183,7 @@ def _bf16_ceil(x: np.ndarray) -> np.ndarray:
 
 
 class QuantCodec:
-    """A lossy :class:`~kvengine.codecs.Codec` (``lossless = False``; stateless, thread-safe).
+    """A lossy :class:`~kvengine.chunks.codecs.Codec` (``lossless = False``; stateless, thread-safe).
 
     ``token_dim`` is the token dimension CHANNEL codecs reduce over when
     encoding (ignored by TOKEN codecs and by decoding, which reads it back).

@@ -1,6 +1,6 @@
 """KV semantics: what each kind of cache state is, when it may be reused, and a model's spec.
 
-* :mod:`.policies` - the registry: one :class:`ReusePolicy` per :class:`~kvengine.layout.KVCategory`.
+* :mod:`.policies` - the registry: one :class:`ReusePolicy` per :class:`~kvengine.chunks.layout.KVCategory`.
 * :mod:`.spec` - :class:`ModelKVSpec` (layer groups, sizes, chunk layout, fingerprint).
 * :mod:`.families` - derivation from a transformers config (allowlist; unknown -> refused).
 * :mod:`.canary` - the attach-time check comparing a cached continuation with a plain prefill.

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..errors import AttachError
+from kvengine.errors import AttachError
+
 from .spec import ModelKVSpec
 
 StateKey = tuple[int, str]

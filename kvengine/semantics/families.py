@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedModelError
-from ..layout import KVCategory
+from kvengine.chunks.layout import KVCategory
+from kvengine.errors import UnsupportedModelError
+
 from .spec import AttentionPart, LayerSpec, ModelKVSpec, StatePart
 
 Shapes = tuple[tuple[int, int], tuple[int, int]]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..errors import UnsupportedModelError
-from ..layout import KVCategory
+from kvengine.chunks.layout import KVCategory
+from kvengine.errors import UnsupportedModelError
 
 
 class MatchRule(enum.Enum):

@@ -10,7 +10,7 @@ objects; integrations map cache objects onto it.
   (parallel hybrids such as Falcon-H1) or neither (MLP/MoE-only layers).
 * :class:`LayerGroup` - layers whose parts share category and shapes.
 * :class:`ModelKVSpec` - the whole model; :meth:`ModelKVSpec.layout` gives the
-  engine's :class:`~kvengine.layout.ChunkLayout`, :attr:`ModelKVSpec.fingerprint`
+  engine's :class:`~kvengine.chunks.layout.ChunkLayout`, :attr:`ModelKVSpec.fingerprint`
   the namespace's ``kv_spec_fingerprint``.
 """
 
@@ -24,8 +24,9 @@ from functools import cached_property
 import torch
 import xxhash
 
-from ..errors import UnsupportedModelError
-from ..layout import ChunkLayout, KVCategory, TensorSpec
+from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
+from kvengine.errors import UnsupportedModelError
+
 from .policies import ReusePolicy, Storage, policy_for
 
 _ATTENTION_CATEGORIES = frozenset(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvengine.record import encode_header, unpack_record
+from kvengine.chunks.record import encode_header, unpack_record
 
 
 def scale_records(disk: Path, *, scale: float = 1.05, skip: tuple[str, ...] = ()) -> int:

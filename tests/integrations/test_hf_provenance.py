@@ -17,10 +17,10 @@ import torch
 pytest.importorskip("transformers")
 
 from kvengine import KVEngine
+from kvengine.cli.quarantine import main as quarantine_cmd
 from kvengine.errors import ModelChangedError
 from kvengine.integrations.hf import attach
-from kvengine.provenance import CanaryOutcome
-from kvengine.quarantine_cmd import main as quarantine_cmd
+from kvengine.trust.provenance import CanaryOutcome
 
 from .conftest import CHUNK, build_tiny, make_engine, prompt_for, reference_generate
 from .forged_records import scale_records

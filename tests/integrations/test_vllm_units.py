@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
+from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.errors import ConfigError
 from kvengine.integrations.vllm.channel import ChannelClosed, LookupClient, LookupService
 from kvengine.integrations.vllm.layout import GroupKind, GroupPlan, PagedLayout, PagedTensor
 from kvengine.integrations.vllm.options import ConnectorOptions
 from kvengine.integrations.vllm.paging import MissingPage, PagedCopier, blocks_in_range
-from kvengine.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.types import ChunkView
 
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvengine.inspect_cmd import main
+from kvengine.cli.inspect import main
 from kvengine.integrations.hf.tiny_models import TINY_CONFIGS
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvengine.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
-from kvengine.layout import KVCategory, dtype_code
-from kvengine.record import TensorDescriptor, encode_header
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
+from kvengine.chunks.layout import KVCategory, dtype_code
+from kvengine.chunks.record import TensorDescriptor, encode_header
 
 TEST_NAMESPACE = Namespace(model="tests/transports").digest()
 

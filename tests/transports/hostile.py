@@ -31,8 +31,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvengine.keys import ChunkKey, Namespace, NamespaceDigest
-from kvengine.record import seal_record, unpack_record
+from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
+from kvengine.chunks.record import seal_record, unpack_record
 from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
 from kvengine.transports.peer_protocol import Limits, Op, Status, decode_header, encode_reply, encode_request
 from kvengine.transports.peer_service import ServerOptions
@@ -79,7 +79,7 @@ class ServeProcess:
 
     def __init__(self, host: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvengine.serve_cmd", "--bind", f"{host}:0", "--capacity", "256MiB", *args],
+            [sys.executable, "-m", "kvengine.cli.serve", "--bind", f"{host}:0", "--capacity", "256MiB", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -242,7 +242,7 @@ def _forged(key: ChunkKey, size: int) -> bytes:
 
 
 def _rekey(record: bytes, key: ChunkKey) -> bytes:
-    from kvengine.record import encode_header
+    from kvengine.chunks.record import encode_header
 
     header, data = unpack_record(memoryview(record))
     return encode_header(key, (header.token_start, header.token_end), header.tensors, codec_id=header.codec_id,
@@ -336,7 +336,7 @@ async def oversized_payload(host: str, frames: int = 32) -> Outcome:
 #: connection; prints the seconds until each was answered and the PUT's status.
 _FLOODER = """
 import sys, time, zmq
-from kvengine.keys import ChunkKey
+from kvengine.chunks.keys import ChunkKey
 from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_request
 address, frames, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 sock = zmq.Context().socket(zmq.DEALER)

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvengine.keys import Namespace
+from kvengine.chunks.keys import Namespace
 from kvengine.transports.peer_protocol import Op, encode_request
 from tests.transports.certs import Pki, fingerprint_of
 from tests.transports.hostile import (
@@ -50,7 +50,7 @@ async def _open(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrite
 #: ``total`` more bytes; prints the seconds until the server cut it off and how many bytes it got rid of.
 _FLOODER = """
 import socket, sys, time
-from kvengine.keys import ChunkKey
+from kvengine.chunks.keys import ChunkKey
 from kvengine.transports.peer_protocol import Op, encode_request
 host, port, total, attacker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 sock = socket.create_connection((host, port), source_address=(attacker, 0))

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 import kvengine.transports._disk_files as files_mod
+from kvengine.chunks.keys import ChunkKey, Namespace
+from kvengine.chunks.record import FORMAT_VERSION, decode_header, unpack_record
 from kvengine.errors import ConfigError, InvalidRequestError, TransportError
-from kvengine.keys import ChunkKey, Namespace
-from kvengine.record import FORMAT_VERSION, decode_header, unpack_record
 from kvengine.transport import ChunkTransport
 from kvengine.transports._disk_files import RecordFiles, footprint, record_name
 from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport, create_transport

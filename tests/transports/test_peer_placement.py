@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.errors import ConfigError
-from kvengine.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.transports.placement import Membership, Peer, PeerHealth, parse_peer_list, rendezvous_owners
 
 NS = Namespace(model="tests/placement").digest()
@@ -36,7 +36,7 @@ def test_owners_are_stable_across_processes() -> None:
     key = keys(1)[0]
     code = (
         "from kvengine.transports.placement import Peer, rendezvous_owners\n"
-        "from kvengine.keys import ChunkKey\n"
+        "from kvengine.chunks.keys import ChunkKey\n"
         f"k = ChunkKey.from_hex({key.hex()!r})\n"
         f"peers = [Peer('127.0.0.{{}}'.format(i), 7000 + i) for i in range(2, 8)]\n"
         "print(','.join(p.address for p in rendezvous_owners(k, peers, 2)))\n"

@@ -24,9 +24,9 @@ import zmq
 import zmq.asyncio
 
 from kvengine import CacheEngine, Namespace
+from kvengine.chunks.keys import ChunkKey
+from kvengine.chunks.record import unpack_record
 from kvengine.errors import ConfigError
-from kvengine.keys import ChunkKey
-from kvengine.record import unpack_record
 from kvengine.transport import ChunkTransport
 from kvengine.transports.peer_buffers import BufferPool
 from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
@@ -477,7 +477,7 @@ async def test_engine_store_serves_resident_chunks_as_verifiable_records(layout:
     other, blob = ChunkKey(binding.digest, keys[0].chunk_hash[::-1]), b"x"
     assert await store.put([(other, blob)]) == [True] and await store.get([other]) == [blob]
     # With the peer group's secret, what the engine serves from memory is sealed with it.
-    from kvengine.record import verify_seal
+    from kvengine.chunks.record import verify_seal
 
     sealing = EngineStore(engine, MemoryRecordStore(MiB), [binding], secret=SECRET)
     for key, record in zip(keys, await sealing.get(keys)):
@@ -510,7 +510,7 @@ def test_ucx_transport_factory_builds_from_plain_config() -> None:
 
 @pytest.mark.slow
 async def test_kvengine_serve_runs_standalone_until_sigterm(tmp_path: Path, make_record: Any) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "kvengine.serve_cmd", "--bind", "127.0.0.7:0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvengine.cli.serve", "--bind", "127.0.0.7:0",
                              "--disk", str(tmp_path / "disk"), "--capacity", "16MiB"],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -542,7 +542,7 @@ async def test_kvengine_serve_with_curve_certificates_admits_only_listed_clients
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     client_public, client_secret = zmq.auth.create_certificates(str(allowed), "client")
-    proc = subprocess.Popen([sys.executable, "-m", "kvengine.serve_cmd", "--bind", "127.0.0.7:0", "--capacity", "1MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "kvengine.cli.serve", "--bind", "127.0.0.7:0", "--capacity", "1MiB",
                              "--curve-cert", server_secret, "--curve-allow", str(allowed)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -711,7 +711,7 @@ def test_a_short_or_missing_secret_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_serving_off_loopback_without_a_secret_or_curve_refuses_to_start(capsys, tmp_path: Path) -> None:
-    from kvengine.serve_cmd import main as serve
+    from kvengine.cli.serve import main as serve
 
     assert serve(["--bind", "0.0.0.0:0"]) == 1
     assert "--bind 0.0.0.0:0 is not on loopback" in capsys.readouterr().err

@@ -100,6 +100,7 @@ async def test_mutual_tls_round_trip_and_strangers_are_refused(pki: Pki, tmp_pat
 
 
 async def test_a_trickled_message_is_cut_at_its_deadline_and_idle_connections_are_reopened(make_record: Any) -> None:
+    """Slowloris: a message whose first bytes arrived must be whole within message_timeout, or the connection is closed; an idle pooled connection closed by the server is replaced transparently."""
     server = await _server(message_timeout=0.3, idle_timeout=0.3)
     assert server.address is not None
     host, port = server.address.rsplit(":", 1)
@@ -120,6 +121,7 @@ async def test_a_trickled_message_is_cut_at_its_deadline_and_idle_connections_ar
 
 
 async def test_requests_beyond_the_receive_budget_wait_unread_then_are_served(make_record: Any) -> None:
+    """Four 700 KiB puts at once against a 1 MiB receive budget: the ones that do not fit wait unread, all are stored, the budget is whole again after."""
     server = await _server(receive_budget_bytes=MiB)
     client = _client(server)
     items = [make_record(700 << 10) for _ in range(4)]
@@ -153,6 +155,7 @@ async def test_a_late_reply_is_never_taken_for_a_later_request(make_record: Any)
 
 
 async def test_a_client_beyond_its_in_flight_share_is_refused_busy(make_record: Any) -> None:
+    """A client with more requests in flight than max_inflight_per_client gets BUSY for the extra one at once (not queued)."""
     class Slow(MemoryRecordStore):
         async def get(self, keys: Any) -> Any:
             await asyncio.sleep(0.3)
@@ -173,6 +176,7 @@ async def test_a_client_beyond_its_in_flight_share_is_refused_busy(make_record: 
 
 
 async def test_connections_beyond_the_per_client_cap_are_closed_at_once() -> None:
+    """A client's connections beyond max_connections_per_client are closed on accept; the ones within the cap are served."""
     server = await _server(max_connections_per_client=2)
     assert server.address is not None
     host, port = server.address.rsplit(":", 1)
@@ -188,6 +192,7 @@ async def test_connections_beyond_the_per_client_cap_are_closed_at_once() -> Non
 
 
 def test_engine_config_builds_a_tls_tcp_peer_tier_and_refuses_mismatched_wire_options(pki: Pki) -> None:
+    """peers.transport=tcp with TLS files builds the tier; TLS files on another wire, CURVE keys on tcp, a certificate without a CA, or a remote peer without protection are refused, naming the setting."""
     tls = pki.tls("engine")
     config = load_config({"peers": {"transport": "tcp", "peers": ["127.0.0.2:7000"],
                                                     "tls_ca": str(tls.ca), "tls_cert": str(tls.cert),
@@ -214,7 +219,8 @@ def test_engine_config_builds_a_tls_tcp_peer_tier_and_refuses_mismatched_wire_op
     (["--tenants", "t.json"], "--tenants needs --curve-cert"),
 ])
 def test_serve_refuses_options_of_another_wire(capsys: Any, argv: list[str], message: str) -> None:
-    from kvengine.serve_cmd import main as serve
+    """kvengine serve refuses options of another wire, and tenants without a wire that proves identity, naming what is missing."""
+    from kvengine.cli.serve import main as serve
 
     assert serve(["--bind", "127.0.0.2:0", *argv]) == 1
     assert message in capsys.readouterr().err

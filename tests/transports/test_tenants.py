@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import zmq
 
+from kvengine.chunks.keys import Namespace
 from kvengine.errors import ConfigError
-from kvengine.keys import Namespace
 from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_request, split_frames
 from kvengine.transports.peer_service import PeerService, ServerOptions
 from kvengine.transports.peer_store import MemoryRecordStore
@@ -89,7 +89,7 @@ def test_tenants_need_a_wire_that_proves_the_client_key(tmp_path: Path) -> None:
     gate = Gatekeeper(load_tenants(tenants_file(tmp_path)))
     with pytest.raises(ConfigError, match="CURVE with an allow-list"):
         ZmqPeerServer(MemoryRecordStore(MiB), "127.0.0.2:0", ServerOptions(tenants=gate))
-    from kvengine.serve_cmd import main as serve
+    from kvengine.cli.serve import main as serve
 
     assert serve(["--bind", "127.0.0.2:0", "--tenants", str(tenants_file(tmp_path))]) == 1
     with pytest.raises(ConfigError, match="tenants need TLS with a client CA"):
@@ -111,7 +111,7 @@ def test_tls_tenants_are_granted_by_certificate_fingerprint(tmp_path: Path) -> N
 async def test_with_a_secret_a_delete_removes_only_records_that_fail_verification(make_record: Any) -> None:
     """A DELETE is a report of a bad copy: with a secret the server checks the record first, so a client
     without the secret cannot starve others by deleting their chunks."""
-    from kvengine.record import seal_record
+    from kvengine.chunks.record import seal_record
 
     secret = b"the-group-secret-0123456789"
     store = MemoryRecordStore(MiB)

@@ -1,0 +1,1 @@
+"""What a chunk is: keys and hashes, layouts, the record format, codecs."""

@@ -1,0 +1,97 @@
+"""Chunked prefix hashing.
+
+``h_i = xxh3_128(h_{i-1} || tokens of chunk i as little-endian uint32)`` with
+``h_{-1}`` the namespace digest. The hash of chunk *i* therefore identifies
+the whole prefix up to and including chunk *i*, in that namespace, on any
+machine. Python's ``hash()`` is never used: it is salted per process.
+
+Only full chunks are hashed by default. A partial trailing chunk changes
+identity as soon as one more token arrives, so storing it would mostly write
+entries that no later request can match (and evict useful ones to make room).
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from kvengine.chunks.keys import ChunkHash, NamespaceDigest
+from kvengine.errors import InvalidRequestError
+
+TokenInput = Sequence[int] | np.ndarray | torch.Tensor
+
+_TOKEN_DTYPE = np.dtype("<u4")
+_TOKEN_BYTES = 4
+
+
+def token_bytes(tokens: TokenInput) -> memoryview:
+    """Validate token ids and return them as contiguous little-endian uint32.
+
+    Raises :class:`InvalidRequestError` for empty input, non-integer values,
+    ids outside ``[0, 2**32)`` or more than one dimension.
+    """
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise InvalidRequestError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if tokens.dtype.kind not in "iu":
+            raise InvalidRequestError(f"tokens must be integers, got dtype {tokens.dtype}")
+        if tokens.size == 0:
+            raise InvalidRequestError("tokens must not be empty")
+        if tokens.dtype != _TOKEN_DTYPE:
+            if int(tokens.min()) < 0 or int(tokens.max()) >= 2**32:
+                raise InvalidRequestError("token ids must be in [0, 2**32)")
+            tokens = tokens.astype(_TOKEN_DTYPE)
+        return memoryview(np.ascontiguousarray(tokens).data).cast("B")
+    if isinstance(tokens, (str, bytes)):
+        raise InvalidRequestError("tokens must be a sequence of token ids, not text")
+    if len(tokens) == 0:
+        raise InvalidRequestError("tokens must not be empty")
+    try:
+        # array('I') checks every element for int-ness and range in C: about
+        # 7 ns a token, far cheaper than numpy's conversion of a list.
+        packed = array.array("I", tokens)
+    except (TypeError, OverflowError) as exc:
+        raise InvalidRequestError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    if packed.itemsize != _TOKEN_BYTES:  # pragma: no cover - exotic C ABI
+        packed = array.array("L", tokens)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
+def prefix_hashes(
+    tokens: TokenInput,
+    chunk_size: int,
+    seed: NamespaceDigest,
+    *,
+    partial: bool = False,
+    max_tokens: int | None = None,
+) -> list[ChunkHash]:
+    """Chain hashes of the chunks of ``tokens`` (full chunks only by default).
+
+    ``max_tokens`` stops hashing at that many tokens, for callers that need
+    only a bounded prefix.
+    """
+    if chunk_size <= 0:
+        raise InvalidRequestError(f"chunk_size must be positive, got {chunk_size}")
+    data = token_bytes(tokens)
+    n_tokens = len(data) // _TOKEN_BYTES
+    if max_tokens is not None:
+        n_tokens = min(n_tokens, max_tokens)
+    step = chunk_size * _TOKEN_BYTES
+    end = n_tokens * _TOKEN_BYTES
+    stop = end if partial else end - end % step
+    digest = xxhash.xxh3_128_digest
+    prev = bytes(seed)
+    out: list[ChunkHash] = []
+    for start in range(0, stop, step):
+        prev = digest(prev + data[start : min(start + step, stop)].tobytes())
+        out.append(ChunkHash(prev))
+    return out

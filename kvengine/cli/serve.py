@@ -1,0 +1,211 @@
+"""``kvengine serve``: a standalone peer server.
+
+Serves chunk records to other nodes (get / exists / put / delete, see
+:mod:`kvengine.transports.peer_protocol`) from process memory (LRU,
+``--capacity``) or from a local-disk tier (``--disk DIR``), until SIGINT or
+SIGTERM. The first line on stdout names the bound address::
+
+    kvengine serve: zmq on 127.0.0.2:7000, store memory (4.0 GiB)
+
+CURVE (ZeroMQ only): ``--curve-cert`` is the server's secret certificate
+file and ``--curve-allow`` a directory of admitted clients' public
+certificates, both in pyzmq's format
+(``zmq.auth.create_certificates(dir, name)``). Clients configure the
+server's public key.
+
+TLS (``--transport tcp``): ``--tls-cert`` / ``--tls-key`` are the server's
+certificate and key (PEM); ``--tls-ca`` the CA whose client certificates
+are admitted (clients without one are refused).
+
+Tenants (ZeroMQ with CURVE, or tcp with TLS and a client CA): ``--tenants
+FILE`` grants client keys (CURVE public keys, or TLS certificate
+fingerprints) to tenants, writing or read-only, and keeps each tenant to its
+own namespaces (format in :mod:`kvengine.transports.tenants`); over CURVE
+only the keys it lists are admitted. Namespaces not pinned in the file belong to the first tenant that
+writes them; those claims are kept in ``--claims FILE`` (default
+``DIR/tenant-claims.json`` with ``--disk``, else in memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from kvengine.chunks.keys import DIGEST_BYTES, NamespaceDigest
+from kvengine.errors import ConfigError, KVEngineError
+
+
+def _size(text: str) -> int:
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB)") from None
+
+
+def _namespace(text: str) -> NamespaceDigest:
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if len(raw) != DIGEST_BYTES:
+        raise argparse.ArgumentTypeError(f"not a namespace digest (32 hex digits): {text!r}")
+    return NamespaceDigest(raw)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``serve`` options, added to ``parser`` (a CLI subcommand's) or to a parser of their own."""
+    p = parser or argparse.ArgumentParser(prog="kvengine serve", description=__doc__.split("\n")[0])
+    p.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on (port 0: any)")
+    p.add_argument("--transport", choices=("zmq", "tcp", "ucx"), default="zmq",
+                   help="zmq (CURVE), tcp (own framing, bounded before buffering; TLS) or ucx")
+    p.add_argument("--disk", metavar="DIR", help="serve a local-disk tier in DIR instead of memory")
+    p.add_argument("--capacity", type=_size, default=_size("4GiB"), help="store capacity (default 4GiB)")
+    p.add_argument("--namespace", type=_namespace, action="append", metavar="HEX",
+                   help="serve only this namespace digest (repeatable; default: all)")
+    p.add_argument("--max-concurrent", type=int, default=8, help="requests served at once")
+    p.add_argument("--no-verify-puts", action="store_true", help="check put records' headers only, not payloads")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the peer group's shared secret: puts must carry a record MAC that verifies under it "
+                        "(required off loopback unless CURVE is on)")
+    p.add_argument("--curve-cert", metavar="FILE", help="server secret certificate (turns CURVE on)")
+    p.add_argument("--curve-allow", metavar="DIR", help="admit only clients whose public certificates are here")
+    p.add_argument("--tls-cert", metavar="FILE", help="tcp: server certificate, PEM (turns TLS on)")
+    p.add_argument("--tls-key", metavar="FILE", help="tcp: the certificate's private key, PEM")
+    p.add_argument("--tls-ca", metavar="FILE", help="tcp: admit only clients with a certificate this CA signed")
+    p.add_argument("--message-timeout", type=float, default=5.0, metavar="S",
+                   help="tcp: a message must arrive whole within this time of its first byte (default 5)")
+    p.add_argument("--tenants", metavar="FILE",
+                   help="per-tenant access control by client key (needs --curve-cert, or --tls-ca with tcp)")
+    p.add_argument("--claims", metavar="FILE", help="where tenants' namespace claims are kept")
+    return p
+
+
+def _store(args: argparse.Namespace) -> tuple[Any, str]:
+    if args.disk:
+        from kvengine.tiers import build_transport
+
+        return build_transport("local_disk", {"path": args.disk, "capacity_bytes": args.capacity},
+                               setting="--disk"), f"disk {args.disk}"
+    from kvengine.transports.peer_store import MemoryRecordStore
+
+    return MemoryRecordStore(args.capacity), f"memory ({args.capacity / 2**30:.1f} GiB)"
+
+
+def _server(args: argparse.Namespace, store: Any) -> Any:
+    from kvengine.transports.peer_client import read_secret, require_protection
+    from kvengine.transports.peer_service import ServerOptions
+
+    secret = read_secret(args.secret_file)
+    _check_wire_options(args)
+    require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert or args.tls_cert), what="--bind")
+    gate = _gatekeeper(args)
+    options = ServerOptions(namespaces=frozenset(args.namespace) if args.namespace else None,
+                            verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent, secret=secret,
+                            tenants=gate)
+    if args.transport == "tcp":
+        from pathlib import Path
+
+        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
+        tls = None
+        if args.tls_cert:
+            tls = TlsConfig(cert=Path(args.tls_cert), key=Path(args.tls_key) if args.tls_key else None,
+                            ca=Path(args.tls_ca) if args.tls_ca else None)
+        return TcpPeerServer(store, args.bind, options, TcpServerOptions(tls=tls, message_timeout=args.message_timeout))
+    if args.transport == "ucx":
+        os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
+        from kvengine.transports.ucx_peer import UcxPeerServer
+
+        return UcxPeerServer(store, args.bind, options)
+    from kvengine.transports.zmq_peer import CurveConfig, ZmqOptions, ZmqPeerServer
+
+    curve = None
+    if (args.curve_allow or args.tenants) and not args.curve_cert:
+        raise ConfigError("--curve-allow and --tenants need --curve-cert")
+    if args.curve_cert:
+        import zmq.auth
+
+        public, secret = zmq.auth.load_certificate(args.curve_cert)
+        if secret is None:
+            raise ConfigError(f"{args.curve_cert} holds no secret key")
+        allowed = gate.policy.client_keys if gate is not None else None
+        if args.curve_allow:
+            allowed = (allowed or frozenset()) | frozenset(zmq.auth.load_certificates(args.curve_allow))
+        curve = CurveConfig(public_key=public, secret_key=secret, allowed_clients=allowed)
+    return ZmqPeerServer(store, args.bind, options, ZmqOptions(curve=curve))
+
+
+def _check_wire_options(args: argparse.Namespace) -> None:
+    """Each wire's own options, and what tenants need on it; a mismatch is refused, never ignored."""
+    curve, tls = args.curve_cert or args.curve_allow, args.tls_cert or args.tls_key or args.tls_ca
+    if curve and args.transport != "zmq":
+        raise ConfigError("--curve-cert/--curve-allow are ZeroMQ options")
+    if tls and args.transport != "tcp":
+        raise ConfigError("--tls-cert/--tls-key/--tls-ca are options of --transport tcp")
+    if (args.tls_key or args.tls_ca) and not args.tls_cert:
+        raise ConfigError("--tls-key and --tls-ca need --tls-cert")
+    if args.curve_allow and not args.curve_cert:
+        raise ConfigError("--curve-allow needs --curve-cert")
+    if args.tenants and not (args.curve_cert if args.transport == "zmq" else args.tls_ca):
+        raise ConfigError({"zmq": "--tenants needs --curve-cert (CURVE proves each client's key)",
+                           "tcp": "--tenants needs --tls-ca (client certificates prove each client)",
+                           "ucx": "--tenants cannot be used with UCX (it cannot prove a client's identity)",
+                           }[args.transport])
+
+
+def _gatekeeper(args: argparse.Namespace) -> Any:
+    if args.tenants is None:
+        if args.claims:
+            raise ConfigError("--claims needs --tenants")
+        return None
+    from kvengine.transports.tenants import ClaimBook, Gatekeeper, load_tenants
+
+    claims = args.claims or (os.path.join(args.disk, "tenant-claims.json") if args.disk else None)
+    return Gatekeeper(load_tenants(args.tenants), ClaimBook(claims))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    store, what = _store(args)
+    server = _server(args, store)
+    await server.start()
+    print(f"kvengine serve: {args.transport} on {server.address}, store {what}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+        close = getattr(store, "close", None)
+        if close is not None:
+            await close()
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(server.service.counts.items()))
+        print(f"kvengine serve: stopped ({counts or 'no requests'})", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; ``args`` as parsed by :func:`build_parser`. Returns the exit status."""
+    if args.max_concurrent < 1:
+        print("kvengine serve: --max-concurrent must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(args))
+    except (KVEngineError, OSError) as exc:
+        print(f"kvengine serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

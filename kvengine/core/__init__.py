@@ -1,0 +1,1 @@
+"""The running engine: the coordinator and its parts, memory, reservations."""

@@ -1,0 +1,166 @@
+"""Slab allocator over one fixed host arena.
+
+The arena is split into equal slabs. A slab serves one size class at a time:
+the class of an object of ``n`` bytes (rounded up to ``ALIGN``) is
+``k = slab_bytes // n`` slots per slab, each slot ``slab_bytes // k`` bytes
+rounded down to ``ALIGN``, so internal waste is below one object per slab and
+every slot starts ``ALIGN``-aligned (typed views need aligned offsets). Slots
+of ``LARGE_SLOT`` bytes or more are rounded to whole pages and start on a page
+boundary (the arena and slabs are page-aligned), so direct I/O can write and
+read them in place.
+A slab that empties returns to the shared free list and can take any class next, so free memory never stays stranded in a class: the
+pool does not fragment over time, whatever mix of sizes it sees.
+
+Not thread-safe: the owning tier serialises calls.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+from kvengine.errors import CapacityError
+
+ALIGN = 64
+PAGE = 4096
+#: Slots at least this large are page-aligned (waste under 1/16 of a slot).
+LARGE_SLOT = 16 * PAGE
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    slab: int
+    slot: int
+    offset: int
+    nbytes: int  # slot size actually reserved (>= requested)
+
+
+class _Slab:
+    __slots__ = ("slots_per_slab", "free", "fresh", "used")
+
+    def __init__(self, slots_per_slab: int) -> None:
+        self.slots_per_slab = slots_per_slab
+        self.free: list[int] = []  # returned slots
+        self.fresh = 0  # slots [fresh, slots_per_slab) were never handed out
+        self.used = 0
+
+    def take(self) -> int:
+        self.used += 1
+        if self.free:
+            return self.free.pop()
+        self.fresh += 1
+        return self.fresh - 1
+
+    @property
+    def full(self) -> bool:
+        return self.used == self.slots_per_slab
+
+
+class SlabAllocator:
+    def __init__(
+        self, capacity_bytes: int, slab_bytes: int, *, pin_memory: bool = False, prefault: bool = False
+    ) -> None:
+        slab_bytes = _round_down(slab_bytes, PAGE if slab_bytes >= LARGE_SLOT else ALIGN)
+        if slab_bytes < ALIGN or capacity_bytes < slab_bytes:
+            raise CapacityError(f"capacity {capacity_bytes} B must hold at least one slab of {slab_bytes} B")
+        self.slab_bytes = slab_bytes
+        self.num_slabs = capacity_bytes // slab_bytes
+        self.capacity_bytes = self.num_slabs * slab_bytes
+        self.arena = _page_aligned_empty(self.capacity_bytes, pin_memory)
+        if prefault:
+            self.arena.zero_()
+        self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.arena}
+        self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
+        self._slabs: dict[int, _Slab] = {}
+        # size class (slots per slab) -> slabs of that class with a free slot
+        self._partial: dict[int, set[int]] = {}
+        self.used_bytes = 0
+
+    def slot_bytes(self, nbytes: int) -> int:
+        """Bytes actually reserved for an object of ``nbytes``."""
+        return self._slot_size(self._slots_per_slab(nbytes))
+
+    def _slot_size(self, slots_per_slab: int) -> int:
+        size = self.slab_bytes // slots_per_slab
+        return _round_down(size, PAGE if size >= LARGE_SLOT else ALIGN)
+
+    def _slots_per_slab(self, nbytes: int) -> int:
+        if nbytes <= 0:
+            raise CapacityError(f"allocation size must be positive, got {nbytes}")
+        grain = PAGE if nbytes >= LARGE_SLOT else ALIGN
+        aligned = -(-nbytes // grain) * grain
+        if aligned > self.slab_bytes:
+            raise CapacityError(
+                f"object of {nbytes} B exceeds the memory slab size {self.slab_bytes} B; "
+                f"raise memory.slab_bytes"
+            )
+        return self.slab_bytes // aligned
+
+    def allocate(self, nbytes: int) -> Allocation | None:
+        """A slot of at least ``nbytes``, or None when the arena is full for that class."""
+        k = self._slots_per_slab(nbytes)
+        partial = self._partial.setdefault(k, set())
+        if partial:
+            slab_id = next(iter(partial))
+        elif self._free_slabs:
+            slab_id = self._free_slabs.pop()
+            self._slabs[slab_id] = _Slab(k)
+            partial.add(slab_id)
+        else:
+            return None
+        slab = self._slabs[slab_id]
+        slot = slab.take()
+        if slab.full:
+            partial.discard(slab_id)
+        size = self._slot_size(k)
+        self.used_bytes += size
+        return Allocation(slab_id, slot, slab_id * self.slab_bytes + slot * size, size)
+
+    def free(self, alloc: Allocation) -> None:
+        slab = self._slabs[alloc.slab]
+        k = slab.slots_per_slab
+        slab.free.append(alloc.slot)
+        slab.used -= 1
+        self.used_bytes -= alloc.nbytes
+        if slab.used == 0:
+            del self._slabs[alloc.slab]
+            self._partial[k].discard(alloc.slab)
+            self._free_slabs.append(alloc.slab)
+        else:
+            self._partial[k].add(alloc.slab)
+
+    def release(self) -> None:
+        """Give the arena's memory back now (not at garbage collection); the allocator is unusable after."""
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self._typed = {}
+        self._free_slabs = []
+        self._partial = {}
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole arena viewed as ``dtype`` (slots are aligned for every dtype)."""
+        arena = self._typed.get(dtype)
+        if arena is None:
+            arena = self._typed[dtype] = self.arena.view(dtype)
+        return arena
+
+    def view(self, alloc: Allocation, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of a slot as a flat uint8 tensor."""
+        return self.arena[alloc.offset : alloc.offset + nbytes]
+
+
+def _round_down(n: int, grain: int) -> int:
+    return n // grain * grain
+
+
+def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` on page boundaries, at storage offset 0 (views index the storage).
+
+    torch only promises 64-byte alignment; CUDA's pinned host allocator and
+    anonymous mappings give whole pages.
+    """
+    if pin_memory:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # Private: a forked child gets a copy-on-write view, never a window into this cache.
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)

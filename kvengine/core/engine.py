@@ -1,0 +1,459 @@
+"""The asyncio cache engine.
+
+Primitives (all ``async``; CPU copies run in worker threads, never on the loop):
+
+* :meth:`CacheEngine.bind` – validate a model's namespace and chunk layout.
+* :meth:`CacheEngine.lookup` – reserve the longest cached prefix of a request
+  (memory first, then lower tiers, promoted into memory and pinned).
+* :meth:`CacheEngine.load` – hand the reserved chunks to a sink; report what failed.
+* :meth:`CacheEngine.release` – end a reservation without loading.
+* :meth:`CacheEngine.store` – copy new full chunks into memory; lower tiers
+  are filled write-behind (or write-through) from there.
+* :meth:`CacheEngine.reclaim_expired` – end reservations whose lease ran out.
+
+The engine holds lookup, reservations and the copy-in of stores; its parts
+do the rest: :class:`~kvengine.core.tier_set.TierSet` (the lower tiers and their
+codecs), :class:`~kvengine.core.promotion.Promoter` (lower tiers -> memory,
+verified) and :class:`~kvengine.core.tier_writer.TierWriter` (memory -> lower
+tiers, per ``write_mode``), over one :class:`~kvengine.core.memory_tier.MemoryTier`.
+
+Cache faults (corrupt records, dead tiers, no room) become counted misses.
+Caller mistakes (bad tokens, tensors that do not match the layout) raise
+:class:`InvalidRequestError` and leave the pool as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+from kvengine.chunks.codecs import CodecRegistry
+from kvengine.chunks.hashing import TokenInput, prefix_hashes
+from kvengine.chunks.keys import ChunkKey, Namespace
+from kvengine.chunks.layout import ChunkLayout
+from kvengine.compression import default_codecs
+from kvengine.config import EngineConfig
+from kvengine.core.allocator import SlabAllocator
+from kvengine.core.buffers import BufferPool
+from kvengine.core.copies import copy_all
+from kvengine.core.eviction import make_policy
+from kvengine.core.memory_tier import MemoryEntry, MemoryTier
+from kvengine.core.promotion import Promoter
+from kvengine.core.reservations import Reservation, ReservationState, ReservationTable
+from kvengine.core.stager import Stager
+from kvengine.core.staging import StagedStore
+from kvengine.core.tier_set import TierSet, resolve_codec
+from kvengine.core.tier_writer import TierWriter
+from kvengine.errors import InvalidRequestError
+from kvengine.metrics import EngineMetrics
+from kvengine.tiers import Tier
+from kvengine.transport import ChunkTransport, read_scope
+from kvengine.trust.quarantine import Quarantine
+from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
+
+#: A load (begin_load) or staged store (begin_store) still unfinished after this many leases is
+#: abandoned: its pins are dropped (counted). Generous: a step's copies take milliseconds, but a
+#: CPU prefill of a long prompt can hold a load across a forward of tens of seconds.
+ABANDON_AFTER_LEASES = 10
+
+logger = logging.getLogger("kvengine")
+
+#: Idle record buffers kept (at most capacity / 4).
+_RECORD_POOL_BYTES = 256 * 2**20
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        transports: Sequence[ChunkTransport | Tier] = (),
+        codecs: CodecRegistry | None = None,
+        metrics: EngineMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or EngineMetrics()
+        self.codecs = codecs or default_codecs()
+        self.tiers = TierSet(transports, self.codecs, default_codec=config.disk.codec, metrics=self.metrics)
+        #: The codec of records this engine serves to peers from memory (see EngineStore).
+        self.peer_codec = resolve_codec(self.codecs, config.peers.codec, "peers.codec")
+        self._clock = clock
+        allocator = SlabAllocator(
+            int(config.memory.capacity_bytes),
+            config.memory.effective_slab_bytes(),
+            pin_memory=_cuda_available(),
+            prefault=config.memory.prefault,
+        )
+        self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
+        #: Page-aligned record buffers, recycled: records written to tiers, encoded payloads read in place.
+        record_buffers = BufferPool(min(_RECORD_POOL_BYTES, int(config.memory.capacity_bytes) // 4))
+        self.promoter = Promoter(self.memory, self.tiers, self.codecs, self.metrics, record_buffers)
+        self.writer = TierWriter(self.memory, self.tiers, self.metrics, write_mode=config.write_mode,
+                                 max_pending=config.max_pending_writes, record_buffers=record_buffers)
+        self.reservations = ReservationTable()
+        #: Namespaces whose stored KV failed a provenance check: never served (persisted with the disk tier).
+        self.quarantine = Quarantine(config.disk.path)
+        self._roots: dict[bytes, str] = {}  # binding digest -> its namespace root (bound in this engine)
+        self.metrics.quarantined.set_function(lambda: len(self.quarantine))
+        self.stager = Stager(self.memory, self.metrics, hands_on=bool(self.tiers))
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._memory_loaded_bytes = self.metrics.loaded_bytes.labels(tier="memory")
+        self._memory_evictions = self.metrics.evictions.labels(tier="memory")
+
+    @property
+    def transports(self) -> tuple[ChunkTransport, ...]:
+        """The lower tiers' transports, in lookup order."""
+        return self.tiers.transports
+
+    # -- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        """Start background tasks (lease reaper, tier writer) on the running loop."""
+        self.writer.start()
+        self._tasks.append(asyncio.create_task(self._reaper(), name="kvengine-reaper"))
+
+    async def flush(self) -> None:
+        """Wait until every queued tier write has been attempted."""
+        await self.writer.flush()
+
+    async def close(self, *, flush: bool = True) -> None:
+        """Stop; flush queued tier writes (or drop them, counted) and close transports."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.writer.close(flush=flush)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for res in self.reservations.all():
+            self._end(res)
+        await self.tiers.close()
+        self.memory.close()
+
+    # -- binding -------------------------------------------------------------
+    def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+        """Validate a model's chunk layout against this engine; raise if it can never work."""
+        if layout.chunk_size != self.config.chunk_size:
+            raise InvalidRequestError(
+                f"layout chunk_size {layout.chunk_size} differs from the engine's chunk_size "
+                f"{self.config.chunk_size}"
+            )
+        self.memory.check_fits(layout.nbytes())
+        self.tiers.check_namespace(namespace)
+        if not namespace.verified:
+            logger.warning(
+                "kvengine: model %r bound WITHOUT attach verification (debug override); "
+                "its chunks live in a separate namespace and are never served to verified readers",
+                namespace.model,
+            )
+        binding = ModelBinding.create(namespace, layout)
+        self._roots[binding.digest] = binding.root
+        self.quarantine.note_binding(namespace, binding.digest)
+        if self.is_quarantined(binding):
+            logger.error("kvengine: model %r is bound to a QUARANTINED namespace (root %s): nothing is served or "
+                         "stored for it until an operator purges it", namespace.model, binding.root)
+        return binding
+
+    def is_quarantined(self, binding: ModelBinding) -> bool:
+        return binding.root in self.quarantine
+
+    def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
+        """Never serve or store ``binding``'s namespace root again (see :mod:`.quarantine`)."""
+        self.quarantine.add(binding.namespace, reason, details)
+        for res in [r for r in self.reservations.all() if self._roots.get(r.namespace) == binding.root]:
+            self._end(res)  # what was promised under it (any salt) is withdrawn: loads of it now fail
+        self.metrics.reservations_active.set(len(self.reservations))
+
+    # -- lookup ----------------------------------------------------------------
+    async def lookup(
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+    ) -> Reservation:
+        """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``).
+
+        Idempotent per ``request_id``: the same question returns the same
+        reservation with a renewed lease, pinning and counting nothing again.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if max_tokens is not None and max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens,
+                               partial=self.config.store_partial_chunks)
+        if self.is_quarantined(binding):
+            self.metrics.quarantine_refusals.labels(op="lookup").inc()
+            hashes = []
+        query = (max_tokens, *hashes)
+        now = self._clock()
+        existing = self.reservations.get(binding.digest, request_id)
+        if existing is not None and existing.query == query and existing.state is ReservationState.RESERVED:
+            existing.expires_at = now + self.config.lease_seconds
+            return existing
+        if existing is not None:
+            self._end(existing)
+        keys = [ChunkKey(binding.digest, h) for h in hashes]
+        asked = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+        entries = self.memory.pin_prefix(keys)
+        if len(entries) < len(keys) and self.transports:
+            with read_scope():  # one deadline for all of this lookup's reads from lower tiers
+                entries += await self.promoter.promote(binding, keys[len(entries) :], len(entries), asked)
+        res = Reservation(
+            owner=self.reservations,
+            request_id=request_id,
+            namespace=binding.digest,
+            matched_tokens=entries[-1].token_range[1] if entries else 0,
+            keys=tuple(e.key for e in entries),
+            expires_at=now + self.config.lease_seconds,
+            query=query,
+            entries=entries,
+        )
+        replaced = self.reservations.put(res)
+        if replaced is not None:  # a concurrent lookup of the same request won the race
+            self._end(replaced)
+        self.metrics.lookups.inc()
+        self.metrics.lookup_tokens.inc(asked)
+        self.metrics.hit_tokens.inc(res.matched_tokens)
+        self.metrics.reservations_active.set(len(self.reservations))
+        return res
+
+    # -- load / release ------------------------------------------------------------
+    async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
+        """Give every reserved chunk, in order, to ``sink``; the reservation ends.
+
+        Loading stops at the first chunk the sink fails on; that chunk and all
+        later ones are reported failed so the caller recomputes them. An
+        expired or already ended reservation loads nothing.
+        """
+        views = await self.begin_load(res)
+        loaded = 0
+        try:
+            if views:
+                loaded = await asyncio.to_thread(self._run_sink, views, sink)
+        finally:
+            result = await self.finish_load(res, loaded)
+        return result
+
+    async def begin_load(self, res: Reservation) -> tuple[ChunkView, ...]:
+        """Start a load the caller copies itself (e.g. layer by layer): views of every reserved chunk.
+
+        The views stay valid, and the chunks pinned, until :meth:`finish_load`,
+        which must follow. Empty when the reservation expired or ended (the
+        load then fails whole).
+        """
+        self._check_owner(res)
+        now = self._clock()
+        if not self.reservations.begin_load(res, now):
+            self.metrics.load_failed_tokens.inc(res.matched_tokens)
+            return ()
+        res.expires_at = now + self.config.lease_seconds * ABANDON_AFTER_LEASES
+        return tuple(ChunkView(i, e.key, e.token_range, self.memory.tensors(e), e.layout)
+                     for i, e in enumerate(res.entries))
+
+    async def finish_load(self, res: Reservation, loaded_chunks: int) -> LoadResult:
+        """End a load: the first ``loaded_chunks`` chunks reached the caller, the rest failed (recompute).
+
+        Counted once; a reservation that was not loading (its ``begin_load``
+        failed, or it was finished before) reports nothing loaded.
+        """
+        self._check_owner(res)
+        loading = res.state is ReservationState.LOADING
+        loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
+        tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else 0
+        if loading and self._end(res):
+            self.metrics.loaded_tokens.inc(tokens)
+            self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
+            self._memory_loaded_bytes.inc(sum(e.nbytes for e in res.entries[:loaded_chunks]))
+        return LoadResult(res.matched_tokens, tokens, tuple(range(loaded_chunks, res.num_chunks)))
+
+    def _run_sink(self, views: Sequence[ChunkView], sink: ChunkSink) -> int:
+        for view in views:
+            try:
+                sink(view)
+            except Exception as exc:
+                self.metrics.log_once(
+                    "sink_error", "kvengine: load sink failed on chunk %d (%s: %s); the rest is recomputed",
+                    view.index, type(exc).__name__, exc,
+                )
+                return view.index
+        return len(views)
+
+    async def release(self, res: Reservation) -> None:
+        """End a reservation without loading (request not scheduled, aborted, finished)."""
+        self._check_owner(res)
+        self._end(res)
+
+    def _check_owner(self, res: Reservation) -> None:
+        """Its pins are another engine's: loading or ending it here would corrupt both engines' memory."""
+        if res.owner is not self.reservations:
+            raise InvalidRequestError(f"reservation of request {res.request_id!r} was made by another engine; "
+                                      "load or release it through the engine that looked it up")
+
+    def _end(self, res: Reservation) -> bool:
+        if not self.reservations.end(res):
+            return False
+        self.memory.unpin(res.entries)
+        self.metrics.reservations_active.set(len(self.reservations))
+        return True
+
+    async def reclaim_expired(self) -> int:
+        """End reservations whose lease ran out, loads and staged stores left unfinished for
+        ``ABANDON_AFTER_LEASES`` leases; returns how many reservations (all counted in metrics)."""
+        now = self._clock()
+        count = 0
+        for res in self.reservations.expired(now):
+            loading = res.state is ReservationState.LOADING
+            if self._end(res):
+                if loading:  # its finish_load, if it ever comes, reports nothing loaded: recomputed
+                    self.metrics.abandoned.labels(op="load").inc()
+                else:
+                    count += 1
+        self.stager.reclaim(now)  # staged stores left unfinished: what was never committed is dropped
+        if count:
+            self.metrics.reservations_reclaimed.inc(count)
+            self.metrics.log_once("reclaim", "kvengine: reclaimed reservations never loaded or released "
+                                  "within %.1fs (requests not scheduled or aborted?)", self.config.lease_seconds)
+        return count
+
+    async def _reaper(self) -> None:
+        interval = min(1.0, self.config.lease_seconds / 4)
+        ticks = 0
+        while True:
+            await asyncio.sleep(interval)
+            await self.reclaim_expired()
+            ticks += 1
+            if ticks % 10 == 0:  # other processes on the same disk may have quarantined a namespace
+                await asyncio.to_thread(self.quarantine.refresh)
+
+    # -- store ------------------------------------------------------------------
+    async def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
+        """Copy the chunks of ``tokens`` that are not cached yet into memory.
+
+        ``source`` is called only for chunks that will be stored. Storing stops
+        at the first chunk that finds no room (a later chunk is unreachable
+        without it), or where ``source`` returns None (it has no more).
+
+        Whatever was copied is committed and reaches the lower tiers in either
+        write mode, also when ``source`` raises (the error then reaches the
+        caller once the copied chunks are handed on).
+        """
+        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
+        if not (self.transports and self.config.write_mode == "write_through"):
+            # Write-behind: tier writes start after the copies. Overlapping them was measured to make the
+            # data durable ~10% sooner but this call ~35% slower (2 cores, one memory bus), and this
+            # call's latency is what a write-behind caller waits for.
+            result, held, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
+            if held:
+                result = replace(result, tier_failures=await self.writer.hand_off(binding, held))
+            if error is not None:
+                raise error
+            return result
+        # Write-through: the caller waits for the tiers anyway, so each chunk's writes start as soon as
+        # it is copied, overlapping the rest of the copies.
+        loop = asyncio.get_running_loop()
+        writes: list[asyncio.Future[bool]] = []
+
+        def start_write(entry: MemoryEntry) -> None:
+            writes.append(asyncio.ensure_future(self.writer.write_through(binding, entry)))
+
+        def hand_off(entry: MemoryEntry) -> None:
+            loop.call_soon_threadsafe(start_write, entry)
+
+        try:
+            result, _, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off)
+        except BaseException:  # cancelled: what was copied is still written before this returns
+            if writes:
+                await asyncio.wait(writes)
+            raise
+        # Every start_write ran before this point: the copy thread scheduled them before its result.
+        written = await asyncio.gather(*writes)
+        if error is not None:
+            raise error
+        return replace(result, tier_failures=written.count(False))
+
+    async def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:
+        """Prepare slots for the chunks of ``tokens`` not cached yet, for the caller to fill.
+
+        Like :meth:`store`, but the caller writes the returned views itself (in
+        any order, e.g. layer by layer) and then calls :meth:`commit_store`,
+        which must follow. Preparing stops at the first chunk that finds no room.
+        """
+        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
+        staged = self._stage(binding, hashes, len(tokens))
+        # pinned until committed: abandoned ones are dropped by the reaper
+        self.stager.keep_open(staged, self._clock() + self.config.lease_seconds * ABANDON_AFTER_LEASES)
+        return staged
+
+    async def commit_store(self, staged: StagedStore, filled_chunks: int) -> StoreResult:
+        """Publish the first ``filled_chunks`` staged chunks (fully written) and drop the rest.
+
+        :raises InvalidRequestError: if ``staged`` was already committed (or abandoned and dropped).
+        """
+        result, held = self.stager.commit(staged, filled_chunks)
+        if held:
+            result = replace(result, tier_failures=await self.writer.hand_off(staged.binding, held))
+        return result
+
+    def _copy_in(
+        self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource,
+        hand_off: Callable[[MemoryEntry], object] | None = None,
+    ) -> tuple[StoreResult, list[MemoryEntry], BaseException | None]:
+        """Copy new chunks into memory (blocking): the result, the new entries (pinned for the lower
+        tiers), and what ``source`` raised, if it did (the chunks copied before it are committed all the
+        same). With ``hand_off``, each chunk is handed on as soon as it is copied (see :meth:`Stager.fill`)."""
+        staged = self._stage(binding, hashes, total)
+        filled, error = self.stager.fill(staged, partial(_copy_chunk, binding.layout, source), hand_off)
+        return (*self.stager.commit(staged, filled), error)
+
+    def _stage(self, binding: ModelBinding, hashes: list, total: int) -> StagedStore:
+        """Slots for the new chunks of a prompt of ``total`` tokens (none for a quarantined namespace)."""
+        if self.is_quarantined(binding):  # nothing more is added to KV that failed a provenance check
+            self.metrics.quarantine_refusals.labels(op="store").inc()
+            return StagedStore(binding, (), 0, len(hashes), ())
+        size = binding.chunk_size
+        keys = [ChunkKey(binding.digest, h) for h in hashes]
+        return self.stager.prepare(binding, keys, [(i * size, min((i + 1) * size, total)) for i in range(len(keys))])
+
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether the memory tier holds ``key`` now (a later read may still miss: it can be evicted)."""
+        return self.memory.contains(key)
+
+    def resident_record(self, binding: ModelBinding, key: ChunkKey) -> bytes | None:
+        """The record of chunk ``key`` of ``binding`` if memory holds it, encoded as this engine sends
+        records to peers (:attr:`peer_codec`); None otherwise. Blocking: run it in a worker thread."""
+        entry = self.memory.pin(key)
+        if entry is None:
+            return None
+        try:
+            header, payload = self.writer.record_parts(binding, entry, self.peer_codec)
+            return b"".join((header, payload))  # one copy
+        finally:
+            self.memory.unpin([entry])
+
+    def _on_evict(self, entry: MemoryEntry) -> None:
+        self._memory_evictions.inc()
+
+
+def _copy_chunk(layout: ChunkLayout, source: ChunkSource, view: ChunkView) -> bool:
+    """Copy one chunk from ``source`` into its slot; False once the source has no more."""
+    tensors = source(view.index, *view.token_range)
+    if tensors is None:
+        return False
+    layout.check(tensors, view.token_range[1] - view.token_range[0])
+    copy_all(view.tensors, tensors)
+    return True
+
+
+def _cuda_available() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+__all__ = ["CacheEngine"]

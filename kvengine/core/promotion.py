@@ -1,0 +1,327 @@
+"""Promotion: bringing chunks from the lower tiers into memory, verified, in prompt order, pinned.
+
+:meth:`Promoter.promote` serves a lookup: the longest prefix of the asked
+chunks that some tier holds, each record verified (integrity, its key, its
+token position, the model's layout, the verification flag) before its bytes
+are admitted. A record that fails is a counted miss and is deleted where it
+was found; a tier that fails a call is a counted miss (:class:`TierSet`);
+nothing here raises for a cache fault. The chunks come back pinned, for the
+caller's reservation.
+
+Two read paths: windows of whole records (any transport), or, for
+:class:`~kvengine.transport.ReadsInPlace` transports, reads straight into
+the memory slots (:class:`_PlacedRead`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections import deque
+from collections.abc import Awaitable
+
+import numpy as np
+
+from kvengine.chunks.codecs import CodecRegistry, RawCodec
+from kvengine.chunks.keys import ChunkKey
+from kvengine.chunks.record import RecordFlag, RecordHeader, descriptors_for, unpack_record
+from kvengine.core.buffers import BufferPool
+from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
+from kvengine.core.tier_set import TierSet
+from kvengine.errors import IntegrityError
+from kvengine.metrics import EngineMetrics
+from kvengine.transport import Buffer, ReadsInPlace, reads_in_place
+from kvengine.types import ModelBinding
+
+#: Promotion reads this many records at a time, the next window while admitting this one.
+_READ_WINDOW = 4
+#: Promotion through a transport with placed reads keeps this many reads in flight, each
+#: straight into its memory slot (no read buffers), admitted in order as they complete.
+_READ_AHEAD = 8
+
+
+class AdmitRejected(enum.Enum):
+    """Why a lower-tier record was not admitted into memory."""
+
+    CORRUPT = "corrupt"  # a lower-tier record failed verification; delete it
+    NO_ROOM = "no_room"  # a verified record found no room in memory; keep it
+
+
+def check_position(binding: ModelBinding, header: RecordHeader, start: int, end: int | None = None) -> None:
+    """Raise IntegrityError unless a (verified) header is the chunk of ``binding`` starting at ``start``
+    (and ending at ``end``, when known): bytes that verify are not usable at another position, in another
+    layout, or for another kind of reader."""
+    n = header.token_end - header.token_start
+    if header.token_start != start or not 0 < n <= binding.chunk_size or end not in (None, header.token_end):
+        raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
+                             f"{header.token_end}, expected a chunk starting at {start}")
+    if header.tensors != descriptors_for(binding.layout, n):
+        raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
+    if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
+        raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
+
+
+class Promoter:
+    """Reads records from a :class:`TierSet` into a :class:`MemoryTier`."""
+
+    def __init__(self, memory: MemoryTier, tiers: TierSet, codecs: CodecRegistry, metrics: EngineMetrics,
+                 scratch: BufferPool) -> None:
+        self.memory = memory
+        self.tiers = tiers
+        self.codecs = codecs
+        self.metrics = metrics
+        #: Buffers for encoded payloads read in place (decoded into their slot afterwards).
+        self.scratch = scratch
+
+    async def promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int,
+                      total_tokens: int) -> list[MemoryEntry]:
+        """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned.
+
+        ``keys[0]`` is chunk number ``first_chunk`` of a request of ``total_tokens``
+        tokens; each record must cover exactly that chunk's token positions.
+        """
+        promoted: list[MemoryEntry] = []
+        for transport in self.tiers.transports:
+            want = keys[len(promoted) :]
+            if not want:
+                break
+            present = await self.tiers.guarded(transport, "exists", transport.exists(want), [False] * len(want))
+            run = next((i for i, ok in enumerate(present) if not ok), len(want))
+            if run == 0:
+                continue
+            if reads_in_place(transport):
+                got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted),
+                                                 total_tokens)
+                promoted += got
+                if len(got) < run:
+                    return promoted
+                continue
+            # A few records at a time, the next window read while this one is admitted: read
+            # buffers are recycled (no page faults) and at most 2 windows of records exist at once.
+            windows = [want[i : min(i + _READ_WINDOW, run)] for i in range(0, run, _READ_WINDOW)]
+            pending: asyncio.Future[list[Buffer | None]] | None = asyncio.ensure_future(transport.get(windows[0]))
+            try:
+                for k, window in enumerate(windows):
+                    assert pending is not None
+                    try:
+                        blobs = await pending
+                    except Exception as exc:  # a tier that fails a read is a miss from there on
+                        pending = None
+                        self.tiers.fault(transport, "get", exc)
+                        return promoted
+                    pending = asyncio.ensure_future(transport.get(windows[k + 1])) if k + 1 < len(windows) else None
+                    for key, blob in zip(window, blobs):
+                        if blob is None:
+                            return promoted
+                        start = (first_chunk + len(promoted)) * binding.chunk_size
+                        entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
+                        if entry is AdmitRejected.CORRUPT:
+                            await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
+                        if not isinstance(entry, MemoryEntry):
+                            return promoted
+                        promoted.append(entry)
+                    del blobs  # this window's read buffers go back to the transport's pool
+            finally:
+                if pending is not None:  # stopped early: let the read in flight finish, drop it
+                    with contextlib.suppress(Exception):
+                        await pending
+        return promoted
+
+    def admit_record(
+        self, binding: ModelBinding, key: ChunkKey, blob: object, start: int, tier: str
+    ) -> MemoryEntry | AdmitRejected:
+        """Verify a record covering tokens from ``start`` and copy it into memory, pinned.
+
+        Or say why not (corrupt records are counted; the caller deletes them).
+        Blocking: run it in a worker thread.
+        """
+        try:
+            header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
+            check_position(binding, header, start)
+        except IntegrityError as exc:
+            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
+            return AdmitRejected.CORRUPT
+        except Exception as exc:
+            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
+            return AdmitRejected.CORRUPT
+        return self.admit_payload(binding, key, header, payload, tier)
+
+    def admit_payload(
+        self, binding: ModelBinding, key: ChunkKey, header: RecordHeader, payload: memoryview, tier: str,
+        slot: MemoryEntry | None = None,
+    ) -> MemoryEntry | AdmitRejected:
+        """Decode a verified record's payload into ``slot`` (prepared for it; aborted if the payload is
+        bad) or else a new memory entry; the entry comes back committed and pinned (blocking)."""
+        try:
+            raw = self.codecs.by_id(header.codec_id).decode(payload, header.tensors)
+            if len(raw) != header.raw_length or (slot is not None and len(raw) != slot.nbytes):
+                raise IntegrityError("codec_length", f"decoded {len(raw)} B, header says {header.raw_length}")
+        except Exception as exc:  # a codec library failing on garbage is still a miss
+            if slot is not None:
+                self.memory.abort(slot)
+            reason = exc.reason if isinstance(exc, IntegrityError) else "decode_error"
+            self.metrics.integrity_failure(reason, f"{tier}: {type(exc).__name__}: {exc}")
+            return AdmitRejected.CORRUPT
+        if slot is None:
+            prepared = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
+            if isinstance(prepared, Prepared):
+                # Present already (a concurrent promotion) or no room: pin what is there, if anything.
+                return self.memory.pin(key) or AdmitRejected.NO_ROOM
+            slot = prepared
+        self.memory.raw(slot).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+        self.memory.commit(slot, keep_pin=True)
+        self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
+        return slot
+
+    async def _promote_placed(self, binding: ModelBinding, transport: ReadsInPlace, keys: list[ChunkKey],
+                              first_chunk: int, total_tokens: int) -> list[MemoryEntry]:
+        """The longest prefix of ``keys`` (all present in ``transport``) read straight into memory, pinned.
+
+        For :class:`~kvengine.transport.ReadsInPlace` transports (see also
+        :class:`_PlacedRead`): the memory slots are taken first, in prompt
+        order (so when memory runs short it is the tail that goes without),
+        then up to ``_READ_AHEAD`` reads run at once, each straight into its
+        slot: no read buffers, no window barrier. Each header is checked
+        before its payload is read, the payload checksum is verified once (by
+        the transport, over the slot), and records are admitted in order.
+        """
+        size = binding.chunk_size
+        items: list[MemoryEntry | _PlacedRead] = []  # a chunk already in memory (pinned), or its read
+        for i, key in enumerate(keys):
+            start = (first_chunk + i) * size
+            tokens = (start, min(start + size, total_tokens))
+            slot = self.memory.prepare(key, binding.layout, tokens)
+            if slot is Prepared.PRESENT:  # a concurrent promotion or store brought it
+                slot = self.memory.pin(key) or Prepared.NO_ROOM
+            if slot is Prepared.NO_ROOM:
+                break
+            assert isinstance(slot, MemoryEntry)
+            items.append(slot if slot.committed else _PlacedRead(self, binding, key, tokens, transport.name, slot))
+        inflight: deque[tuple[_PlacedRead, asyncio.Future[RecordHeader | None]]] = deque()
+        launched = 0
+        promoted: list[MemoryEntry] = []
+
+        def launch() -> None:
+            nonlocal launched
+            while launched < len(items) and len(inflight) < _READ_AHEAD:
+                item = items[launched]
+                launched += 1
+                if isinstance(item, _PlacedRead):
+                    inflight.append((item, asyncio.ensure_future(transport.get_into(item.key, item.place))))
+
+        try:
+            launch()
+            for item in items:
+                if isinstance(item, _PlacedRead):
+                    read, pending = inflight.popleft()
+                    entry = await self._settle(transport, read, pending)
+                    if not isinstance(entry, MemoryEntry):
+                        break
+                    item = entry
+                promoted.append(item)
+                launch()
+        finally:
+            for _, pending in inflight:  # stopped early: let reads in flight finish
+                with contextlib.suppress(Exception):
+                    await pending
+            for item in items[len(promoted):]:  # and give back every slot and pin not promoted
+                if isinstance(item, _PlacedRead):
+                    item.discard()
+                else:
+                    self.memory.unpin([item])
+        return promoted
+
+    async def promote_one(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
+                          start: int) -> MemoryEntry | AdmitRejected | None:
+        """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
+        deleted from ``transport``. Used for keyed chunks."""
+        read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
+        return await self._settle(transport, read, transport.get_into(key, read.place))
+
+    async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
+                      pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:
+        """Wait for a placed read and admit it; a corrupt record is deleted from ``transport``; a read
+        that fails is a miss (counted)."""
+        try:
+            header = await pending
+        except Exception as exc:
+            read.discard()
+            self.tiers.fault(transport, "get", exc)
+            return None
+        except BaseException:
+            read.discard()
+            raise
+        entry = await read.admit(header)
+        if entry is AdmitRejected.CORRUPT:
+            await self.tiers.guarded(transport, "delete", transport.delete([read.key]), None)
+        return entry
+
+
+class _PlacedRead:
+    """One record read in place: where its payload goes, and what became of it.
+
+    :meth:`place` runs on the transport's I/O thread once the record's header
+    is verified: it checks the header against the request and returns the
+    destination, i.e. the memory slot taken for it (``slot``; without one, a
+    slot is taken now) for a raw payload, or a recycled buffer for an encoded
+    one (decoded into the slot in :meth:`admit`), or None to stop the read.
+    :meth:`admit` and :meth:`discard` run on the event loop after the read.
+    """
+
+    __slots__ = ("promoter", "binding", "key", "tokens", "tier", "entry", "scratch", "outcome")
+
+    def __init__(self, promoter: Promoter, binding: ModelBinding, key: ChunkKey, tokens: tuple[int, int | None],
+                 tier: str, slot: MemoryEntry | None) -> None:
+        self.promoter, self.binding, self.key, self.tokens, self.tier = promoter, binding, key, tokens, tier
+        self.entry = slot  # uncommitted until admitted
+        self.scratch: memoryview | None = None
+        self.outcome: IntegrityError | Prepared | None = None  # why place() declined
+
+    def place(self, header: RecordHeader) -> memoryview | None:
+        promoter = self.promoter
+        try:
+            check_position(self.binding, header, *self.tokens)
+            if not isinstance(promoter.codecs.by_id(header.codec_id), RawCodec):
+                self.scratch = promoter.scratch.take(header.payload_length)
+                return self.scratch
+            if header.payload_length != header.raw_length:
+                raise IntegrityError("codec_length", f"raw payload {header.payload_length} B, "
+                                     f"header says {header.raw_length}")
+        except IntegrityError as exc:
+            self.outcome = exc
+            return None
+        if self.entry is None:
+            entry = promoter.memory.prepare(self.key, self.binding.layout, (header.token_start, header.token_end))
+            if isinstance(entry, Prepared):
+                self.outcome = entry
+                return None
+            self.entry = entry
+        return memoryview(promoter.memory.raw(self.entry).numpy().data)
+
+    async def admit(self, header: RecordHeader | None) -> MemoryEntry | AdmitRejected | None:
+        """The pinned entry, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""
+        promoter = self.promoter
+        if header is None:
+            self.discard()
+            if isinstance(self.outcome, IntegrityError):
+                promoter.metrics.integrity_failure(self.outcome.reason, f"{self.tier}: {self.outcome}")
+                return AdmitRejected.CORRUPT
+            if isinstance(self.outcome, Prepared):  # present already (a concurrent promotion) or no room
+                return promoter.memory.pin(self.key) or AdmitRejected.NO_ROOM
+            return None
+        entry, self.entry = self.entry, None
+        if self.scratch is not None:  # an encoded payload: decode it into the slot
+            payload, self.scratch = self.scratch[: header.payload_length], None
+            return await asyncio.to_thread(promoter.admit_payload, self.binding, self.key, header, payload,
+                                           self.tier, entry)
+        assert entry is not None
+        promoter.memory.commit(entry, keep_pin=True)
+        promoter.metrics.loaded_bytes.labels(tier=self.tier).inc(header.raw_length)
+        return entry
+
+    def discard(self) -> None:
+        if self.entry is not None:
+            self.promoter.memory.abort(self.entry)
+            self.entry = None
+        self.scratch = None

@@ -1,0 +1,85 @@
+"""Chunked prefix hashing: stability, chain property, input validation, speed-insensitive."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.keys import Namespace
+from kvengine.errors import InvalidRequestError
+
+SEED = Namespace(model="m").digest()
+
+
+def test_same_tokens_same_hashes_across_input_types():
+    """A list, a numpy array and a torch tensor of the same ids hash identically."""
+    toks = list(range(1000))
+    a = prefix_hashes(toks, 256, SEED)
+    assert a == prefix_hashes(np.array(toks, dtype=np.int64), 256, SEED)
+    assert a == prefix_hashes(torch.tensor(toks), 256, SEED)
+    assert a == prefix_hashes(np.array(toks, dtype=np.uint32), 256, SEED)
+    assert len(a) == 3 and all(len(h) == 16 for h in a)
+
+
+def test_chain_depends_on_whole_prefix():
+    """Changing one token of chunk 0 changes every later hash; changing chunk 2 keeps 0 and 1."""
+    toks = list(range(1024))
+    base = prefix_hashes(toks, 256, SEED)
+    early = toks.copy()
+    early[3] = 7
+    late = toks.copy()
+    late[600] = 7
+    assert all(x != y for x, y in zip(base, prefix_hashes(early, 256, SEED)))
+    changed = prefix_hashes(late, 256, SEED)
+    assert changed[:2] == base[:2] and changed[2] != base[2] and changed[3] != base[3]
+
+
+def test_namespace_seeds_the_chain():
+    """Different namespaces never share a chunk hash, even for identical tokens."""
+    toks = list(range(512))
+    other = Namespace(model="m", cache_salt="tenant-b").digest()
+    assert set(prefix_hashes(toks, 256, SEED)).isdisjoint(prefix_hashes(toks, 256, other))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model_fingerprint", "w2"), ("kv_spec_fingerprint", "s2"), ("layout_id", "NHD"), ("rank", 1),
+    ("cache_salt", "x"), ("adapter_id", "lora1"), ("extra_keys", ("img:abc",)), ("verified", False),
+    ("codec_family", "lossy-int8"),
+])
+def test_every_namespace_field_changes_the_digest(field, value):
+    """Each field that changes KV bytes or meaning is part of the digest."""
+    base = Namespace(model="m", world_size=2)
+    assert base.with_updates(**{field: value}).digest() != base.digest()
+
+
+def test_partial_chunk_only_on_request():
+    """A trailing partial chunk is hashed only when asked for."""
+    toks = list(range(300))
+    assert len(prefix_hashes(toks, 256, SEED)) == 1
+    assert len(prefix_hashes(toks, 256, SEED, partial=True)) == 2
+
+
+def test_max_tokens_bounds_the_chain():
+    toks = list(range(1024))
+    assert prefix_hashes(toks, 256, SEED, max_tokens=700) == prefix_hashes(toks, 256, SEED)[:2]
+
+
+def test_stable_across_processes():
+    """The digest does not depend on the process (no builtin hash(), no salt)."""
+    code = ("from kvengine.chunks.hashing import prefix_hashes; from kvengine.chunks.keys import Namespace;"
+            "print(prefix_hashes(list(range(600)), 256, Namespace(model='m').digest())[1].hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "123"}).stdout.strip()
+    assert out == prefix_hashes(list(range(600)), 256, SEED)[1].hex()
+
+
+@pytest.mark.parametrize("bad", [[], [1, -2], [1.5, 2], [2**32], "hello", np.zeros((2, 2), dtype=np.int64),
+                                 np.array([0.5]), torch.tensor([])])
+def test_bad_tokens_raise_clear_error(bad):
+    with pytest.raises(InvalidRequestError):
+        prefix_hashes(bad, 256, SEED)

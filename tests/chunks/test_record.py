@@ -1,0 +1,138 @@
+"""The chunk record format: round trip and detection of every kind of damage."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+import xxhash
+
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
+from kvengine.chunks.record import (
+    ALIGNED_PAYLOAD_MIN,
+    FORMAT_VERSION,
+    PAYLOAD_ALIGN,
+    RecordFlag,
+    decode_header,
+    descriptors_for,
+    encode_header,
+    unpack_record,
+)
+from kvengine.errors import IntegrityError
+
+from ..conftest import make_layout
+
+NS = Namespace(model="m").digest()
+KEY = ChunkKey(NS, ChunkHash(b"\x01" * 16))
+
+
+def _record(payload: bytes = b"x" * 2048, key: ChunkKey = KEY) -> bytes:
+    layout = make_layout(chunk=16, layers=2, heads=2, dim=4)  # 2 tensors of 1 KiB
+    desc = descriptors_for(layout, 16)
+    head = encode_header(key, (32, 48), desc, codec_id=0, raw_length=layout.nbytes(), payload=payload)
+    return head + payload
+
+
+def test_round_trip():
+    """Header fields and payload survive encode -> unpack."""
+    blob = _record()
+    header, payload = unpack_record(blob, expect_key=KEY)
+    assert header.key == KEY and (header.token_start, header.token_end) == (32, 48)
+    assert bytes(payload) == b"x" * 2048 and header.raw_length == 2048
+    assert [t.shape for t in header.tensors] == [(2, 2, 16, 4)] * 2
+    assert header.flags == RecordFlag.NONE
+
+
+@pytest.mark.parametrize("position", [0, 5, 40, 60, 100, 200, -1, -500])
+def test_any_bit_flip_is_detected(position):
+    """A single flipped bit anywhere (magic, header, descriptors, payload) is an IntegrityError."""
+    blob = bytearray(_record())
+    blob[position] ^= 0x10
+    with pytest.raises(IntegrityError):
+        unpack_record(bytes(blob), expect_key=KEY)
+
+
+@pytest.mark.parametrize("cut", [0, 3, 20, 120, -1, -1000])
+def test_truncation_is_detected(cut):
+    blob = _record()
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(blob[:cut], expect_key=KEY)
+    assert err.value.reason.startswith(("truncated", "bad_magic"))
+
+
+def test_trailing_bytes_rejected():
+    with pytest.raises(IntegrityError, match="trailing"):
+        unpack_record(_record() + b"\0", expect_key=KEY)
+
+
+def test_other_version_rejected():
+    """A record written by another format version is a miss, not data."""
+    blob = bytearray(_record())
+    struct.pack_into("<H", blob, 4, FORMAT_VERSION + 1)
+    with pytest.raises(IntegrityError) as err:
+        decode_header(bytes(blob))
+    assert err.value.reason == "other_version"
+
+
+def test_other_namespace_and_key_rejected():
+    other = ChunkKey(Namespace(model="other").digest(), ChunkHash(b"\x01" * 16))
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_record(), expect_key=other)
+    assert err.value.reason == "other_namespace"
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_record(), expect_key=ChunkKey(NS, ChunkHash(b"\x02" * 16)))
+    assert err.value.reason == "other_key"
+
+
+def test_descriptors_follow_layout_dtype():
+    layout = make_layout(dtype=torch.bfloat16)
+    desc = descriptors_for(layout, 8)  # partial chunk: token dim halves
+    assert desc[0].shape == (2, 2, 8, 4) and desc[0].nbytes == 2 * 2 * 8 * 4 * 2
+
+
+# -- format version 2: padded headers ------------------------------------------------
+def _large_record(payload_bytes: int = 2 * ALIGNED_PAYLOAD_MIN) -> tuple[bytes, bytes]:
+    layout = make_layout(chunk=16, layers=2, heads=2, dim=payload_bytes // 512)  # 2 tensors
+    payload = bytes(range(256)) * (layout.nbytes() // 256)
+    head = encode_header(KEY, (0, 16), descriptors_for(layout, 16), codec_id=0, raw_length=layout.nbytes(),
+                         payload=payload)
+    return head, payload
+
+
+def _reseal(head: bytearray) -> bytes:
+    """Recompute the header checksum after editing the header (what a writer of that content would do)."""
+    struct.pack_into("<Q", head, len(head) - 8, xxhash.xxh3_64_intdigest(bytes(head[:-8])))
+    return bytes(head)
+
+
+def test_large_payloads_start_on_a_page_boundary():
+    """A payload of >= 64 KiB starts at a multiple of 4 KiB into the record (direct I/O writes it in
+    place); a small one is not padded. Both round trip."""
+    head, payload = _large_record()
+    assert len(head) % PAYLOAD_ALIGN == 0 and len(payload) >= ALIGNED_PAYLOAD_MIN
+    header, body = unpack_record(head + payload, expect_key=KEY)
+    assert header.header_length == len(head) and bytes(body) == payload
+    assert len(_record()) - 2048 < PAYLOAD_ALIGN // 4
+
+
+def test_padding_must_be_zero_and_version_1_never_padded():
+    """Non-zero padding (even under a valid checksum) and a padded version-1 header are malformed;
+    an unpadded version-1 record, as older writers wrote it, still reads."""
+    head, payload = _large_record()
+    dirty = bytearray(head)
+    dirty[-100] = 1
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_reseal(dirty) + payload, expect_key=KEY)
+    assert err.value.reason == "bad_descriptor"
+    old_padded = bytearray(head)
+    struct.pack_into("<H", old_padded, 4, 1)
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_reseal(old_padded) + payload, expect_key=KEY)
+    assert err.value.reason == "bad_descriptor"
+    small = bytearray(_record())
+    n = decode_header(bytes(small)).header_length
+    old = bytearray(small[:n])
+    struct.pack_into("<H", old, 4, 1)
+    header, body = unpack_record(_reseal(old) + bytes(small[n:]), expect_key=KEY)
+    assert bytes(body) == b"x" * 2048 and header.token_start == 32

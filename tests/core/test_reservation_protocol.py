@@ -1,0 +1,156 @@
+"""Hypothesis state machine over the reservation protocol.
+
+Random interleavings of lookup / repeated lookup / load / partial load
+failure / release / store / eviction pressure / lease expiry. Invariants:
+no reserved chunk is evicted, pins equal what live reservations hold,
+capacity is never exceeded, a load never delivers more than promised and
+delivers exactly the stored bytes, and every pin is gone once all requests
+have ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvengine import CacheEngine, Namespace
+from kvengine.core.reservations import ReservationState
+
+from ..conftest import CHUNK, make_config, make_layout
+
+LAYOUT = make_layout(layers=1, heads=1, dim=2)
+POOL_CHUNKS = 6
+
+
+def prompt(family: int, variant: int, chunks: int) -> list[int]:
+    """Prompts of a family share their first chunks, so prefixes overlap."""
+    shared = [family * 1000 + t for t in range(2 * CHUNK)]
+    return (shared + [variant * 7919 + family + t for t in range(8 * CHUNK)])[: chunks * CHUNK + 3]
+
+
+def chunk_kv(tokens: list[int], end: int) -> torch.Tensor:
+    """Deterministic KV of the chunk ending at ``end``: a function of the whole prefix."""
+    seed = zlib.crc32(str(tokens[:end]).encode())
+    return torch.randn(LAYOUT.tensors[0].shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ReservationMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.clock = Clock()
+        cfg = make_config(capacity=POOL_CHUNKS * LAYOUT.nbytes(), lease_seconds=10)
+        self.engine = CacheEngine(cfg, clock=self.clock)
+        self.run(self.engine.start())
+        self.binding = self.engine.bind(Namespace(model="sm"), LAYOUT)
+        self.live: dict[str, tuple[object, list[int]]] = {}
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def teardown(self) -> None:
+        for res, _ in self.live.values():
+            self.run(self.engine.release(res))
+        assert self.engine.memory.total_pins() == 0
+        assert len(self.engine.reservations) == 0
+        self.run(self.engine.close())
+        self.loop.close()
+
+    @rule(family=st.integers(0, 2), variant=st.integers(0, 3), chunks=st.integers(1, 5))
+    def store(self, family, variant, chunks):
+        toks = prompt(family, variant, chunks)
+        self.run(self.engine.store(self.binding, toks, lambda i, s, e, toks=toks: [chunk_kv(toks, e)]))
+
+    @rule(req=st.sampled_from(["a", "b", "c", "d"]), family=st.integers(0, 2), variant=st.integers(0, 3),
+          chunks=st.integers(1, 5), cap=st.one_of(st.none(), st.integers(0, 6 * CHUNK)))
+    def lookup(self, req, family, variant, chunks, cap):
+        toks = prompt(family, variant, chunks)
+        res = self.run(self.engine.lookup(self.binding, req, toks, max_tokens=cap))
+        assert res.matched_tokens % CHUNK == 0 and res.matched_tokens <= len(toks)
+        if cap is not None:
+            assert res.matched_tokens <= cap
+        self.live[req] = (res, toks)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def repeat_lookup(self, data):
+        req = data.draw(st.sampled_from(sorted(self.live)))
+        res, toks = self.live[req]
+        if res.state is not ReservationState.RESERVED:
+            return
+        pins = self.engine.memory.total_pins()
+        lookups = self.engine.metrics.value("kvengine_lookups_total")
+        again = self.run(self.engine.lookup(self.binding, req, toks, max_tokens=res.query[0]))
+        assert again is res and again.matched_tokens == res.matched_tokens
+        assert self.engine.memory.total_pins() == pins
+        assert self.engine.metrics.value("kvengine_lookups_total") == lookups
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), fail_at=st.one_of(st.none(), st.integers(0, 5)))
+    def load(self, data, fail_at):
+        req = data.draw(st.sampled_from(sorted(self.live)))
+        res, toks = self.live.pop(req)
+        seen: list[int] = []
+
+        def sink(view):
+            if view.index == fail_at:
+                raise RuntimeError("injected")
+            assert torch.equal(view.tensors[0], chunk_kv(toks, view.token_range[1]))
+            seen.append(view.index)
+
+        expired = self.clock.now > res.expires_at or res.state is not ReservationState.RESERVED
+        result = self.run(self.engine.load(res, sink))
+        assert result.loaded_tokens <= result.promised_tokens == res.matched_tokens
+        assert seen == list(range(result.loaded_tokens // CHUNK))
+        if expired:
+            assert result.loaded_tokens == 0
+        elif fail_at is None or fail_at >= res.num_chunks:
+            assert result.ok
+        else:
+            assert result.loaded_tokens == fail_at * CHUNK
+            assert result.failed_chunks == tuple(range(fail_at, res.num_chunks))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def release(self, data):
+        req = data.draw(st.sampled_from(sorted(self.live)))
+        res, _ = self.live.pop(req)
+        self.run(self.engine.release(res))
+
+    @rule(seconds=st.sampled_from([1.0, 4.0, 11.0]))
+    def time_passes(self, seconds):
+        self.clock.now += seconds
+        self.run(self.engine.reclaim_expired())
+
+    @rule(n=st.integers(1, 8))
+    def eviction_pressure(self, n):
+        for j in range(n):
+            toks = [900_000 + j * 10 * CHUNK + t for t in range(CHUNK)]
+            self.run(self.engine.store(self.binding, toks, lambda i, s, e, toks=toks: [chunk_kv(toks, e)]))
+
+    @invariant()
+    def capacity_never_exceeded(self):
+        assert self.engine.memory.used_bytes <= self.engine.memory.capacity_bytes
+
+    @invariant()
+    def reserved_chunks_resident_and_pins_balanced(self):
+        live = [r for r in self.engine.reservations.all()]
+        for res in live:
+            assert all(self.engine.memory.contains(k) for k in res.keys)
+        assert self.engine.memory.total_pins() == sum(r.num_chunks for r in live)
+
+
+ReservationMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestReservationProtocol = ReservationMachine.TestCase

@@ -1,0 +1,505 @@
+"""Memory <-> lower tier paths of the engine, isolated with an in-memory transport.
+
+The transport here is a unit-level stand-in (a dict); the real local-disk
+transport has its own tests under tests/transports/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import kvengine.core.tier_writer as tier_writer_module
+from kvengine import CacheEngine, ChunkKey, Namespace
+from kvengine.chunks.record import unpack_record
+from kvengine.errors import InvalidRequestError, TransportError
+
+from ..conftest import CHUNK, FakeKV, copier, make_config, make_layout
+
+
+class DictTransport:
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.blobs: dict[ChunkKey, bytes] = {}
+        self.fail_puts = False
+        self.put_delay = 0.0
+        self.deleted: list[ChunkKey] = []
+
+    async def put(self, items: Sequence[tuple[ChunkKey, bytes]]) -> list[bool]:
+        await asyncio.sleep(self.put_delay)
+        if self.fail_puts:
+            return [False] * len(items)
+        for key, blob in items:
+            self.blobs[key] = bytes(blob)
+        return [True] * len(items)
+
+    async def get(self, keys):
+        return [self.blobs.get(k) for k in keys]
+
+    async def exists(self, keys):
+        return [k in self.blobs for k in keys]
+
+    async def delete(self, keys):
+        self.deleted += keys
+        return [self.blobs.pop(k, None) is not None for k in keys]
+
+    async def close(self) -> None:
+        pass
+
+
+async def make_engine(transport, **cfg) -> CacheEngine:
+    eng = CacheEngine(make_config(capacity=4 * make_layout().nbytes(), **cfg), transports=[transport])
+    await eng.start()
+    return eng
+
+
+async def test_write_behind_then_promotion_from_lower_tier(layout):
+    """A chunk evicted from memory is found below, verified, promoted and loaded exactly."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    kv = FakeKV(3 * CHUNK)
+    await eng.store(b, toks, kv.source)
+    await eng.flush()
+    assert len(t.blobs) == 3
+    for k in list(t.blobs):
+        assert eng.memory.discard(k)
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 3 * CHUNK
+    out = [torch.zeros_like(x) for x in kv.layers]
+    assert (await eng.load(res, copier(out))).ok
+    assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    assert eng.metrics.value("kvengine_loaded_bytes_total", tier="dict") == 3 * layout.nbytes()
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+async def test_corrupt_lower_tier_record_is_a_counted_miss(layout, damage):
+    """A damaged record below memory is never served: the prefix stops there and it is deleted."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    await eng.store(b, toks, FakeKV(3 * CHUNK).source)
+    await eng.flush()
+    keys = sorted(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)  # in prompt order
+    for k in keys:
+        eng.memory.discard(k)
+    blob = bytearray(t.blobs[keys[1]])
+    if damage == "flip":
+        blob[-7] ^= 1
+    elif damage == "truncate":
+        del blob[-100:]
+    else:
+        blob = bytearray(t.blobs[keys[2]])  # a valid record, but of another chunk
+    t.blobs[keys[1]] = bytes(blob)
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == CHUNK
+    assert keys[1] in t.deleted
+    assert sum(eng.metrics.value("kvengine_integrity_failures_total", reason=r)
+               for r in ("payload_checksum", "truncated_payload", "other_key")) == 1
+    await eng.release(res)
+    await eng.close()
+
+
+async def test_failed_tier_writes_are_counted_and_memory_keeps_serving(layout):
+    t = DictTransport()
+    t.fail_puts = True
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await eng.flush()
+    assert eng.metrics.value("kvengine_writes_dropped_total", reason="dict_failed") == 2
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 2 * CHUNK and eng.memory.total_pins() == 2
+    await eng.release(res)
+    await eng.close()
+
+
+async def test_a_full_write_queue_makes_stores_wait_and_drops_nothing(layout, monkeypatch):
+    """Regression (acknowledged but never written): a full write-behind queue dropped tier writes, so
+    pages a caller had been told were stored went missing after a restart. Now the store waits for room
+    (counted), every chunk reaches the tier, and only close(flush=False) drops what is queued, counted."""
+    monkeypatch.setattr(tier_writer_module, "_WRITES_IN_FLIGHT", 1)
+    t = DictTransport()
+    t.put_delay = 0.05
+    eng = await make_engine(t, max_pending_writes=1)
+    b = eng.bind(Namespace(model="m"), layout)
+    result = await eng.store(b, list(range(4 * CHUNK)), FakeKV(4 * CHUNK).source)
+    assert result.stored_chunks == 4
+    assert eng.metrics.value("kvengine_write_waits_total") >= 1
+    assert eng.metrics.value("kvengine_writes_dropped_total", reason="backpressure") == 0
+    await eng.flush()
+    assert len(t.blobs) == 4
+    await eng.store(b, list(range(100, 100 + 4 * CHUNK)), FakeKV(4 * CHUNK, seed=1).source)
+    await eng.close(flush=False)
+    shutdown = eng.metrics.value("kvengine_writes_dropped_total", reason="shutdown")
+    assert len(t.blobs) + shutdown == 8
+    assert eng.memory.total_pins() == 0
+
+
+async def test_write_through_is_durable_on_return(layout):
+    t = DictTransport()
+    eng = await make_engine(t, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    result = await eng.store(b, list(range(2 * CHUNK)), FakeKV(2 * CHUNK).source)
+    assert len(t.blobs) == 2 and eng.memory.total_pins() == 0 and result.tier_failures == 0
+    await eng.close()
+
+
+async def test_write_through_reports_chunks_a_tier_refused(layout):
+    """Regression: a write-through store on a read-only disk returned stored_chunks=4 and nothing else:
+    "durable on return" broken silently. The result now says how many chunks no tier has (memory only)."""
+    t = DictTransport()
+    t.fail_puts = True
+    eng = await make_engine(t, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    result = await eng.store(b, list(range(4 * CHUNK)), FakeKV(4 * CHUNK).source)
+    assert (result.stored_chunks, result.tier_failures) == (4, 4) and not t.blobs
+    staged = await eng.begin_store(b, list(range(50, 50 + CHUNK)))
+    for view in staged.chunks:
+        for v in view.tensors:
+            v.fill_(1.0)
+    assert (await eng.commit_store(staged, 1)).tier_failures == 1
+    await eng.close()
+
+
+async def test_gradient_tracking_sources_never_make_the_cache_track_gradients(layout):
+    """Regression: storing tensors with requires_grad=True made the arena's views require grad for every
+    later store and load. Stores copy as data; views handed out never track gradients."""
+    eng = await make_engine(DictTransport())
+    b = eng.bind(Namespace(model="m"), layout)
+    kv = FakeKV(2 * CHUNK)
+    for layer in kv.layers:
+        layer.requires_grad_(True)
+    await eng.store(b, list(range(2 * CHUNK)), kv.source)
+    staged = await eng.begin_store(b, list(range(100, 100 + CHUNK)))
+    for view in staged.chunks:  # a caller filling staged views without no_grad
+        for v, src in zip(view.tensors, kv.layers):
+            v.copy_(src[:, :, :CHUNK])
+    await eng.commit_store(staged, 1)
+    seen = []
+    for toks in (list(range(2 * CHUNK)), list(range(100, 100 + CHUNK))):
+        res = await eng.lookup(b, f"r{toks[0]}", toks)
+        await eng.load(res, lambda view: seen.extend(t.requires_grad for t in view.tensors))
+    assert seen and not any(seen)
+    assert not any(eng.memory._alloc.typed(d).requires_grad for d in (torch.float32,))
+    await eng.close()
+
+
+async def test_a_reservation_is_usable_only_by_its_engine(layout):
+    """Regression: engine A accepted and loaded a reservation engine B made, and B kept it forever."""
+    a, b_eng = await make_engine(DictTransport()), await make_engine(DictTransport())
+    b = b_eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await b_eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await b_eng.flush()  # the tier writes' pins are gone
+    res = await b_eng.lookup(b, "r", toks)
+    for call in (a.load(res, lambda _v: None), a.begin_load(res), a.release(res), a.finish_load(res, 0)):
+        with pytest.raises(InvalidRequestError, match="another engine"):
+            await call
+    assert b_eng.memory.total_pins() == 2  # still B's, untouched
+    await b_eng.release(res)
+    assert b_eng.memory.total_pins() == 0 and len(b_eng.reservations) == 0
+    await a.close()
+    await b_eng.close()
+
+
+async def test_unverified_namespace_never_reaches_verified_reader(layout):
+    """Chunks written under the debug override live apart from verified ones."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    dbg = eng.bind(Namespace(model="m", verified=False), layout)
+    ok = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(dbg, toks, FakeKV(2 * CHUNK).source)
+    await eng.flush()
+    assert (await eng.lookup(ok, "r", toks)).matched_tokens == 0
+    await eng.close()
+
+
+async def test_partial_chunks_when_enabled(layout):
+    """With store_partial_chunks, an identical prompt matches its tail; a longer one only full chunks."""
+    eng = CacheEngine(make_config(capacity=8 * layout.nbytes(), store_partial_chunks=True))
+    await eng.start()
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK + 5))
+    kv = FakeKV(2 * CHUNK + 5)
+    st = await eng.store(b, toks, kv.source)
+    assert st.stored_chunks == 3
+    res = await eng.lookup(b, "same", toks)
+    assert res.matched_tokens == 2 * CHUNK + 5
+    out = [torch.zeros_like(x) for x in kv.layers]
+    result = await eng.load(res, copier(out))
+    assert result.loaded_tokens == 2 * CHUNK + 5 and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    assert (await eng.lookup(b, "longer", toks + [7])).matched_tokens == 2 * CHUNK
+    await eng.close()
+
+
+async def test_record_at_wrong_position_is_refused(layout):
+    """A record whose bytes verify but whose token range is not the chunk's position is never served."""
+    from kvengine.chunks.record import descriptors_for, encode_header, unpack_record
+
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await eng.flush()
+    keys = sorted(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)
+    for k in keys:
+        eng.memory.discard(k)
+    header, payload = unpack_record(t.blobs[keys[1]])
+    forged = encode_header(keys[1], (0, CHUNK), descriptors_for(layout, CHUNK), codec_id=0,
+                           raw_length=header.raw_length, payload=payload)
+    t.blobs[keys[1]] = forged + bytes(payload)
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == CHUNK
+    assert eng.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 1
+    await eng.release(res)
+    await eng.close()
+
+
+class GatheringTransport(DictTransport):
+    """Takes records as parts, as the local-disk transport does; remembers where each payload lay."""
+
+    name = "gathering"
+    gathered_writes = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.payload_addresses: list[int] = []
+
+    async def put_parts(self, items):
+        for key, parts in items:
+            self.payload_addresses.append(torch.frombuffer(parts[-1], dtype=torch.uint8).data_ptr())
+            self.blobs[key] = b"".join(bytes(p) for p in parts)
+        return [True] * len(items)
+
+
+async def test_a_gathering_tier_gets_raw_payloads_straight_from_memory_while_others_get_whole_records(layout):
+    """With two raw tiers, the one that takes parts is handed each payload where it lies in the memory
+    arena (no copy to join it to its header); the other gets whole records; both hold the same bytes,
+    and a chunk promoted from the gathering tier loads exactly."""
+    gathering, whole = GatheringTransport(), DictTransport()
+    eng = CacheEngine(make_config(capacity=4 * layout.nbytes()), transports=[gathering, whole])
+    await eng.start()
+    b = eng.bind(Namespace(model="m"), layout)
+    toks, kv = list(range(2 * CHUNK)), FakeKV(2 * CHUNK)
+    await eng.store(b, toks, kv.source)
+    await eng.flush()
+    slots = []
+    for entry in eng.memory.pin_prefix(list(gathering.blobs)):
+        slots.append(eng.memory.raw(entry).data_ptr())
+        eng.memory.unpin([entry])
+    assert len(slots) == 2 and sorted(gathering.payload_addresses) == sorted(slots)
+    assert gathering.blobs == whole.blobs and len(whole.blobs) == 2
+    for key in list(gathering.blobs):
+        eng.memory.discard(key)
+    whole.blobs.clear()  # promote from the gathering tier only
+    res = await eng.lookup(b, "r", toks)
+    out = [torch.zeros_like(t) for t in kv.layers]
+    assert res.matched_tokens == 2 * CHUNK and (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
+    assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    await eng.close()
+
+
+class CountingTransport(DictTransport):
+    """Records how many puts overlap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = self.most_active = 0
+
+    async def put(self, items):
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+        try:
+            return await super().put(items)
+        finally:
+            self.active -= 1
+
+
+async def test_writes_overlap_up_to_the_in_flight_bound(layout, monkeypatch):
+    """Queued chunks are written several at a time, never more than the bound, all of them in the end."""
+    monkeypatch.setattr(tier_writer_module, "_WRITES_IN_FLIGHT", 3)
+    t = CountingTransport()
+    t.put_delay = 0.05
+    eng = CacheEngine(make_config(capacity=16 * layout.nbytes()), transports=[t])
+    await eng.start()
+    b = eng.bind(Namespace(model="m"), layout)
+    await eng.store(b, list(range(10 * CHUNK)), FakeKV(10 * CHUNK).source)
+    await eng.flush()
+    assert t.most_active == 3 and len(t.blobs) == 10 and eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_write_through_starts_each_chunks_writes_as_soon_as_it_is_copied(layout):
+    """Write-through: the caller waits for the tiers anyway, so the first chunk reaches the lower tier
+    while the store is still copying later ones; on return every chunk is below, no pin is left."""
+    t = DictTransport()
+    first_put = threading.Event()
+    real_put = t.put
+
+    async def put(items):
+        try:
+            return await real_put(items)
+        finally:
+            first_put.set()
+
+    t.put = put  # type: ignore[method-assign]
+    eng = await make_engine(t, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    kv = FakeKV(3 * CHUNK)
+    seen_during_copy: list[bool] = []
+
+    def source(index: int, start: int, end: int):
+        if index == 2:  # on the copy thread; the event loop is free to run the first chunk's write
+            seen_during_copy.append(first_put.wait(timeout=5))
+        return kv.source(index, start, end)
+
+    await eng.store(b, list(range(3 * CHUNK)), source)
+    assert seen_during_copy == [True] and len(t.blobs) == 3 and eng.memory.total_pins() == 0
+    await eng.close()
+
+
+class RaisingTransport(DictTransport):
+    """A tier whose reads raise (a broken disk, a closed transport, a peer's protocol error)."""
+
+    name = "raising"
+
+    def __init__(self, fail: str) -> None:
+        super().__init__()
+        self.fail = fail
+
+    async def exists(self, keys):
+        if self.fail == "exists":
+            raise TransportError("exists failed")
+        return await super().exists(keys)
+
+    async def get(self, keys):
+        if self.fail == "get":
+            raise OSError("get failed")
+        return await super().get(keys)
+
+
+@pytest.mark.parametrize("fail", ["exists", "get"])
+async def test_a_tier_that_raises_on_a_read_is_a_counted_miss(layout, fail):
+    """Regression: a transport raising in exists/get made lookup (and keyed gets) raise. Now the lookup
+    answers what memory holds, the fault is counted per tier and op, and nothing stays pinned."""
+    from kvengine.keyed import GetOutcome, KeyedStore, keyed_namespace
+
+    t = RaisingTransport(fail="")
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    await eng.store(b, toks, FakeKV(3 * CHUNK).source)
+    await eng.flush()
+    keyed = KeyedStore(eng, eng.bind(keyed_namespace(Namespace(model="m"), "k"), layout))
+    await keyed.put([b"x"], lambda _i: [x[:, :, :CHUNK] for x in FakeKV(CHUNK).layers])
+    await eng.flush()
+    for key in list(t.blobs):
+        eng.memory.discard(key)
+    t.fail = fail
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 0
+    assert await keyed.get([b"x"], lambda _i, _t: None) == [GetOutcome.MISS]
+    assert eng.metrics.value("kvengine_tier_errors_total", tier="raising", op=fail) >= 2
+    await eng.release(res)
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_a_closed_disk_transport_is_a_counted_miss_not_an_exception(layout, tmp_path):
+    """The real local-disk transport, closed under an engine (shutdown races): lookups miss, counted."""
+    from kvengine.transports.local_disk import LocalDiskOptions, LocalDiskTransport
+
+    disk = LocalDiskTransport(LocalDiskOptions(path=tmp_path, capacity_bytes=1 << 24))
+    writer = await make_engine(disk)
+    toks = list(range(2 * CHUNK))
+    await writer.store(writer.bind(Namespace(model="m"), layout), toks, FakeKV(2 * CHUNK).source)
+    await writer.flush()
+    await disk.close()
+    reader = await make_engine(disk)  # empty memory: every chunk would come from the closed disk
+    res = await reader.lookup(reader.bind(Namespace(model="m"), layout), "r", toks)
+    assert res.matched_tokens == 0
+    assert reader.metrics.value("kvengine_tier_errors_total", tier="local_disk", op="exists") == 1
+    await reader.release(res)
+    await reader.close()
+    await writer.close()
+
+
+class DeclinedCapabilities(DictTransport):
+    """Has the optional methods but sets their flags False: the engine must not use them."""
+
+    name = "declined"
+    placed_reads = False
+    gathered_writes = False
+
+    async def get_into(self, key, place):
+        raise AssertionError("get_into used although placed_reads is False")
+
+    async def put_parts(self, items):
+        raise AssertionError("put_parts used although gathered_writes is False")
+
+
+async def test_capability_flags_are_read_not_just_present(layout):
+    """Regression (issue 14): the optional protocols were matched by isinstance alone, so a transport
+    declaring ``placed_reads = False`` still got placed reads. Now the flag decides."""
+    transport = DeclinedCapabilities()
+    eng = await make_engine(transport, write_mode="write_through")
+    b = eng.bind(Namespace(model="m"), layout)
+    toks, kv = list(range(2 * CHUNK)), FakeKV(2 * CHUNK)
+    assert (await eng.store(b, toks, kv.source)).tier_failures == 0
+    await eng.close()
+    eng = await make_engine(transport)
+    b = eng.bind(Namespace(model="m"), layout)
+    out = [torch.zeros_like(t) for t in kv.layers]
+    result = await eng.load(await eng.lookup(b, "r", toks), copier(out))
+    assert result.loaded_tokens == 2 * CHUNK and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    await eng.close()
+
+
+@pytest.mark.parametrize("mode", ["write_behind", "write_through"])
+@pytest.mark.parametrize("ending", ["raises", "returns_none"])
+async def test_a_store_that_ends_part_way_hands_its_copied_prefix_to_the_tiers(layout, mode, ending):
+    """Regression (issue 14): a source that failed at chunk 2 left chunks 0-1 in memory only under
+    write_behind (they never reached a lower tier) but wrote them under write_through. Now both modes hand
+    the committed prefix on; a source may also end the store by returning None (no exception)."""
+    transport = DictTransport()
+    eng = await make_engine(transport, write_mode=mode)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks, kv = list(range(3 * CHUNK)), FakeKV(3 * CHUNK)
+
+    def source(index, start, end):
+        if index == 2:
+            if ending == "raises":
+                raise RuntimeError("the inference engine lost this chunk")
+            return None
+        return kv.source(index, start, end)
+
+    if ending == "raises":
+        with pytest.raises(RuntimeError, match="lost this chunk"):
+            await eng.store(b, toks, source)
+    else:
+        assert (await eng.store(b, toks, source)).stored_chunks == 2
+    await eng.flush()
+    assert len(transport.blobs) == 2
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+    eng = await make_engine(transport)  # a fresh engine hits the two chunks from the lower tier, exactly
+    b = eng.bind(Namespace(model="m"), layout)
+    out = [torch.zeros_like(t) for t in kv.layers]
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == 2 * CHUNK
+    assert (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
+    assert all(torch.equal(o[:, :, : 2 * CHUNK], k[:, :, : 2 * CHUNK]) for o, k in zip(out, kv.layers))
+    await eng.close()
