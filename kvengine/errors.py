@@ -7,6 +7,8 @@ raise into an inference engine: the engine turns them into counted misses.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 
 class KVEngineError(Exception):
     """Base class of every error raised by kvengine."""
@@ -24,12 +26,49 @@ class CapacityError(KVEngineError):
     """An object can never fit the configured capacity of a tier."""
 
 
+#: Why stored bytes were refused: a closed set, because each is a metric label
+#: (``kvengine_tier_integrity_failures{reason}``) and a dashboard must know them all.
+IntegrityReason = Literal[
+    "bad_descriptor",
+    "bad_mac",
+    "bad_magic",
+    "codec_checksum",
+    "codec_decode",
+    "codec_layout",
+    "codec_length",
+    "codec_mismatch",
+    "codec_truncated",
+    "codec_version",
+    "damaged_version",
+    "decode_error",
+    "header_checksum",
+    "layout_mismatch",
+    "other_key",
+    "other_namespace",
+    "other_version",
+    "oversized",
+    "payload_checksum",
+    "too_many_dims",
+    "trailing_bytes",
+    "truncated_header",
+    "truncated_payload",
+    "unauthenticated",
+    "unknown_codec",
+    "verification_flag",
+    "wrong_length",
+    "wrong_position",
+]
+INTEGRITY_REASONS: frozenset[str] = frozenset(get_args(IntegrityReason))
+
+
 class IntegrityError(KVEngineError):
     """Stored bytes failed verification (header, length, checksum, namespace)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: IntegrityReason, detail: str = "") -> None:
+        if reason not in INTEGRITY_REASONS:
+            raise ValueError(f"unknown integrity reason {reason!r} (add it to IntegrityReason)")
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason: IntegrityReason = reason
 
 
 class TransportError(KVEngineError):

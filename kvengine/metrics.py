@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvengine.errors import ConfigError
+from kvengine.errors import ConfigError, IntegrityReason
 from kvengine.transport import ChunkTransport, ReportsStats
 
 logger = logging.getLogger("kvengine")
@@ -67,7 +67,7 @@ class EngineMetrics:
         v = self.registry.get_sample_value(name, labels or None)
         return 0.0 if v is None else v
 
-    def integrity_failure(self, reason: str, detail: str) -> None:
+    def integrity_failure(self, reason: IntegrityReason, detail: str) -> None:
         """Count a verification failure; log each reason once per engine."""
         self.integrity_failures.labels(reason=reason).inc()
         self.log_once(f"integrity:{reason}", "cache integrity failure (%s): %s; served as a miss", reason, detail)

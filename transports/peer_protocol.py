@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from kvengine.chunks.keys import ChunkHash, ChunkKey, NamespaceDigest
 from kvengine.chunks.record import decode_header as decode_record_header
-from kvengine.errors import IntegrityError, TransportError
+from kvengine.errors import IntegrityError, IntegrityReason, TransportError
 from kvengine.transport import Buffer
 
 from .peer_buffers import RECEIVE_BUFFERS
@@ -204,7 +204,7 @@ def gather_records(frames: Sequence[Buffer], lengths: Sequence[int]) -> list[Buf
     return assembler.records()
 
 
-def record_matches(key: ChunkKey, record: Buffer) -> str | None:
+def record_matches(key: ChunkKey, record: Buffer) -> IntegrityReason | None:
     """None if ``record`` has an intact header naming ``key`` and the right length, else the reason."""
     try:
         header = decode_record_header(memoryview(record), expect_namespace=key.namespace)

@@ -136,3 +136,14 @@ def test_padding_must_be_zero_and_version_1_never_padded():
     struct.pack_into("<H", old, 4, 1)
     header, body = unpack_record(_reseal(old) + bytes(small[n:]), expect_key=KEY)
     assert bytes(body) == b"x" * 2048 and header.token_start == 32
+
+
+def test_integrity_reasons_are_a_closed_set_because_each_is_a_metric_label() -> None:
+    """A reason outside IntegrityReason is a programming error caught where it is raised (mypy catches
+    literal ones statically), so the integrity-failure metric's label values are known in advance."""
+    from kvengine.errors import INTEGRITY_REASONS, IntegrityError
+
+    assert {"bad_mac", "payload_checksum", "wrong_position", "trailing_bytes"} <= INTEGRITY_REASONS
+    assert IntegrityError("bad_mac", "x").reason == "bad_mac"
+    with pytest.raises(ValueError, match="unknown integrity reason 'typo'"):
+        IntegrityError("typo")  # type: ignore[arg-type]
