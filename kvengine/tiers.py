@@ -69,8 +69,20 @@ def transport_factory(name: str) -> TransportFactory:
 def build_transport(name: str, options: Mapping[str, Any], *, setting: str) -> ChunkTransport:
     """Build one transport; its failures become a :class:`ConfigError` naming ``setting``."""
     factory = transport_factory(name)
+    return _built(name, setting, lambda: factory(options))
+
+
+def _bundled(name: str, *, setting: str, section: Any, **typed: Any) -> ChunkTransport:
+    """A bundled tier built from its typed config section (``from_section`` of its module): no options
+    dumped to a dict and parsed again. Its failures become a :class:`ConfigError` naming ``setting``."""
+    module = importlib.import_module(_BUNDLED[name])
+    return _built(name, setting, lambda: module.from_section(section, **typed))
+
+
+def _built(name: str, setting: str, make: Callable[[], object]) -> ChunkTransport:
+    """``make()``'s transport; whatever goes wrong is a :class:`ConfigError` naming ``setting``."""
     try:
-        transport = factory(options)
+        transport = make()
     except ConfigError:
         raise
     except Exception as exc:
@@ -79,20 +91,6 @@ def build_transport(name: str, options: Mapping[str, Any], *, setting: str) -> C
     if not isinstance(transport, ChunkTransport):
         raise ConfigError(f"{setting}: the {name} transport factory returned {type(transport).__name__}, "
                           "not a ChunkTransport")
-    return transport
-
-
-def _bundled(name: str, *, setting: str, section: Any, **typed: Any) -> ChunkTransport:
-    """A bundled tier built from its typed config section (``from_section`` of its module): no options
-    dumped to a dict and parsed again. Its failures become a :class:`ConfigError` naming ``setting``."""
-    module = importlib.import_module(_BUNDLED[name])
-    try:
-        transport: ChunkTransport = module.from_section(section, **typed)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"{setting}: the {name} transport could not be built ({type(exc).__name__}: {exc})") \
-            from exc
     return transport
 
 
