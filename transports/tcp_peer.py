@@ -52,6 +52,7 @@ from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.transport import Buffer
 
+from .connection_pool import ConnectionPool
 from .peer_buffers import RECEIVE_BUFFERS
 from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .peer_protocol import (
@@ -332,6 +333,9 @@ class _ClientConnection(_Framed):
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(ConnectionResetError("peer closed the connection"))
 
+    async def close(self) -> None:
+        self.abort()
+
     async def request(self, header: bytes, records: Sequence[Buffer]) -> Answer:
         self.answer = asyncio.get_running_loop().create_future()
         await self.write(header, records)
@@ -348,39 +352,17 @@ class TcpConnector(Connector):
         self.options = options or TcpOptions()
         self.counts: Counter[str] = Counter()
         self._ssl = self.options.tls.client_context() if self.options.tls is not None else None
-        self._idle: dict[Peer, list[_ClientConnection]] = {}
-        self._slots: dict[Peer, asyncio.Semaphore] = {}
+        self._pool = ConnectionPool(self.options.connections_per_peer, self._connect, self.counts)
         self._ids = itertools.count(1)
 
     async def request(
         self, peer: Peer, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], timeout: float
     ) -> Answer | None:
-        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.options.connections_per_peer))
-        conn: _ClientConnection | None = None
-        try:
-            async with asyncio.timeout(timeout), slots:
-                conn = await self._connection(peer)
-                header = encode_request(op, next(self._ids), keys, [len(r) for r in records])
-                answer = await conn.request(header, records)
-            self._idle.setdefault(peer, []).append(conn)
-            conn = None
-            return answer
-        except TimeoutError:
-            self.counts["timeouts"] += 1
-            return None
-        except (OSError, ProtocolError, ssl.SSLError) as exc:
-            self.counts[f"error_{type(exc).__name__}"] += 1
-            return None
-        finally:
-            if conn is not None:  # timed out or failed: a late reply must never meet a later request
-                conn.abort()
+        header = encode_request(op, next(self._ids), keys, [len(r) for r in records])
+        return await self._pool.call(peer, timeout, lambda conn: conn.request(header, records),
+                                     (OSError, ProtocolError))  # ssl.SSLError is an OSError
 
-    async def _connection(self, peer: Peer) -> _ClientConnection:
-        idle = self._idle.setdefault(peer, [])
-        while idle:
-            conn = idle.pop()
-            if not conn.closed:
-                return conn
+    async def _connect(self, peer: Peer) -> _ClientConnection:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.options.connect_timeout):
             _, conn = await loop.create_connection(lambda: _ClientConnection(self.limits), peer.host, peer.port,
@@ -388,12 +370,10 @@ class TcpConnector(Connector):
         return conn
 
     async def forget(self, peer: Peer) -> None:
-        for conn in self._idle.pop(peer, []):
-            conn.abort()
+        await self._pool.forget(peer)
 
     async def close(self) -> None:
-        for peer in list(self._idle):
-            await self.forget(peer)
+        await self._pool.close()
 
 
 # -- server ------------------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.transport import Buffer
 
+from .connection_pool import ConnectionPool
 from .peer_buffers import RECEIVE_BUFFERS
 from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .peer_protocol import Limits, Op, ProtocolError, Status, decode_header, encode_request
@@ -249,6 +250,11 @@ class _Connection:
         msg = decode_header(reply, self.limits, reply=True)
         return msg, await _recv_records(self.ep, self.tag, reply, pre, msg.lengths)
 
+    @property
+    def closed(self) -> bool:
+        """The control connection is gone: the peer died or hung up."""
+        return self.lost.is_set()
+
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
@@ -267,46 +273,26 @@ class UcxConnector(Connector):
         self.options = options or UcxOptions()
         self.counts: Counter[str] = Counter()
         self._ucx = _UcxLoop.get()
-        self._idle: dict[Peer, list[_Connection]] = {}  # all state below lives on the UCX loop
-        self._slots: dict[Peer, asyncio.Semaphore] = {}
+        # the pool's state lives on the UCX loop
+        self._pool = ConnectionPool(self.options.connections_per_peer, self._connect, self.counts)
         self._ids = itertools.count(1)
 
     async def request(
         self, peer: Peer, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], timeout: float
     ) -> Answer | None:
-        return await self._ucx.run(self._request(peer, op, keys, records, timeout))
+        header = encode_request(op, next(self._ids), keys, [len(r) for r in records])
+        return await self._ucx.run(self._pool.call(
+            peer, timeout, lambda conn: self._race(conn, conn.request(header, records)),
+            (OSError, ProtocolError, asyncio.IncompleteReadError, self.ucxx.exceptions.UCXError)))
 
-    async def _request(
-        self, peer: Peer, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], timeout: float
-    ) -> Answer | None:
-        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.options.connections_per_peer))
-        conn: _Connection | None = None
+    async def _connect(self, peer: Peer) -> _Connection:
+        conn = _Connection(self.ucxx, self.limits, next(_TAGS))
         try:
-            async with asyncio.timeout(timeout), slots:
-                idle = self._idle.setdefault(peer, [])
-                while idle and conn is None:
-                    conn = idle.pop()
-                    if conn.lost.is_set():
-                        await conn.close()
-                        conn = None
-                if conn is None:
-                    conn = _Connection(self.ucxx, self.limits, next(_TAGS))
-                    await conn.open(peer, self.options.connect_timeout)
-                header = encode_request(op, next(self._ids), keys, [len(r) for r in records])
-                answer = await self._race(conn, conn.request(header, records))
-            if answer is not None:
-                self._idle.setdefault(peer, []).append(conn)
-                conn = None
-            return answer
-        except TimeoutError:
-            self.counts["timeouts"] += 1
-            return None
-        except (OSError, ProtocolError, asyncio.IncompleteReadError, self.ucxx.exceptions.UCXError) as exc:
-            self.counts[f"error_{type(exc).__name__}"] += 1
-            return None
-        finally:
-            if conn is not None:
-                await conn.close()
+            await conn.open(peer, self.options.connect_timeout)
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
 
     async def _race(self, conn: _Connection, work: Any) -> Answer | None:
         """``work``'s result, or None as soon as the control connection is lost."""
@@ -324,15 +310,10 @@ class UcxConnector(Connector):
         return task.result()
 
     async def forget(self, peer: Peer) -> None:
-        await self._ucx.run(self._forget(peer))
-
-    async def _forget(self, peer: Peer) -> None:
-        for conn in self._idle.pop(peer, []):
-            await conn.close()
+        await self._ucx.run(self._pool.forget(peer))
 
     async def close(self) -> None:
-        for peer in list(self._idle):
-            await self.forget(peer)
+        await self._ucx.run(self._pool.close())
 
 
 class UcxPeerServer:
