@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.layout import KVCategory, dtype_code
 from kvengine.chunks.record import TensorDescriptor, encode_header
+from kvengine.transports.peer_store import MemoryRecordStore
 
 TEST_NAMESPACE = Namespace(model="tests/transports").digest()
 
@@ -26,6 +29,18 @@ def build_record(size: int, *, namespace: NamespaceDigest = TEST_NAMESPACE,
     data = os.urandom(size) if payload is None else payload
     tensors = (TensorDescriptor(0, KVCategory.OPAQUE, dtype_code(torch.uint8), (len(data),), len(data)),)
     return key, encode_header(key, (0, 16), tensors, codec_id=0, raw_length=len(data), payload=data) + data
+
+
+class DelayedStore(MemoryRecordStore):
+    """A memory store whose gets each wait the next of ``delays`` first (the last one repeats): a slow peer."""
+
+    def __init__(self, capacity: int, *delays: float) -> None:
+        super().__init__(capacity)
+        self.delays = list(delays)
+
+    async def get(self, keys: Any) -> Any:
+        await asyncio.sleep(self.delays.pop(0) if len(self.delays) > 1 else self.delays[0])
+        return await super().get(keys)
 
 
 @pytest.fixture

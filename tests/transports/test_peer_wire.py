@@ -48,6 +48,7 @@ from kvengine.transports.peer_service import PeerService, ServerOptions
 from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
 from kvengine.transports.placement import Membership, Peer, rendezvous_owners
 from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport
+from tests.transports.conftest import DelayedStore
 
 MiB = 1 << 20
 FAST = PeerClientOptions(replicas=1, request_timeout=0.5, read_deadline=1.0, write_timeout=1.0, cooldown=30.0)
@@ -398,14 +399,7 @@ async def test_a_stream_that_stops_half_way_is_a_miss_at_the_deadline(liar: tupl
 
 async def test_a_late_reply_is_not_taken_for_a_later_request(make_record: Any) -> None:
     """Scenario: request 1 times out; its reply arrives while request 2 waits; request 2 gets its own answer."""
-    class Slow(MemoryRecordStore):
-        delays = [1.0, 0.8]
-
-        async def get(self, keys: Any) -> Any:
-            await asyncio.sleep(self.delays.pop(0))
-            return await super().get(keys)
-
-    store = Slow(MiB)
+    store = DelayedStore(MiB, 1.0, 0.8)
     a, b = make_record(100), make_record(100)
     await store.put([a, b])
     server = ZmqPeerServer(store, "127.0.0.2:0")

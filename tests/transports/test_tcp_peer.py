@@ -32,6 +32,7 @@ from kvengine.transports.tcp_peer import (
     create_transport,
 )
 from tests.transports.certs import Pki
+from tests.transports.conftest import DelayedStore
 
 MiB = 1 << 20
 FAST = PeerClientOptions(replicas=1, request_timeout=0.5, read_deadline=1.0, write_timeout=2.0, cooldown=30.0)
@@ -133,14 +134,7 @@ async def test_requests_beyond_the_receive_budget_wait_unread_then_are_served(ma
 
 async def test_a_late_reply_is_never_taken_for_a_later_request(make_record: Any) -> None:
     """A request that times out loses its connection, so its reply cannot meet the next request."""
-    class Slow(MemoryRecordStore):
-        delays = [0.6, 0.0]
-
-        async def get(self, keys: Any) -> Any:
-            await asyncio.sleep(self.delays.pop(0))
-            return await super().get(keys)
-
-    store = Slow(MiB)
+    store = DelayedStore(MiB, 0.6, 0.0)
     a, b = make_record(100), make_record(100)
     await store.put([a, b])
     server = await _server(store)
@@ -156,12 +150,7 @@ async def test_a_late_reply_is_never_taken_for_a_later_request(make_record: Any)
 
 async def test_a_client_beyond_its_in_flight_share_is_refused_busy(make_record: Any) -> None:
     """A client with more requests in flight than max_inflight_per_client gets BUSY for the extra one at once (not queued)."""
-    class Slow(MemoryRecordStore):
-        async def get(self, keys: Any) -> Any:
-            await asyncio.sleep(0.3)
-            return await super().get(keys)
-
-    store = Slow(MiB)
+    store = DelayedStore(MiB, 0.3)
     item = make_record(100)
     await store.put([item])
     server = await _server(store, ServerOptions(max_inflight_per_client=1))
