@@ -257,21 +257,13 @@ async def fuzzer(host: str, messages: int = 3000, seed: int = 0) -> Outcome:
         victim = await Victim.on(server.address)
         rss0 = server.rss_mib()
         ctx, sock = await raw_dealer(server.address, RCVHWM=1)
-        key, record = victim.items[0]
-        valid = [encode_request(Op.GET, 1, [key]), encode_request(Op.PUT, 2, [key], [len(record)]),
-                 encode_request(Op.EXISTS, 3, [k for k, _ in victim.items])]
+        valid = valid_requests(victim)
         stop = asyncio.Event()
         checking = asyncio.create_task(victim.keep_checking(stop))
         t0 = time.monotonic()
         for _ in range(messages):
-            base = bytearray(rng.choice(valid))
-            kind = rng.randrange(6)
-            if kind == 0:
-                base = bytearray(rng.randbytes(rng.randrange(1, 200)))
-            elif kind == 1:
-                for _ in range(rng.randrange(1, 8)):
-                    base[rng.randrange(len(base))] = rng.randrange(256)
-            elif kind == 2:
+            kind, base = fuzzed_header(rng, valid)
+            if kind == 2:
                 base = base[: rng.randrange(len(base))] or bytearray(b"K")
             elif kind == 3:
                 struct.pack_into("<I", base, 16, rng.choice([0, 1, 4096, 4097, 2**32 - 1]))
@@ -290,6 +282,26 @@ async def fuzzer(host: str, messages: int = 3000, seed: int = 0) -> Outcome:
     return Outcome("fuzzed requests (3000 random/mutated messages)", messages, refused, victim.wrong,
                    elapsed / messages, rss, ok and alive, victim.slowest * 1e3,
                    note=f"server alive: {alive}; {server.counts.get('frames_dropped', 0)} frames dropped unread")
+
+
+def valid_requests(victim: Victim) -> list[bytes]:
+    """Well-formed headers for the victim's chunks: what a fuzzer mutates."""
+    key, record = victim.items[0]
+    return [encode_request(Op.GET, 1, [key]), encode_request(Op.PUT, 2, [key], [len(record)]),
+            encode_request(Op.EXISTS, 3, [k for k, _ in victim.items])]
+
+
+def fuzzed_header(rng: random.Random, valid: Sequence[bytes]) -> tuple[int, bytearray]:
+    """A mutation kind (0-5) and the header to send: for kind 0 random bytes, for 1 a valid header with a
+    few bytes flipped, otherwise a valid header that the wire's fuzzer breaks in its own way (2-5)."""
+    base = bytearray(rng.choice(valid))
+    kind = rng.randrange(6)
+    if kind == 0:
+        base = bytearray(rng.randbytes(rng.randrange(1, 200)))
+    elif kind == 1:
+        for _ in range(rng.randrange(1, 8)):
+            base[rng.randrange(len(base))] = rng.randrange(256)
+    return kind, base
 
 
 async def non_reading_client(host: str, requests: int = 3000) -> Outcome:

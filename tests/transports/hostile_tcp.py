@@ -28,9 +28,11 @@ from tests.transports.hostile import (
     PeerTransport,
     Victim,
     _forge_payload,
+    fuzzed_header,
     records,
     served,
     transport,
+    valid_requests,
 )
 
 ATTACKER = "127.0.0.99"
@@ -159,20 +161,15 @@ async def fuzzer(host: str, messages: int = 1000, seed: int = 0) -> Outcome:
     async with served(host, "--transport", "tcp", "--message-timeout", "1.0") as server:
         victim = await Victim.on(server.address, wire="tcp")
         rss0 = server.rss_mib()
-        key, record = victim.items[0]
-        valid = [encode_request(Op.GET, 1, [key]), encode_request(Op.PUT, 2, [key], [len(record)]),
-                 encode_request(Op.EXISTS, 3, [k for k, _ in victim.items])]
+        valid = valid_requests(victim)
         stop = asyncio.Event()
         checking = asyncio.create_task(victim.keep_checking(stop))
         t0 = time.monotonic()
         for _ in range(messages):
-            base = bytearray(rng.choice(valid))
-            kind = rng.randrange(6)
+            kind, base = fuzzed_header(rng, valid)
             if kind == 0:
-                wire = rng.randbytes(rng.randrange(1, 200))
+                wire = bytes(base)
             elif kind == 1:
-                for _ in range(rng.randrange(1, 8)):
-                    base[rng.randrange(len(base))] = rng.randrange(256)
                 wire = _framed(bytes(base))
             elif kind == 2:
                 wire = _framed(bytes(base))[: rng.randrange(1, len(base) + 4)]
