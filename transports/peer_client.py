@@ -45,6 +45,7 @@ from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
 from kvengine.transport import Buffer, read_deadline
 
+from .byte_budget import ByteBudget
 from .peer_protocol import Limits, Message, Op, Status, record_matches
 from .placement import Membership, Peer, PeerHealth, rendezvous_owners
 
@@ -185,31 +186,6 @@ def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = F
     return membership, options
 
 
-class _ByteBudget:
-    """At most ``limit`` bytes held at once; a holder larger than ``limit`` holds all of it."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, nbytes: int, timeout: float) -> int:
-        """Bytes granted (pass them to :meth:`release`), or 0 if none came within ``timeout``."""
-        need = min(nbytes, self.limit)
-        try:
-            async with asyncio.timeout(max(timeout, 0)), self._cond:
-                await self._cond.wait_for(lambda: self.held + need <= self.limit)
-                self.held += need
-                return need
-        except TimeoutError:
-            return 0
-
-    async def release(self, nbytes: int) -> None:
-        async with self._cond:
-            self.held -= nbytes
-            self._cond.notify_all()
-
-
 class PeerTransport:
     """A :class:`kvengine.transport.ChunkTransport` over peer servers."""
 
@@ -224,7 +200,7 @@ class PeerTransport:
         self.health = PeerHealth(self.options.cooldown)
         self.counts: Counter[str] = Counter()
         self._hints: OrderedDict[ChunkKey, Peer] = OrderedDict()
-        self._budget: _ByteBudget | None = None  # made on first use, on the loop that uses it
+        self._budget = ByteBudget(self.options.max_inflight_write_bytes)
         self._known: tuple[Peer, ...] = ()
 
     # -- routing -----------------------------------------------------------------
@@ -290,20 +266,18 @@ class PeerTransport:
                 by_peer[peer].append(i)
 
         async def one(peer: Peer, batch: list[int]) -> None:
-            granted = 0
+            held = 0
             if sizes is not None:  # writes hold part of the in-flight budget
-                if self._budget is None:
-                    self._budget = _ByteBudget(self.options.max_inflight_write_bytes)
-                granted = await self._budget.acquire(sum(sizes[i] for i in batch), deadline - time.monotonic())
-                if not granted:
+                held = sum(sizes[i] for i in batch)
+                if not await self._budget.take(held, max(deadline - time.monotonic(), 0)):
                     self.counts["writes_dropped_backpressure"] += len(batch)
                     return
             try:
                 reply = await self._call(peer, op, [keys[i] for i in batch], [records[i] for i in batch] if sizes
                                          else (), deadline)
             finally:
-                if granted:
-                    await self._budget.release(granted)  # type: ignore[union-attr]
+                if held:
+                    self._budget.give(held)
             for i, ok in zip(batch, reply[0].flags if reply is not None else ()):
                 if ok and not out[i]:
                     out[i] = True

@@ -52,6 +52,7 @@ from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.transport import Buffer
 
+from .byte_budget import ByteBudget
 from .connection_pool import ConnectionPool
 from .peer_buffers import RECEIVE_BUFFERS
 from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
@@ -472,7 +473,7 @@ class _ServerConnection(_Framed):
         self._broken = True
         self.server.counts[f"dropped_connection_{exc.status.name.lower()}"] += 1
         self.server.blame(self, exc.reason)
-        reply = self.server.service.refuse(None if self._stage == "length" else peek_request_id(header), exc.status)
+        reply = self.server.service.refuse(peek_request_id(header), exc.status)  # None before a header
         if reply is not None and self.transport is not None:  # best effort, then the connection is closed
             self.transport.write(_LEN.pack(len(reply.header)) + reply.header)
 
@@ -485,45 +486,6 @@ class _ServerConnection(_Framed):
         self.server.forget(self)
 
 
-class _ByteBudget:
-    """Bytes being received at once; a taker that does not fit waits (FIFO, so a large one is not starved)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.free = limit
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-
-    def try_take(self, n: int) -> bool:
-        n = min(n, self.limit)
-        if self._waiters or n > self.free:
-            return False
-        self.free -= n
-        return True
-
-    async def take(self, n: int) -> None:
-        if self.try_take(n):
-            return
-        future = asyncio.get_running_loop().create_future()
-        entry = (min(n, self.limit), future)
-        self._waiters.append(entry)
-        try:
-            await future
-        except BaseException:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
-            elif not future.cancelled():
-                self.give(n)
-            raise
-
-    def give(self, n: int) -> None:
-        self.free += min(n, self.limit)
-        while self._waiters and self._waiters[0][0] <= self.free:
-            need, future = self._waiters.pop(0)
-            if not future.done():
-                self.free -= need
-                future.set_result(None)
-
-
 class TcpPeerServer:
     """Serves a :class:`RecordStore` to peers on ``bind`` (``host:port``; port 0 picks one)."""
 
@@ -533,7 +495,7 @@ class TcpPeerServer:
         self.options = tcp_options or TcpServerOptions()
         self.host, self.port = split_host_port(bind)
         self.address: str | None = None
-        self.budget = _ByteBudget(self.options.receive_budget_bytes)
+        self.budget = ByteBudget(self.options.receive_budget_bytes)
         tls = self.options.tls
         if self.service.options.tenants is not None:
             if tls is None or tls.ca is None:
