@@ -250,11 +250,9 @@ class KeyedStore:
         misses: list[Buffer | None] = [None] * len(keys)
         blobs = await self.engine.tiers.guarded(transport, "get", transport.get(keys), misses)
         found = [(i, key, blob) for i, key, blob in zip(index, keys, blobs) if blob is not None]
-        admitted = await asyncio.to_thread(
-            lambda: [self.engine.promoter.admit_record(self.binding, key, blob, 0, transport.name) for _, key, blob in found])
-        corrupt = [key for (_, key, _), result in zip(found, admitted) if result is AdmitRejected.CORRUPT]
-        if corrupt:
-            await self.engine.tiers.guarded(transport, "delete", transport.delete(corrupt), None)
+        promoter = self.engine.promoter
+        admitted = await asyncio.gather(*(promoter.admit(self.binding, transport, key, blob, 0)
+                                          for _, key, blob in found))
         return [(i, result) for (i, _, _), result in zip(found, admitted)]
 
     async def _read_in_place(self, transport: ReadsInPlace, keys: list[ChunkKey],

@@ -11,6 +11,12 @@ caller's reservation.
 Two read paths: windows of whole records (any transport), or, for
 :class:`~kvengine.transport.ReadsInPlace` transports, reads straight into
 the memory slots (:class:`_PlacedRead`).
+
+Concurrent promotions of one chunk are single-flight (:class:`_InFlight`):
+the second waits for the first and pins what it admitted. Without that, the
+second would find the first's slot taken but not yet committed and miss, so
+two requests sharing a prefix, looked up at once, were told different hit
+lengths depending on timing.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import IntegrityError
 from kvengine.metrics import EngineMetrics
-from kvengine.transport import Buffer, ReadsInPlace, reads_in_place
+from kvengine.transport import Buffer, ChunkTransport, ReadsInPlace, reads_in_place
 from kvengine.types import ModelBinding
 
 #: Promotion reads this many records at a time, the next window while admitting this one.
@@ -62,6 +68,34 @@ def check_position(binding: ModelBinding, header: RecordHeader, start: int, end:
         raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")
 
 
+class _InFlight:
+    """The chunks some promotion is bringing into memory right now, and a future per chunk that is done
+    when that promotion has admitted it or given up. Event-loop only.
+
+    No cycle of waits is possible: a promotion holds a claim only while it reads and admits that chunk,
+    never while it waits for another promotion's claim, except in the placed path, which claims its
+    whole run at once before it waits for anything (so it only ever waits for earlier claims).
+    """
+
+    __slots__ = ("_futures",)
+
+    def __init__(self) -> None:
+        self._futures: dict[ChunkKey, asyncio.Future[None]] = {}
+
+    def claim(self, key: ChunkKey) -> asyncio.Future[None] | None:
+        """None: the caller now promotes ``key`` and must :meth:`settle` it; else the promotion to wait for."""
+        other = self._futures.get(key)
+        if other is None:
+            self._futures[key] = asyncio.get_running_loop().create_future()
+        return other
+
+    def settle(self, key: ChunkKey) -> None:
+        """The caller's promotion of ``key`` is over (admitted or not); idempotent."""
+        future = self._futures.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+
 class Promoter:
     """Reads records from a :class:`TierSet` into a :class:`MemoryTier`."""
 
@@ -73,6 +107,7 @@ class Promoter:
         self.metrics = metrics
         #: Buffers for encoded payloads read in place (decoded into their slot afterwards).
         self.scratch = scratch
+        self._inflight = _InFlight()
 
     async def promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int,
                       total_tokens: int) -> list[MemoryEntry]:
@@ -115,9 +150,7 @@ class Promoter:
                         if blob is None:
                             return promoted
                         start = (first_chunk + len(promoted)) * binding.chunk_size
-                        entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
-                        if entry is AdmitRejected.CORRUPT:
-                            await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
+                        entry = await self.admit(binding, transport, key, blob, start)
                         if not isinstance(entry, MemoryEntry):
                             return promoted
                         promoted.append(entry)
@@ -127,6 +160,26 @@ class Promoter:
                     with contextlib.suppress(Exception):
                         await pending
         return promoted
+
+    async def admit(self, binding: ModelBinding, transport: ChunkTransport, key: ChunkKey, blob: object,
+                    start: int) -> MemoryEntry | AdmitRejected:
+        """:meth:`admit_record` off the loop, single-flight per chunk; a corrupt record is deleted from
+        ``transport``."""
+        other = self._inflight.claim(key)
+        if other is not None:
+            return await self._joined(key, other)
+        try:
+            entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
+        finally:
+            self._inflight.settle(key)
+        if entry is AdmitRejected.CORRUPT:
+            await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
+        return entry
+
+    async def _joined(self, key: ChunkKey, other: asyncio.Future[None]) -> MemoryEntry | AdmitRejected:
+        """Wait for another promotion of ``key`` and pin what it admitted (NO_ROOM: it admitted nothing)."""
+        await asyncio.shield(other)  # our cancellation must not cancel the other promotion's future
+        return self.memory.pin(key) or AdmitRejected.NO_ROOM
 
     def admit_record(
         self, binding: ModelBinding, key: ChunkKey, blob: object, start: int, tier: str
@@ -187,13 +240,21 @@ class Promoter:
         the transport, over the slot), and records are admitted in order.
         """
         size = binding.chunk_size
-        items: list[MemoryEntry | _PlacedRead] = []  # a chunk already in memory (pinned), or its read
+        # Per chunk: already in memory (pinned), its read (claimed), or another promotion's claim to wait for.
+        # Taken in one pass with no await, so this promotion's claims all precede any wait of its own.
+        items: list[MemoryEntry | _PlacedRead | asyncio.Future[None]] = []
         for i, key in enumerate(keys):
+            other = self._inflight.claim(key)
+            if other is not None:
+                items.append(other)
+                continue
             start = (first_chunk + i) * size
             tokens = (start, min(start + size, total_tokens))
             slot = self.memory.prepare(key, binding.layout, tokens)
-            if slot is Prepared.PRESENT:  # a concurrent promotion or store brought it
+            if slot is Prepared.PRESENT:  # a store brought it (or is bringing it: then pin finds nothing)
                 slot = self.memory.pin(key) or Prepared.NO_ROOM
+            if not isinstance(slot, MemoryEntry) or slot.committed:
+                self._inflight.settle(key)
             if slot is Prepared.NO_ROOM:
                 break
             assert isinstance(slot, MemoryEntry)
@@ -212,23 +273,28 @@ class Promoter:
 
         try:
             launch()
-            for item in items:
+            for i, item in enumerate(items):
                 if isinstance(item, _PlacedRead):
                     read, pending = inflight.popleft()
                     entry = await self._settle(transport, read, pending)
-                    if not isinstance(entry, MemoryEntry):
-                        break
-                    item = entry
-                promoted.append(item)
+                    self._inflight.settle(read.key)
+                elif isinstance(item, asyncio.Future):
+                    entry = await self._joined(keys[i], item)
+                else:
+                    entry = item
+                if not isinstance(entry, MemoryEntry):
+                    break
+                promoted.append(entry)
                 launch()
         finally:
             for _, pending in inflight:  # stopped early: let reads in flight finish
                 with contextlib.suppress(Exception):
                     await pending
-            for item in items[len(promoted):]:  # and give back every slot and pin not promoted
+            for item in items[len(promoted):]:  # and give back every slot, claim and pin not promoted
                 if isinstance(item, _PlacedRead):
                     item.discard()
-                else:
+                    self._inflight.settle(item.key)
+                elif isinstance(item, MemoryEntry):
                     self.memory.unpin([item])
         return promoted
 
@@ -236,8 +302,14 @@ class Promoter:
                           start: int) -> MemoryEntry | AdmitRejected | None:
         """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
         deleted from ``transport``. Used for keyed chunks."""
-        read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
-        return await self._settle(transport, read, transport.get_into(key, read.place))
+        other = self._inflight.claim(key)
+        if other is not None:
+            return await self._joined(key, other)
+        try:
+            read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
+            return await self._settle(transport, read, transport.get_into(key, read.place))
+        finally:
+            self._inflight.settle(key)
 
     async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
                       pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:

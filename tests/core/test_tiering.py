@@ -503,3 +503,139 @@ async def test_a_store_that_ends_part_way_hands_its_copied_prefix_to_the_tiers(l
     assert (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
     assert all(torch.equal(o[:, :, : 2 * CHUNK], k[:, :, : 2 * CHUNK]) for o, k in zip(out, kv.layers))
     await eng.close()
+
+
+class GatedTransport(DictTransport):
+    """Reads wait at ``gate`` (so a test can start a second lookup while the first one's reads are in
+    flight); ``placed`` offers placed reads (the local-disk transport's path). Counts reads."""
+
+    name = "gated"
+
+    def __init__(self, placed: bool) -> None:
+        super().__init__()
+        self.placed_reads = placed
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.waiting = asyncio.Event()  # a read is waiting at the gate
+        self.reads = 0
+        self.asked = 0
+        self.asked_twice = asyncio.Event()  # a second lookup reached this tier
+
+    async def exists(self, keys):
+        self.asked += 1
+        if self.asked == 2:
+            self.asked_twice.set()
+        return await super().exists(keys)
+
+    async def _pass_gate(self, n: int) -> None:
+        self.reads += n
+        self.waiting.set()
+        await self.gate.wait()
+
+    async def get(self, keys):
+        await self._pass_gate(len(keys))
+        return await super().get(keys)
+
+    async def get_into(self, key, place):
+        await self._pass_gate(1)
+        blob = self.blobs.get(key)
+        if blob is None:
+            return None
+        header, payload = unpack_record(blob, expect_key=key)
+        out = place(header)
+        if out is None:
+            return None
+        memoryview(out).cast("B")[: len(payload)] = payload
+        return header
+
+
+@pytest.mark.parametrize("placed", [True, False], ids=["placed_reads", "windowed_reads"])
+async def test_concurrent_lookups_of_one_prefix_from_below_both_get_the_whole_hit(layout, placed):
+    """Regression (a flaky vLLM test): two requests sharing a prefix, looked up at once while its chunks
+    are on disk only. The second found the first one's memory slots taken but not yet committed and was
+    told 0 tokens. Now it waits for the first promotion: both are told the whole prefix, each chunk is
+    read once, and both load it exactly."""
+    t = GatedTransport(placed)
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    kv = FakeKV(3 * CHUNK)
+    await eng.store(b, toks, kv.source)
+    await eng.flush()
+    for key in list(t.blobs):
+        assert eng.memory.discard(key)
+    t.gate.clear()
+    first = asyncio.ensure_future(eng.lookup(b, "first", toks))
+    await t.waiting.wait()  # the first lookup's reads are in flight
+    second = asyncio.ensure_future(eng.lookup(b, "second", toks))
+    await t.asked_twice.wait()  # ... and the second one is promoting the same chunks
+    t.gate.set()
+    reservations = await asyncio.gather(first, second)
+    assert [r.matched_tokens for r in reservations] == [3 * CHUNK, 3 * CHUNK]
+    if placed:  # the second joined the first's reads and issued none of its own
+        assert t.reads == 3
+    assert eng.metrics.value("kvengine_loaded_bytes_total", tier="gated") == 3 * layout.nbytes()
+    for res in reservations:
+        out = [torch.zeros_like(x) for x in kv.layers]
+        assert (await eng.load(res, copier(out))).ok
+        assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_a_lookup_waiting_on_a_failed_promotion_is_a_miss_not_a_hang(layout):
+    """The first promotion finds a corrupt record: the lookup that waited for it misses too (nothing
+    served, nothing pinned) and neither hangs."""
+    t = GatedTransport(placed=True)
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await eng.flush()
+    for key in list(t.blobs):
+        assert eng.memory.discard(key)
+    head = min(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)
+    damaged = bytearray(t.blobs[head])
+    damaged[-1] ^= 0xFF
+    t.blobs[head] = bytes(damaged)
+    t.gate.clear()
+    first = asyncio.ensure_future(eng.lookup(b, "first", toks))
+    await t.waiting.wait()
+    second = asyncio.ensure_future(eng.lookup(b, "second", toks))
+    await t.asked_twice.wait()
+    t.gate.set()
+    reservations = await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    assert [r.matched_tokens for r in reservations] == [0, 0]
+    for res in reservations:
+        await eng.release(res)
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+@pytest.mark.parametrize("placed", [True, False], ids=["placed_reads", "windowed_reads"])
+async def test_concurrent_keyed_gets_of_one_chunk_from_below_both_hit(layout, placed):
+    """The keyed path (SGLang's pages) shares the single-flight promotion: two gets of one chunk at once,
+    while it is below memory only, both hit and get its bytes, read from below once (placed reads)."""
+    from kvengine.keyed import GetOutcome, KeyedStore, keyed_namespace
+
+    t = GatedTransport(placed)
+    eng = await make_engine(t)
+    keyed = KeyedStore(eng, eng.bind(keyed_namespace(Namespace(model="m"), "k"), layout))
+    kv = FakeKV(CHUNK)
+    await keyed.put([b"x"], lambda _i: list(kv.layers))
+    await eng.flush()
+    for key in list(t.blobs):
+        assert eng.memory.discard(key)
+    got: list[list[torch.Tensor]] = [[], []]
+    t.gate.clear()
+    gets = [asyncio.ensure_future(keyed.get([b"x"], lambda _i, tensors, n=n: got[n].extend(x.clone() for x in tensors)))
+            for n in range(2)]
+    await t.asked_twice.wait()
+    t.gate.set()
+    assert await asyncio.gather(*gets) == [[GetOutcome.HIT], [GetOutcome.HIT]]
+    if placed:  # one read, the second get joined it
+        assert t.reads == 1
+    for tensors in got:
+        assert all(torch.equal(a, b) for a, b in zip(tensors, kv.layers)) and len(tensors) == len(kv.layers)
+    assert eng.memory.total_pins() == 0
+    await eng.close()
