@@ -138,6 +138,13 @@ class KVEngine:
     ) -> Reservation:
         return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens))
 
+    def lookup_resident(
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+    ) -> Reservation | None:
+        """:meth:`lookup` where memory alone answers it, in the calling thread (no hop to the engine's
+        loop); None where lower tiers must be asked (call :meth:`lookup`)."""
+        return self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens)
+
     def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
         return self.run(self.core.load(reservation, sink))
 

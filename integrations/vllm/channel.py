@@ -17,7 +17,8 @@ the same channel is used: one code path, a local round trip costs ~0.1 ms.
 
 Protocol (calls of one request are handled in the order sent; calls of
 different requests at once, so a lookup that promotes from disk holds up
-no other request's answer):
+no other request's answer; a lookup that memory answers is answered by the
+connection's reader thread itself, without a hand-off):
 
 * :class:`LookupCall` -> :class:`Reply` (``matched_tokens``, or
   ``shadow_tokens`` for a hit sampled for a shadow check: nothing is
@@ -96,6 +97,10 @@ class LookupHandler(Protocol):
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer: ...
 
+    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer | None:
+        """The answer if it needs no wait (memory holds it), without blocking; None: call ``lookup``."""
+        ...
+
     def release(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
@@ -117,6 +122,11 @@ class OrderedExecutor:
                 return
             self._queues[key] = deque()
         self._start(key, call)
+
+    def busy(self, key: Hashable) -> bool:
+        """Whether a call of ``key`` is running or waiting."""
+        with self._lock:
+            return key in self._queues
 
     def _start(self, key: Hashable, call: Callable[[], None]) -> None:
         try:
@@ -177,8 +187,7 @@ class LookupService:
     def _serve(self, conn: Connection) -> None:
         sending = threading.Lock()  # replies come from several handler threads
 
-        def answer(msg: object) -> None:
-            reply = self._handle(msg)
+        def send(reply: Reply | None) -> None:
             if reply is None:
                 return
             with sending:
@@ -186,6 +195,9 @@ class LookupService:
                     conn.send(reply)
                 except OSError:  # the scheduler is gone; the reader below notices
                     pass
+
+        def answer(msg: object) -> None:
+            send(self._handle(msg))
 
         with conn:
             while not self._stop.is_set():
@@ -197,7 +209,24 @@ class LookupService:
                     return
                 # Calls of one request keep their order (a release never overtakes its lookup).
                 key = getattr(msg, "request_id", None) or ("seq", getattr(msg, "seq", None))
+                if isinstance(msg, LookupCall) and not self._calls.busy(key):
+                    # Nothing of this request is queued (this thread is the only one that queues), so
+                    # answering here keeps the order; a hit from memory skips two thread hand-offs.
+                    reply = self._handle_now(msg)
+                    if reply is not None:
+                        send(reply)
+                        continue
                 self._calls.submit(key, functools.partial(answer, msg))
+
+    def _handle_now(self, msg: LookupCall) -> Reply | None:
+        """The reply if the handler has it without waiting; None (also on an error): the pool answers."""
+        try:
+            answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens)
+        except Exception:  # the pool's call reports it (as a miss, with the error)
+            return None
+        if answer is None:
+            return None
+        return Reply(msg.seq, matched_tokens=answer.matched_tokens, shadow_tokens=answer.shadow_tokens)
 
     def _handle(self, msg: object) -> Reply | None:
         try:

@@ -109,6 +109,27 @@ class ReservationDesk:
         state = None
         if self.states is not None and found.matched_tokens:
             res, state = self._resumable(binding, request_id, ids, found)
+        return self._answer(binding, request_id, res, state)
+
+    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer | None:
+        """:meth:`lookup` where memory alone answers it, in the calling thread; None: call :meth:`lookup`.
+
+        Hybrid models (recurrent state to find) and salts not bound yet always take :meth:`lookup`.
+        """
+        with self._lock:
+            shadowed = self._shadowed.get(request_id)
+            binding = self._bindings.get(salt)
+        if shadowed is not None:
+            return Answer(shadow_tokens=shadowed)
+        if binding is None or self.states is not None:
+            return None
+        res = self.engine.lookup_resident(binding, request_id, np.frombuffer(tokens, dtype="<u4"),
+                                          max_tokens=max_tokens)
+        return None if res is None else self._answer(binding, request_id, res, None)
+
+    def _answer(self, binding: ModelBinding, request_id: str, res: Reservation | None,
+                state: BoundaryState | None) -> Answer:
+        """Hold ``res`` for the request's load (or sample it for a shadow check) and say what it offers."""
         if res is None or res.matched_tokens == 0:
             if res is not None:
                 self.engine.release(res)

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -67,6 +67,16 @@ logger = logging.getLogger("kvengine")
 
 #: Idle record buffers kept (at most capacity / 4).
 _RECORD_POOL_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class _Question:
+    """A lookup not answered by a live reservation: what it asks for, and when."""
+
+    query: tuple[object, ...]  # the reservation's identity for idempotency (cap and chunk chain)
+    keys: list[ChunkKey]
+    asked: int  # tokens asked about (the cap applied)
+    asked_at: float
 
 
 class CacheEngine:
@@ -183,6 +193,40 @@ class CacheEngine:
         Idempotent per ``request_id``: the same question returns the same
         reservation with a renewed lease, pinning and counting nothing again.
         """
+        question = self._question(binding, request_id, tokens, max_tokens)
+        if isinstance(question, Reservation):
+            return question
+        entries = self.memory.pin_prefix(question.keys)
+        if len(entries) < len(question.keys) and self.transports:
+            with read_scope():  # one deadline for all of this lookup's reads from lower tiers
+                entries += await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
+                                                       question.asked)
+        return self._reserve(binding, request_id, question, entries)
+
+    def lookup_resident(
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+    ) -> Reservation | None:
+        """:meth:`lookup`'s answer where memory alone decides it (every asked chunk resident, or no lower
+        tier to ask); None where it does not (call :meth:`lookup`).
+
+        Synchronous and thread-safe (it touches only the memory tier and the
+        reservation table, both locked), so a scheduler's channel can answer a
+        warm request without a hop to the engine's loop.
+        """
+        if self._closed:
+            return None
+        question = self._question(binding, request_id, tokens, max_tokens)
+        if isinstance(question, Reservation):
+            return question
+        entries = self.memory.pin_prefix(question.keys)
+        if len(entries) < len(question.keys) and self.transports:
+            self.memory.unpin(entries)
+            return None
+        return self._reserve(binding, request_id, question, entries)
+
+    def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
+                  max_tokens: int | None) -> Reservation | _Question:
+        """The lookup's chunk keys, or the request's live reservation for the same question (lease renewed)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
         if max_tokens is not None and max_tokens < 0:
@@ -194,33 +238,33 @@ class CacheEngine:
             hashes = []
         query = (max_tokens, *hashes)
         now = self._clock()
-        existing = self.reservations.get(binding.digest, request_id)
-        if existing is not None and existing.query == query and existing.state is ReservationState.RESERVED:
-            existing.expires_at = now + self.config.lease_seconds
+        renewed, existing = self.reservations.renew(binding.digest, request_id, query,
+                                                    now + self.config.lease_seconds)
+        if renewed:
+            assert existing is not None
             return existing
         if existing is not None:
             self._end(existing)
-        keys = [ChunkKey(binding.digest, h) for h in hashes]
         asked = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-        entries = self.memory.pin_prefix(keys)
-        if len(entries) < len(keys) and self.transports:
-            with read_scope():  # one deadline for all of this lookup's reads from lower tiers
-                entries += await self.promoter.promote(binding, keys[len(entries) :], len(entries), asked)
+        return _Question(query, [ChunkKey(binding.digest, h) for h in hashes], asked, now)
+
+    def _reserve(self, binding: ModelBinding, request_id: str, question: _Question,
+                 entries: list[MemoryEntry]) -> Reservation:
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
             namespace=binding.digest,
             matched_tokens=entries[-1].token_range[1] if entries else 0,
             keys=tuple(e.key for e in entries),
-            expires_at=now + self.config.lease_seconds,
-            query=query,
+            expires_at=question.asked_at + self.config.lease_seconds,
+            query=question.query,
             entries=entries,
         )
         replaced = self.reservations.put(res)
         if replaced is not None:  # a concurrent lookup of the same request won the race
             self._end(replaced)
         self.metrics.lookups.inc()
-        self.metrics.lookup_tokens.inc(asked)
+        self.metrics.lookup_tokens.inc(question.asked)
         self.metrics.hit_tokens.inc(res.matched_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
         return res
@@ -309,13 +353,13 @@ class CacheEngine:
         ``ABANDON_AFTER_LEASES`` leases; returns how many reservations (all counted in metrics)."""
         now = self._clock()
         count = 0
-        for res in self.reservations.expired(now):
-            loading = res.state is ReservationState.LOADING
-            if self._end(res):
-                if loading:  # its finish_load, if it ever comes, reports nothing loaded: recomputed
-                    self.metrics.abandoned.labels(op="load").inc()
-                else:
-                    count += 1
+        for res, was in self.reservations.end_expired(now):
+            self.memory.unpin(res.entries)
+            if was is ReservationState.LOADING:  # its finish_load, if it ever comes, reports nothing loaded
+                self.metrics.abandoned.labels(op="load").inc()
+            else:
+                count += 1
+        self.metrics.reservations_active.set(len(self.reservations))
         self.stager.reclaim(now)  # staged stores left unfinished: what was never committed is dropped
         if count:
             self.metrics.reservations_reclaimed.inc(count)

@@ -56,9 +56,17 @@ class ReservationTable:
     def __len__(self) -> int:
         return len(self._live)
 
-    def get(self, namespace: NamespaceDigest, request_id: str) -> Reservation | None:
+    def renew(self, namespace: NamespaceDigest, request_id: str, query: tuple[object, ...],
+              expires_at: float) -> tuple[bool, Reservation | None]:
+        """Renew the request's live reservation if it answers ``query``: (True, it); else (False, the
+        request's reservation for another question, if any). Atomic with :meth:`end_expired`, so a lease
+        is never renewed on a reservation the reaper is ending."""
         with self._lock:
-            return self._live.get((namespace, request_id))
+            res = self._live.get((namespace, request_id))
+            if res is not None and res.query == query and res.state is ReservationState.RESERVED:
+                res.expires_at = max(res.expires_at, expires_at)
+                return True, res
+            return False, res
 
     def put(self, res: Reservation) -> Reservation | None:
         """Insert ``res``; return the reservation it replaced, if any."""
@@ -85,10 +93,15 @@ class ReservationTable:
                 del self._live[(res.namespace, res.request_id)]
             return True
 
-    def expired(self, now: float) -> list[Reservation]:
-        """Reservations past their lease: never loaded, or loads never finished (see CacheEngine.begin_load)."""
+    def end_expired(self, now: float) -> list[tuple[Reservation, ReservationState]]:
+        """End every reservation past its lease (never loaded, or a load never finished: see
+        CacheEngine.begin_load); each with the state it ended in. The caller unpins them."""
         with self._lock:
-            return [r for r in self._live.values() if r.expires_at < now]
+            ended = [(r, r.state) for r in self._live.values() if r.expires_at < now]
+            for res, _ in ended:
+                res.state = ReservationState.ENDED
+                del self._live[(res.namespace, res.request_id)]
+            return ended
 
     def all(self) -> Sequence[Reservation]:
         with self._lock:

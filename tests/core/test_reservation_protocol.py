@@ -1,6 +1,7 @@
 """Hypothesis state machine over the reservation protocol.
 
-Random interleavings of lookup / repeated lookup / load / partial load
+Random interleavings of lookup (async, or the synchronous memory-only
+``lookup_resident``) / repeated lookup / load / partial load
 failure / release / store / eviction pressure / lease expiry. Invariants:
 no reserved chunk is evicted, pins equal what live reservations hold,
 capacity is never exceeded, a load never delivers more than promised and
@@ -74,25 +75,33 @@ class ReservationMachine(RuleBasedStateMachine):
         self.run(self.engine.store(self.binding, toks, lambda i, s, e, toks=toks: [chunk_kv(toks, e)]))
 
     @rule(req=st.sampled_from(["a", "b", "c", "d"]), family=st.integers(0, 2), variant=st.integers(0, 3),
-          chunks=st.integers(1, 5), cap=st.one_of(st.none(), st.integers(0, 6 * CHUNK)))
-    def lookup(self, req, family, variant, chunks, cap):
+          chunks=st.integers(1, 5), cap=st.one_of(st.none(), st.integers(0, 6 * CHUNK)), resident=st.booleans())
+    def lookup(self, req, family, variant, chunks, cap, resident):
         toks = prompt(family, variant, chunks)
-        res = self.run(self.engine.lookup(self.binding, req, toks, max_tokens=cap))
+        res = self.ask(req, toks, cap, resident)
         assert res.matched_tokens % CHUNK == 0 and res.matched_tokens <= len(toks)
         if cap is not None:
             assert res.matched_tokens <= cap
         self.live[req] = (res, toks)
 
+    def ask(self, req, toks, cap, resident):
+        """``lookup``, or its synchronous memory-only form (no lower tiers here: it always answers)."""
+        if resident:
+            res = self.engine.lookup_resident(self.binding, req, toks, max_tokens=cap)
+            assert res is not None
+            return res
+        return self.run(self.engine.lookup(self.binding, req, toks, max_tokens=cap))
+
     @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def repeat_lookup(self, data):
+    @rule(data=st.data(), resident=st.booleans())
+    def repeat_lookup(self, data, resident):
         req = data.draw(st.sampled_from(sorted(self.live)))
         res, toks = self.live[req]
         if res.state is not ReservationState.RESERVED:
             return
         pins = self.engine.memory.total_pins()
         lookups = self.engine.metrics.value("kvengine_lookups_total")
-        again = self.run(self.engine.lookup(self.binding, req, toks, max_tokens=res.query[0]))
+        again = self.ask(req, toks, res.query[0], resident)
         assert again is res and again.matched_tokens == res.matched_tokens
         assert self.engine.memory.total_pins() == pins
         assert self.engine.metrics.value("kvengine_lookups_total") == lookups

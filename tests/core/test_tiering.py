@@ -639,3 +639,30 @@ async def test_concurrent_keyed_gets_of_one_chunk_from_below_both_hit(layout, pl
         assert all(torch.equal(a, b) for a, b in zip(tensors, kv.layers)) and len(tensors) == len(kv.layers)
     assert eng.memory.total_pins() == 0
     await eng.close()
+
+
+async def test_lookup_resident_answers_only_what_memory_alone_decides(layout):
+    """Issue 14: the synchronous memory-only lookup answers a hit memory holds whole (the same reservation
+    a later ``lookup`` renews, counted once) and declines (None, nothing pinned or counted) when a chunk
+    must come from a lower tier, which the async lookup then promotes."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(3 * CHUNK))
+    await eng.store(b, toks, FakeKV(3 * CHUNK).source)
+    await eng.flush()
+    res = eng.lookup_resident(b, "warm", toks)
+    assert res is not None and res.matched_tokens == 3 * CHUNK
+    assert await eng.lookup(b, "warm", toks) is res
+    assert eng.memory.total_pins() == 3 and eng.metrics.value("kvengine_lookups_total") == 1
+    await eng.release(res)
+    tail = next(k for k in t.blobs if unpack_record(t.blobs[k])[0].token_start == 2 * CHUNK)
+    assert eng.memory.discard(tail)
+    assert eng.lookup_resident(b, "cold", toks) is None
+    assert eng.memory.total_pins() == 0 and eng.metrics.value("kvengine_lookups_total") == 1
+    assert eng.lookup_resident(b, "cold", toks, max_tokens=2 * CHUNK + 1).matched_tokens == 2 * CHUNK
+    res = await eng.lookup(b, "cold", toks)  # another question: the capped reservation is replaced
+    assert res.matched_tokens == 3 * CHUNK and eng.memory.total_pins() == 3
+    await eng.release(res)
+    assert eng.memory.total_pins() == 0 and len(eng.reservations) == 0
+    await eng.close()

@@ -22,12 +22,16 @@ from kvengine.types import ChunkView
 
 # ------------------------------------------------------------------ channel --
 class FakeHandler:
-    """Matches the first 8 tokens of anything; records calls; can be slowed (all, or per request) or broken."""
+    """Matches the first 8 tokens of anything; records calls; can be slowed (all, or per request), held at
+    a gate (per request) or broken. Requests in ``resident`` are answered at once (``lookup_now``)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.delay = 0.0
         self.delays: dict[str, float] = {}
+        self.gates: dict[str, threading.Event] = {}
+        self.resident: set[str] = set()
+        self.at_gate = threading.Event()  # a lookup is waiting at its gate
         self.fail = False
         self.released = threading.Event()
 
@@ -35,9 +39,20 @@ class FakeHandler:
         from kvengine.integrations.vllm.channel import Answer
 
         time.sleep(self.delays.get(request_id, self.delay))
+        if request_id in self.gates:
+            self.at_gate.set()
+            self.gates[request_id].wait(10)
         if self.fail:
             raise RuntimeError("boom")
         self.calls.append(("lookup", request_id))
+        return Answer(matched_tokens=min(8, len(tokens) // 4, max_tokens))
+
+    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int):
+        from kvengine.integrations.vllm.channel import Answer
+
+        if request_id not in self.resident:
+            return None
+        self.calls.append(("lookup_now", request_id))
         return Answer(matched_tokens=min(8, len(tokens) // 4, max_tokens))
 
     def release(self, request_id: str) -> None:
@@ -113,6 +128,40 @@ def test_a_slow_lookup_holds_up_no_other_requests_answer(channel):
     assert time.monotonic() - t0 < 0.5
     assert client.result(slow, 0.0) is None  # still promoting
     assert client.result(slow, 5.0) is not None
+
+
+def test_a_lookup_memory_answers_is_answered_while_every_handler_is_busy(channel):
+    """Issue 14 (scheduler p99): a hit memory holds is answered by the connection's reader thread, not
+    queued behind lookups that wait on disk, even with every handler thread held."""
+    handler, _, client = channel
+    gate = threading.Event()
+    held = [f"cold{i}" for i in range(12)]  # more than the pool's threads
+    handler.gates = dict.fromkeys(held, gate)
+    cold = [client.submit(rid, "", bytes(40), 9) for rid in held]
+    handler.resident.add("warm")
+    warm = client.result(client.submit("warm", "", bytes(40), 9), 5.0)
+    assert warm is not None and warm.matched_tokens == 8
+    assert all(client.result(seq, 0.0) is None for seq in cold)  # all still held at the gate
+    gate.set()
+    assert all(client.result(seq, 5.0) is not None for seq in cold)
+    assert handler.calls[0] == ("lookup_now", "warm")
+
+
+def test_a_lookup_memory_could_answer_still_waits_for_its_requests_earlier_calls(channel):
+    """Calls of one request stay in order: with its earlier lookup and release still queued, a lookup memory
+    could answer at once goes after them (a release never ends the newer lookup's reservation)."""
+    handler, _, client = channel
+    gate = threading.Event()
+    handler.gates["r1"] = gate  # the first lookup waits on "disk"
+    first = client.submit("r1", "", bytes(40), 9)
+    assert handler.at_gate.wait(5)
+    client.release("r1")
+    handler.resident.add("r1")  # now memory holds it
+    second = client.submit("r1", "", bytes(40), 9)
+    assert client.result(second, 0.2) is None  # queued behind the first lookup and the release
+    gate.set()
+    assert client.result(first, 5.0) is not None and client.result(second, 5.0) is not None
+    assert handler.calls == [("lookup", "r1"), ("release", "r1"), ("lookup", "r1")]
 
 
 def test_handler_error_is_a_reply_not_a_dead_service(channel):
