@@ -119,6 +119,7 @@ def test_encoder_knobs_are_not_part_of_the_format(scheme: lossless.BloscScheme) 
 
 @pytest.mark.parametrize("codec", LOSSLESS, ids=lambda c: c.name)
 def test_lossless_empty_payload(codec: Codec) -> None:
+    """An empty payload round trips to empty bytes, stored as the header alone."""
     raw, descs = payload([torch.empty((0, 4), dtype=torch.bfloat16)])
     stored, decoded = roundtrip(codec, raw, descs)
     assert decoded == b"" and len(stored) == HEADER_BYTES
@@ -218,6 +219,7 @@ def test_channel_codecs_reduce_over_the_configured_token_dim(scheme: QuantScheme
 
 @pytest.mark.parametrize("codec", LOSSY, ids=lambda c: c.name)
 def test_lossy_passes_non_float_tensors_and_zeros_through(codec: QuantCodec) -> None:
+    """Lossy codecs return integer tensors and all-zero tensors exactly."""
     tensors = [rand((8, 4), torch.int8), torch.zeros(6, 8, dtype=torch.bfloat16), rand((3, 5), torch.int32),
                rand((16, 2, 8), torch.float16)]
     raw, descs = payload(tensors)
@@ -230,6 +232,7 @@ def test_lossy_passes_non_float_tensors_and_zeros_through(codec: QuantCodec) -> 
 @pytest.mark.parametrize("codec", LOSSY, ids=lambda c: c.name)
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_lossy_refuses_non_finite_values(codec: QuantCodec, bad: float) -> None:
+    """A NaN or infinity in the payload makes a lossy encode raise InvalidRequestError."""
     x = rand((4, 8), torch.float32)
     x[1, 3] = bad
     raw, descs = payload([x])
@@ -267,6 +270,7 @@ def reseal(codec: Codec, body: bytes) -> bytes:
 
 @pytest.mark.parametrize("codec", OURS, ids=lambda c: c.name)
 def test_corrupted_or_truncated_input_raises_integrity_error(codec: Codec) -> None:
+    """Empty, truncated, extended or bit-flipped stored bytes raise IntegrityError on decode, never return data."""
     raw, descs = payload([rand((64, 4, 16), torch.bfloat16), rand((10,), torch.int8)])
     stored = bytes(codec.encode(memoryview(raw), descs))
     bad_inputs = [b"", stored[:5], stored[:HEADER_BYTES], stored[:-1], stored + b"\0"]
@@ -295,6 +299,7 @@ def test_structural_checks_hold_without_the_checksum(codec: Codec) -> None:
 
 @pytest.mark.parametrize("codec", LOSSLESS, ids=lambda c: c.name)
 def test_forged_blosc_header_sizes_raise(codec: Codec) -> None:
+    """Blosc sizes forged under a valid checksum (nbytes, cbytes) raise IntegrityError."""
     raw, descs = payload([rand((64, 4, 16), torch.bfloat16)])
     body = bytearray(bytes(codec.encode(memoryview(raw), descs))[HEADER_BYTES:])
     for offset, value in [(4, len(raw) + 2), (12, len(body) + 100), (12, 3)]:  # nbytes, cbytes
@@ -307,6 +312,7 @@ def test_forged_blosc_header_sizes_raise(codec: Codec) -> None:
 @pytest.mark.parametrize("codec", LOSSY, ids=lambda c: c.name)
 @pytest.mark.parametrize("scale_bits", [0x7F80, 0x7FC0, 0x0000, 0xBF80])  # inf, nan, 0, -1
 def test_forged_invalid_scales_raise(codec: QuantCodec, scale_bits: int) -> None:
+    """A scale forged to inf, NaN, zero or a negative value under a valid checksum raises IntegrityError."""
     raw, descs = payload([rand((8, 4, 16), torch.float32)])
     body = bytearray(bytes(codec.encode(memoryview(raw), descs))[HEADER_BYTES:])
     struct.pack_into("<H", body, 1 if codec.scheme.grouping is Grouping.CHANNEL else 0, scale_bits)
@@ -315,6 +321,7 @@ def test_forged_invalid_scales_raise(codec: QuantCodec, scale_bits: int) -> None
 
 
 def test_decoding_with_another_codec_raises() -> None:
+    """Bytes encoded by one codec are a codec_mismatch IntegrityError when decoded by another."""
     raw, descs = payload([rand((64, 8), torch.bfloat16)])
     stored = REGISTRY.by_name("zstd-byteshuffle").encode(memoryview(raw), descs)
     for name in ("lz4-byteshuffle", "int8-token"):
@@ -323,6 +330,7 @@ def test_decoding_with_another_codec_raises() -> None:
 
 
 def test_encode_rejects_a_payload_that_does_not_match_its_descriptors() -> None:
+    """Every codec refuses to encode a payload shorter than its descriptors say."""
     raw, descs = payload([rand((8, 8), torch.float16)])
     for codec in OURS:
         with pytest.raises(InvalidRequestError):

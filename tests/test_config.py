@@ -9,11 +9,13 @@ from kvengine.errors import ConfigError
 
 
 def test_defaults():
+    """With no file and no environment: chunk_size 256, LRU eviction, write-behind."""
     cfg = load_config(environ={})
     assert cfg.chunk_size == 256 and cfg.memory.eviction == "lru" and cfg.write_mode == "write_behind"
 
 
 def test_yaml_then_env_override(tmp_path):
+    """The environment overrides the YAML file, sizes accept units, and unrelated variables are ignored."""
     path = tmp_path / "kv.yaml"
     path.write_text("chunk_size: 128\nmemory:\n  capacity_bytes: 64MiB\n  eviction: fifo\n")
     cfg = load_config(path, environ={"KVENGINE_MEMORY__CAPACITY_BYTES": "1GiB", "OTHER": "x"})
@@ -29,27 +31,32 @@ def test_yaml_then_env_override(tmp_path):
     ({"disk": {"fsync": "sometimes"}}, "disk.fsync"),
 ])
 def test_invalid_values_name_the_key(data, key):
+    """An unknown key or an invalid value is a ConfigError naming its dotted key."""
     with pytest.raises(ConfigError) as err:
         load_config(data, environ={})
     assert key in str(err.value)
 
 
 def test_enum_errors_list_allowed_values():
+    """An invalid enum value is refused listing the allowed values."""
     with pytest.raises(ConfigError, match="'lru' or 'fifo'"):
         load_config({"memory": {"eviction": "arc"}}, environ={})
 
 
 def test_unknown_key_lists_allowed_keys():
+    """An unknown key is refused listing the allowed keys."""
     with pytest.raises(ConfigError, match="allowed keys: .*chunk_size"):
         load_config({"chunk_sise": 1}, environ={})
 
 
 def test_unknown_env_key_fails():
+    """A KVENGINE_ variable naming an unknown key is refused, naming it."""
     with pytest.raises(ConfigError, match="memroy"):
         load_config(environ={"KVENGINE_MEMROY__CAPACITY_BYTES": "1"})
 
 
 def test_bad_yaml_file(tmp_path):
+    """A YAML file that is not a mapping is refused."""
     path = tmp_path / "kv.yaml"
     path.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
@@ -74,6 +81,7 @@ def test_auto_chunk_loading_tells_auto_from_an_explicit_size(data, env, expected
 
 @pytest.mark.parametrize("value", [0, -1, "big", 1.5])
 def test_auto_chunk_loading_refuses_other_values_naming_chunk_size_and_auto(value):
+    """A chunk_size that is neither a positive integer nor 'auto' is refused, naming chunk_size and 'auto'."""
     with pytest.raises(ConfigError, match=r"chunk_size: .*\(or 'auto'"):
         load_config_auto_chunk({"chunk_size": value}, environ={})
 

@@ -46,6 +46,7 @@ def test_one_lookup_spans_memory_and_disk(tmp_path):
 
 
 def test_restarted_engine_reuses_the_directory(tmp_path):
+    """A restarted engine on the same directory loads every full chunk exactly; another model misses."""
     layout = make_layout()
     kv = FakeKV(3 * CHUNK + 2, seed=5)
     toks = list(range(3 * CHUNK + 2))
@@ -84,6 +85,7 @@ def test_second_process_gets_hits_from_disk(tmp_path):
 
 
 def test_corrupt_file_on_disk_is_a_miss_not_data(tmp_path):
+    """Files with a flipped payload bit are misses, counted as checksum failures, and deleted."""
     layout = make_layout()
     kv = FakeKV(2 * CHUNK, seed=3)
     toks = list(range(2 * CHUNK))

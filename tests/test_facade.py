@@ -47,6 +47,7 @@ def test_many_threads_share_one_engine():
 
 
 def test_close_is_idempotent_and_releases_reservations():
+    """close may be called twice; it ends live reservations, empties memory and frees the arena at once."""
     layout = make_layout()
     eng = KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()}})
     b = eng.bind(Namespace(model="m"), layout)
@@ -62,6 +63,7 @@ def test_close_is_idempotent_and_releases_reservations():
 
 
 def test_metrics_http_exporter(unused_tcp_port):
+    """The metrics port serves hit tokens and stored bytes over HTTP, and stops serving at close."""
     layout = make_layout()
     with KVEngine({"chunk_size": CHUNK, "metrics_port": unused_tcp_port,
                    "memory": {"capacity_bytes": 8 * layout.nbytes()}}) as eng:
@@ -94,6 +96,7 @@ def test_metrics_exporter_binds_loopback_and_a_taken_port_names_the_setting(unus
 
 
 def test_cli_quickstart(capsys):
+    """Scenario: ``kvengine quickstart`` exits 0, loads every full chunk and reports the bytes identical."""
     assert cli_main(["quickstart", "--tokens", "600", "--chunk-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "bytes identical    True" in out and "tokens loaded      576" in out

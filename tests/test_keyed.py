@@ -265,6 +265,7 @@ def test_keyed_chunks_never_meet_token_chunks() -> None:
 
 
 def test_keys_must_be_non_empty_bytes() -> None:
+    """An empty or non-bytes key is refused, and a keyed namespace cannot be keyed again."""
     binding = ModelBinding.create(keyed_namespace(Namespace(model="m"), SCHEME), page_layout())
     with pytest.raises(InvalidRequestError):
         keyed_chunk_key(binding, b"")

@@ -41,12 +41,14 @@ def test_engines_share_chunks_through_a_configured_peer():
 
 
 def test_ucx_refuses_curve_keys():
+    """CURVE keys with the UCX transport are refused as ZeroMQ-only."""
     with pytest.raises(ConfigError, match="ZeroMQ-only"):
         load_config({"peers": {"transport": "ucx", "peers": ["127.0.0.1:1"], "curve_public_key": "x"}},
                     environ={})
 
 
 def test_no_peers_no_peer_tier():
+    """A default config (no disk, no peers) builds no lower tier."""
     assert build_tiers(load_config(environ={})) == []
 
 
@@ -85,6 +87,7 @@ def test_tier_codecs_of_different_families_are_refused(tmp_path):
 
 
 def test_unknown_peer_codec_names_the_setting():
+    """An unknown peer codec is refused, naming peers.codec."""
     with pytest.raises(ConfigError, match="peers.codec"):
         KVEngine({"peers": {"peers": ["127.0.0.1:1"], "codec": "zip"}})
 

@@ -92,16 +92,19 @@ def test_a_registered_out_of_tree_transport_serves_as_a_tier(plugin) -> None:
 
 
 def test_a_plugin_that_rejects_its_options_is_refused_naming_the_tier(plugin) -> None:
+    """A plugin transport that rejects its options is refused, naming the tier's index and the plugin's reason."""
     with pytest.raises(ConfigError, match=r"tiers\[0\]: the dict_tier transport could not be built.*label"):
         build_tiers(load_config({"tiers": [{"transport": "dict_tier", "options": {"colour": "red"}}]}, environ={}))
 
 
 def test_an_unknown_transport_name_is_refused_listing_what_is_installed() -> None:
+    """An unknown transport name is refused, listing the installed transports."""
     with pytest.raises(ConfigError, match=r"no transport named 'nope'.*local_disk, peers_tcp, peers_ucx, peers_zmq"):
         KVEngine({"tiers": [{"transport": "nope"}]})
 
 
 def test_peers_without_a_disk_are_a_tier_and_the_order_is_disk_peers_plugins(tmp_path: Path, plugin) -> None:
+    """Tiers are built disk, peers, plugins, each with its own codec and setting name; peers alone are a tier."""
     config = load_config({"disk": {"path": str(tmp_path / "d")}, "peers": {"peers": ["127.0.0.2:1"]},
                           "tiers": [{"transport": "dict_tier", "codec": "lz4", "options": {"label": "x"}}]},
                          environ={})

@@ -65,6 +65,7 @@ def test_partial_chunk_only_on_request():
 
 
 def test_max_tokens_bounds_the_chain():
+    """max_tokens stops the chain: only the chunks wholly inside the first max_tokens tokens are hashed."""
     toks = list(range(1024))
     assert prefix_hashes(toks, 256, SEED, max_tokens=700) == prefix_hashes(toks, 256, SEED)[:2]
 
@@ -81,5 +82,6 @@ def test_stable_across_processes():
 @pytest.mark.parametrize("bad", [[], [1, -2], [1.5, 2], [2**32], "hello", np.zeros((2, 2), dtype=np.int64),
                                  np.array([0.5]), torch.tensor([])])
 def test_bad_tokens_raise_clear_error(bad):
+    """Empty, negative, non-integer, over-32-bit, string, 2-D or float token ids raise InvalidRequestError."""
     with pytest.raises(InvalidRequestError):
         prefix_hashes(bad, 256, SEED)

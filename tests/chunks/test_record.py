@@ -55,6 +55,7 @@ def test_any_bit_flip_is_detected(position):
 
 @pytest.mark.parametrize("cut", [0, 3, 20, 120, -1, -1000])
 def test_truncation_is_detected(cut):
+    """A record cut at any length is an IntegrityError (truncated or bad magic), never data."""
     blob = _record()
     with pytest.raises(IntegrityError) as err:
         unpack_record(blob[:cut], expect_key=KEY)
@@ -62,6 +63,7 @@ def test_truncation_is_detected(cut):
 
 
 def test_trailing_bytes_rejected():
+    """Bytes after the end of a record make it malformed ("trailing")."""
     with pytest.raises(IntegrityError, match="trailing"):
         unpack_record(_record() + b"\0", expect_key=KEY)
 
@@ -76,6 +78,7 @@ def test_other_version_rejected():
 
 
 def test_other_namespace_and_key_rejected():
+    """A valid record read under another namespace or another chunk hash is refused, naming which differs."""
     other = ChunkKey(Namespace(model="other").digest(), ChunkHash(b"\x01" * 16))
     with pytest.raises(IntegrityError) as err:
         unpack_record(_record(), expect_key=other)
@@ -86,6 +89,7 @@ def test_other_namespace_and_key_rejected():
 
 
 def test_descriptors_follow_layout_dtype():
+    """Descriptors take the layout's dtype and the chunk's token count: a partial chunk has a halved token dim."""
     layout = make_layout(dtype=torch.bfloat16)
     desc = descriptors_for(layout, 8)  # partial chunk: token dim halves
     assert desc[0].shape == (2, 2, 8, 4) and desc[0].nbytes == 2 * 2 * 8 * 4 * 2

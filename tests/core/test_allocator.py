@@ -12,6 +12,7 @@ from kvengine.errors import CapacityError
 
 
 def test_capacity_never_exceeded_and_slots_disjoint():
+    """Allocating until refused: slots never overlap, stay aligned and within capacity, and every slab is filled."""
     a = SlabAllocator(1 << 20, 1 << 16)
     allocs = []
     while (x := a.allocate(5000)) is not None:
@@ -45,6 +46,7 @@ def test_no_fragmentation_after_mixed_churn():
 
 
 def test_oversized_object_is_refused_clearly():
+    """An object larger than a slab, or an arena smaller than one slab, is a CapacityError (naming the slab)."""
     a = SlabAllocator(1 << 20, 1 << 16)
     with pytest.raises(CapacityError, match="slab"):
         a.allocate((1 << 16) + 1)

@@ -64,6 +64,7 @@ async def test_lookup_is_idempotent(engine, layout, namespace):
 
 
 async def test_changed_question_replaces_reservation(engine, layout, namespace):
+    """The same request asking with another max_tokens gets a new reservation; the old one's pins are dropped."""
     b = engine.bind(namespace, layout)
     toks = list(range(2 * CHUNK))
     await engine.store(b, toks, FakeKV(2 * CHUNK).source)
@@ -140,6 +141,8 @@ async def test_store_is_deduplicated(engine, layout, namespace):
     lambda kv: (lambda i, s, e: ["not a tensor"] * 2),
 ])
 async def test_bad_tensors_raise_and_leave_pool_clean(engine, layout, namespace, bad):
+    """A source giving the wrong dtype, shape, tensor count or non-tensors raises and leaves memory empty and
+    unpinned; a correct store then succeeds."""
     b = engine.bind(namespace, layout)
     kv = FakeKV(2 * CHUNK)
     with pytest.raises(IRE):
@@ -150,6 +153,7 @@ async def test_bad_tensors_raise_and_leave_pool_clean(engine, layout, namespace,
 
 
 async def test_namespaces_are_isolated(engine, layout):
+    """Chunks stored under one namespace never match a lookup under another (here: another cache salt)."""
     a = engine.bind(Namespace(model="a"), layout)
     b = engine.bind(Namespace(model="a", cache_salt="tenant2"), layout)
     toks = list(range(2 * CHUNK))
@@ -168,6 +172,8 @@ async def test_layout_is_part_of_identity(engine, namespace):
 
 
 async def test_bad_requests(engine, layout, namespace):
+    """Empty tokens, an empty request id or a negative token id raise; a layout of another chunk size is refused
+    at bind."""
     b = engine.bind(namespace, layout)
     with pytest.raises(InvalidRequestError):
         await engine.lookup(b, "r", [])
@@ -193,6 +199,7 @@ async def test_huge_request_beyond_capacity_is_a_clean_partial_store(engine, lay
 
 
 async def test_chunk_bigger_than_slab_is_refused_at_bind(namespace):
+    """Binding a layout whose chunk does not fit in one slab is a CapacityError naming the slab."""
     eng = CacheEngine(make_config(capacity=1 << 20, memory={"capacity_bytes": 1 << 20, "slab_bytes": 1024}))
     with pytest.raises(CapacityError, match="slab"):
         eng.bind(namespace, make_layout())

@@ -42,6 +42,8 @@ def test_pinned_entries_survive_pressure():
 
 
 def test_prepared_entry_invisible_until_commit():
+    """A prepared entry is neither contained nor pinnable until committed, is PRESENT to a second prepare, and
+    abort frees its bytes."""
     t = tier(2)
     entry = t.prepare(key(0), LAYOUT, (0, 16))
     assert isinstance(entry, MemoryEntry) and not t.contains(key(0)) and t.pin_prefix([key(0)]) == []
@@ -61,6 +63,8 @@ def test_prefix_head_evicted_last():
 
 
 def test_typed_views_alias_memory():
+    """An entry's typed tensors have the layout's shapes and alias its raw bytes: a write through a view is in
+    memory."""
     t = tier(1)
     entry = t.prepare(key(0), LAYOUT, (0, 16))
     views = t.tensors(entry)

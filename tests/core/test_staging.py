@@ -35,6 +35,7 @@ def load_all(eng: KVEngine, binding, toks: list[int], kv: FakeKV) -> tuple[int, 
 
 
 def test_store_filled_layer_by_layer_is_served_exactly():
+    """A staged store filled layer by layer and committed stores every chunk, loads back exactly, leaves no pin."""
     kv, toks = FakeKV(3 * CHUNK, seed=1), list(range(3 * CHUNK))
     with engine() as eng:
         binding = eng.bind(Namespace(model="m"), make_layout())
@@ -48,6 +49,8 @@ def test_store_filled_layer_by_layer_is_served_exactly():
 
 
 def test_staged_chunks_are_invisible_until_committed_and_unfilled_ones_never_served():
+    """Staged chunks are no hit before commit; committing 2 of 3 stores 2 and rejects the unfilled one; a
+    second commit raises."""
     kv, toks = FakeKV(3 * CHUNK, seed=2), list(range(3 * CHUNK))
     with engine() as eng:
         binding = eng.bind(Namespace(model="m"), make_layout())
@@ -65,6 +68,7 @@ def test_staged_chunks_are_invisible_until_committed_and_unfilled_ones_never_ser
 
 
 def test_cached_chunks_are_not_staged_again():
+    """A staged store covers only the chunks not yet cached, reporting the cached ones as present."""
     kv, toks = FakeKV(2 * CHUNK, seed=3), list(range(2 * CHUNK))
     with engine() as eng:
         binding = eng.bind(Namespace(model="m"), make_layout())
@@ -77,6 +81,7 @@ def test_cached_chunks_are_not_staged_again():
 
 
 def test_committed_staged_store_reaches_the_disk_tier(tmp_path):
+    """With write-through, a committed staged store is on disk: a restarted engine loads it exactly."""
     kv, toks = FakeKV(2 * CHUNK, seed=4), list(range(2 * CHUNK))
     cfg = {"write_mode": "write_through", "disk": {"path": str(tmp_path)}}
     with engine(**cfg) as eng:
@@ -88,6 +93,8 @@ def test_committed_staged_store_reaches_the_disk_tier(tmp_path):
 
 
 def test_load_layer_by_layer_then_finish():
+    """Chunks stay pinned while the caller copies them layer by layer; finish_load reports every token loaded,
+    exactly, counts them and unpins."""
     kv, toks = FakeKV(3 * CHUNK, seed=5), list(range(3 * CHUNK))
     with engine() as eng:
         binding = eng.bind(Namespace(model="m"), make_layout())
@@ -108,6 +115,8 @@ def test_load_layer_by_layer_then_finish():
 
 
 def test_partial_finish_reports_the_rest_failed_and_counts_once():
+    """Finishing after 1 of 3 chunks loads 1 and reports 1-2 failed; a second finish counts nothing and an
+    ended reservation cannot begin a load."""
     kv, toks = FakeKV(3 * CHUNK, seed=6), list(range(3 * CHUNK))
     with engine() as eng:
         binding = eng.bind(Namespace(model="m"), make_layout())
@@ -124,6 +133,7 @@ def test_partial_finish_reports_the_rest_failed_and_counts_once():
 
 
 def test_expired_reservation_begins_no_load():
+    """A reservation past its lease begins no load, finishes with nothing loaded and counts its tokens failed."""
     kv, toks = FakeKV(CHUNK, seed=7), list(range(CHUNK))
     with engine(lease_seconds=0.01) as eng:
         binding = eng.bind(Namespace(model="m"), make_layout())

@@ -110,6 +110,7 @@ async def test_corrupt_lower_tier_record_is_a_counted_miss(layout, damage):
 
 
 async def test_failed_tier_writes_are_counted_and_memory_keeps_serving(layout):
+    """Tier writes that fail are counted as dropped by reason, and memory still serves every chunk."""
     t = DictTransport()
     t.fail_puts = True
     eng = await make_engine(t)
@@ -147,6 +148,7 @@ async def test_a_full_write_queue_makes_stores_wait_and_drops_nothing(layout, mo
 
 
 async def test_write_through_is_durable_on_return(layout):
+    """Write-through: when store returns every chunk is in the lower tier, no tier failed and no pin is left."""
     t = DictTransport()
     eng = await make_engine(t, write_mode="write_through")
     b = eng.bind(Namespace(model="m"), layout)

@@ -21,5 +21,6 @@ def test_demo_runs_and_all_turns_match(capsys):
 
 
 def test_demo_rejects_bad_turns():
+    """The demo refuses --turns 0 as a usage error."""
     with pytest.raises(SystemExit):
         run_demo(["--turns", "0"])

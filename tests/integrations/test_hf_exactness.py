@@ -36,6 +36,7 @@ TOTAL = PREFIX + 9
 
 
 def test_matrix_covers_every_tiny_family():
+    """The fast and slow families together cover every tiny model family exactly once."""
     assert sorted(FAST_FAMILIES + SLOW_FAMILIES) == sorted(TINY_CONFIGS)
 
 

@@ -69,6 +69,7 @@ def test_use_cache_false_and_store_false(tiny_llama):
 
 
 def test_invalid_requests_raise(tiny_llama):
+    """max_new_tokens=0, an empty prompt, or encoder inputs to a decoder-only model raise, naming the problem."""
     with make_engine() as engine:
         am = attach(tiny_llama, engine)
         with pytest.raises(InvalidRequestError, match="max_new_tokens"):

@@ -40,6 +40,7 @@ def config_of(*specs):
 
 # ------------------------------------------------------------------ refusals --
 def test_full_and_sliding_window_groups_are_planned():
+    """Sliding-window and full-attention groups are planned in order, with their window and layer names."""
     from kvengine.integrations.vllm.layout import GroupKind, plan_groups
 
     plans = plan_groups(config_of(spec("SlidingWindowSpec", sliding_window=64), spec("FullAttentionSpec")))
@@ -48,6 +49,7 @@ def test_full_and_sliding_window_groups_are_planned():
 
 
 def test_recurrent_state_group_is_planned_in_align_mode():
+    """A Mamba group in align mode is planned as a state group of its state bytes, next to full attention."""
     from kvengine.integrations.vllm.layout import GroupKind, plan_groups
 
     plans = plan_groups(config_of(spec("MambaSpec", mamba_cache_mode="align"), spec("FullAttentionSpec")))
@@ -73,6 +75,7 @@ def test_unvalidated_or_inexact_groups_are_refused(make, match):
 
 
 def test_quantized_kv_is_refused():
+    """A group with quantized KV is refused at start-up."""
     from vllm.v1.kv_cache_interface import KVQuantMode
 
     from kvengine.errors import UnsupportedModelError
@@ -98,6 +101,8 @@ def test_auto_chunk_size_is_the_smallest_common_multiple_of_the_block_sizes_at_l
 
 @pytest.mark.parametrize("requested, valid", [(192, 256), (0, 256), (-128, 256), (64, 128)])
 def test_explicit_chunk_size_that_does_not_cover_whole_blocks_is_refused_naming_a_valid_value(requested, valid):
+    """An explicit chunk_size that is not a positive multiple of the block size is refused, naming 'auto' and a
+    valid value."""
     from kvengine.errors import UnsupportedModelError
     from kvengine.integrations.vllm.layout import plan_groups, resolve_chunk_size
 
@@ -183,6 +188,7 @@ def test_every_per_platform_choice_is_named_in_the_layout_id():
 
 
 def test_a_state_group_without_a_known_conv_layout_is_refused():
+    """A recurrent-state group whose conv state layout is unknown (none or unrecognized) is refused."""
     from kvengine.errors import UnsupportedModelError
 
     for conv in (None, "XY"):
@@ -196,6 +202,7 @@ def test_a_state_group_without_a_known_conv_layout_is_refused():
     ({"chunk": 48}, "chunk_size 48"),
 ])
 def test_unknown_backend_layout_or_chunk_is_refused(kw, match):
+    """An unvalidated attention backend, an unknown KV cache layout or a chunk size off the blocks is refused."""
     from kvengine.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=match):
@@ -226,6 +233,8 @@ def vllm_config(**over):
     ({"speculative_config": object()}, "UnsupportedModelError", "speculative"),
 ])
 def test_vllm_settings_the_connector_refuses(over, error, match):
+    """The default settings pass; a non-recompute failure policy, a role other than kv_both, tensor parallelism,
+    an fp8 KV cache or speculative decoding are refused by name."""
     import kvengine.errors as errors
     from kvengine.integrations.vllm.connector import check_vllm_config
 
@@ -421,6 +430,7 @@ def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
 
 
 def test_hybrid_hit_without_any_stored_state_is_a_miss(state_desk):
+    """Chunks are cached but no boundary state is: the hybrid lookup is a miss, pins nothing, reserves nothing."""
     from kvengine.integrations.vllm.scheduler import token_bytes
 
     h = state_desk

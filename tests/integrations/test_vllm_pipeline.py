@@ -53,6 +53,8 @@ def load(eng, binding, pipe: LayerPipeline) -> LoadJob:
 
 
 def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup):
+    """Pages saved layer by layer (some during the forward, the rest at the end) load into other blocks stage by
+    stage in forward order: full attention whole, the sliding window only within the window; no pin left."""
     layout, backing, copier, eng, binding = setup
     order: list[int] = []
     scatter_from = copier.scatter_from
@@ -78,6 +80,7 @@ def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup):
 
 
 def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(setup):
+    """A layer copy failing on chunk 1 loads only chunk 0 (counted), raises nothing and leaves no pin."""
     layout, backing, copier, eng, binding = setup
     pipe = LayerPipeline(copier, forward_order=[0, 1])
     try:
@@ -99,6 +102,7 @@ def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(se
 
 
 def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup):
+    """A save copy failing on chunk 1 commits only chunk 0; the unfilled chunk is never published."""
     layout, backing, copier, eng, binding = setup
     gather_into = copier.gather_into
 
@@ -119,6 +123,7 @@ def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup):
 
 
 def test_saves_of_a_chunk_whose_pages_were_freed_stop_there(setup):
+    """A chunk whose full-attention block was freed cannot be saved, and neither can any chunk after it."""
     layout, backing, copier, eng, binding = setup
     staged = eng.begin_store(binding, TOKENS)
     holes = ((1, 2, 0, 4), (5, 6, 7, 8))  # full-attention block of chunk 1 freed

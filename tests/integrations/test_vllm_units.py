@@ -176,6 +176,7 @@ def test_handler_error_is_a_reply_not_a_dead_service(channel):
 
 
 def test_wrong_authkey_is_refused(channel):
+    """A client connecting with the wrong authkey is refused by the lookup channel."""
     _, service, _ = channel
     from multiprocessing import AuthenticationError
 
@@ -272,11 +273,13 @@ def test_freed_block_zero_fills_sliding_window_but_stops_full_attention():
 
 
 def test_blocks_in_range_skips_null_blocks():
+    """Only the non-null blocks holding tokens in [lo, hi) of each group are returned."""
     assert blocks_in_range(((4, 5, 6), (0, 8, 9)), {0: BS, 1: BS}, [0, 1], BS, 3 * BS, 0) == {5, 6, 8, 9}
 
 
 # ------------------------------------------------------------------ options --
 def test_options_defaults_and_engine_config():
+    """The kvengine section configures the engine and lookup_wait_ms is read as seconds."""
     opts = ConnectorOptions.from_extra_config({"kvengine": {"chunk_size": 512}, "lookup_wait_ms": 50})
     assert opts.engine.chunk_size == 512 and opts.lookup_wait_s == pytest.approx(0.05)
 
@@ -306,10 +309,12 @@ def test_the_worker_engine_builds_every_configured_tier(tmp_path):
     ({"kvengine": 7}, "mapping or a YAML path"),
 ])
 def test_options_refuse_mistakes(extra, match):
+    """Unknown keys, a misspelt engine key, unsupported settings or ill-typed values are a ConfigError naming them."""
     with pytest.raises(ConfigError, match=match):
         ConnectorOptions.from_extra_config(extra)
 
 
 def test_category_follows_group_kind():
+    """A sliding group plan's KV category is SLIDING_WINDOW."""
     assert GroupPlan(group_id=0, kind=GroupKind.SLIDING, block_size=8, layer_names=()).category \
         is KVCategory.SLIDING_WINDOW

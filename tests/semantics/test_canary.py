@@ -31,6 +31,7 @@ def states(seed: int = 0) -> dict:
 
 
 def test_identical_states_pass_exact():
+    """Identical states compare exact: no mismatch."""
     assert compare_states(hybrid_spec(), states(), states(), EXACT) is None
 
 
@@ -44,6 +45,7 @@ def test_earliest_differing_layer_names_its_group():
 
 
 def test_length_bookkeeping_is_compared():
+    """A differing length tensor is a mismatch, naming the tensor."""
     got = states()
     got[(1, "attention")][2] = torch.tensor([4])
     miss = compare_states(hybrid_spec(), states(), got, EXACT)
@@ -51,6 +53,7 @@ def test_length_bookkeeping_is_compared():
 
 
 def test_missing_tensor_is_a_mismatch():
+    """A group with a tensor missing is a mismatch naming the group and how many tensors it has."""
     got = states()
     got[(0, "state")] = got[(0, "state")][:1]
     miss = compare_states(hybrid_spec(), states(), got, EXACT)
@@ -59,6 +62,7 @@ def test_missing_tensor_is_a_mismatch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_tolerance_accepts_rounding_not_errors(dtype):
+    """For each float dtype the tolerance admits a relative rounding of 1e-6 but not an error of 1.0."""
     tol = tolerance_for(dtype)
     want = torch.linspace(-10, 10, 100)
     assert (want * (1 + 1e-6) - want).abs().max() <= tol.bound(want)
@@ -66,6 +70,7 @@ def test_tolerance_accepts_rounding_not_errors(dtype):
 
 
 def test_judge_reports_and_raises():
+    """The judge passes an exact restore; a short match or differing output logits fail, raising with the reason."""
     spec = hybrid_spec()
     logits = torch.randn(3, 16)
     common = dict(spec=spec, model="toy", probe_tokens=40, expected_match=32, in_memory=states(), restored=states(),

@@ -46,17 +46,20 @@ def test_json_from_config_file(tmp_path, capsys):
     ("gpt_neox", "not in kvengine's KV semantics registry"),
 ])
 def test_refused_model_exits_1_with_reason(tmp_path, capsys, model_type, reason):
+    """A refused model type exits 1 and prints REFUSED with the reason."""
     assert main([str(save(tmp_path, model_type))]) == 1
     out = capsys.readouterr().out
     assert "REFUSED" in out and reason in out
 
 
 def test_unreadable_path_is_refused(tmp_path, capsys):
+    """A path with no readable model config exits 1, saying so."""
     assert main([str(tmp_path / "nope")]) == 1
     assert "cannot read model config" in capsys.readouterr().out
 
 
 def test_list_refused_prints_every_reason(capsys):
+    """--list-refused exits 0 and prints every refused model kind with its reason."""
     from kvengine.semantics import refusal_reasons
 
     assert main(["--list-refused"]) == 0
@@ -66,6 +69,7 @@ def test_list_refused_prints_every_reason(capsys):
 
 
 def test_missing_model_argument_is_a_usage_error():
+    """No model argument is a usage error (exit 2)."""
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2

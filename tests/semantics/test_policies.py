@@ -45,5 +45,6 @@ def test_windowed_policies_require_length_bookkeeping(category):
 
 
 def test_encoder_only_stores_nothing():
+    """Encoder-only models store nothing and never match."""
     p = POLICIES[KVCategory.ENCODER_ONLY]
     assert p.storage is Storage.NOTHING and p.match is MatchRule.NEVER

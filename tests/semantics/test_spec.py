@@ -32,6 +32,7 @@ def test_gqa_llama_bytes_and_layout():
 
 
 def test_gpt2_is_mha():
+    """GPT-2 is multi-head attention: its key shape is every head (4) x head dim (16)."""
     spec = derive_spec(cfg("gpt2"))
     assert spec.groups[0].part.key_shape == (4, 16)
 
@@ -47,6 +48,7 @@ def test_sliding_and_global_layers_form_separate_groups():
 
 
 def test_mistral_all_layers_sliding():
+    """Mistral: every layer is sliding-window, so the spec has one sliding-window group."""
     spec = derive_spec(cfg("mistral"))
     assert [g.category for g in spec.groups] == [KVCategory.SLIDING_WINDOW]
 
@@ -81,6 +83,7 @@ def test_parallel_hybrid_layer_is_in_two_groups():
 
 
 def test_mamba2_has_only_boundary_state():
+    """Mamba2: no bytes per token; one group of conv and recurrent state of the derived shapes."""
     spec = derive_spec(cfg("mamba2"))
     (g,) = spec.groups
     assert spec.bytes_per_token == 0
@@ -107,6 +110,7 @@ def test_fingerprint_is_stable_and_tracks_meaning():
 
 
 def test_encoder_only_layout_is_refused():
+    """An encoder-only model (BERT) derives a spec marked encoder-only, but asking it for a layout is refused."""
     from transformers import AutoConfig
 
     spec = derive_spec(AutoConfig.for_model("bert"))

@@ -25,6 +25,7 @@ async def test_takers_are_served_in_turn_and_one_larger_than_the_budget_holds_al
 
 
 async def test_a_taker_that_times_out_leaves_the_line_and_holds_nothing() -> None:
+    """A taker that times out gets False, holds no bytes and blocks no later taker."""
     budget = ByteBudget(100)
     assert budget.try_take(100)
     assert not await budget.take(50, timeout=0.01)

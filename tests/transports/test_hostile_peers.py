@@ -35,6 +35,8 @@ async def test_forged_records_from_a_client_without_the_secret_are_refused_and_n
 
 
 async def test_a_malicious_first_replica_never_gets_a_forgery_served() -> None:
+    """The first owner of every chunk serves forgeries of five kinds: each is detected and never served, and the
+    honest second replica serves the victim exactly."""
     check(await hostile.malicious_replica("127.0.0.22", "127.0.0.23"))
 
 
@@ -46,6 +48,8 @@ async def test_one_lookup_through_slow_or_silent_peers_ends_within_its_read_dead
 
 
 async def test_the_server_survives_a_fuzzer_and_keeps_serving() -> None:
+    """Random and mutated requests never get a wrong byte served; the victim is served throughout, memory stays
+    flat, and most are refused."""
     outcome = await hostile.fuzzer("127.0.0.25")
     check(outcome, all_detected=False)  # some mutations are still valid requests, answered as such
     assert outcome.detected > outcome.attempts // 2, outcome
@@ -71,4 +75,6 @@ async def test_a_payload_that_breaks_its_header_is_refused_and_nothing_of_it_is_
 
 
 async def test_tenants_cannot_read_or_touch_each_others_chunks(tmp_path: Path) -> None:
+    """Tenant B's reads, probes, deletes and overwrites of A's chunks, its squat on A's pinned namespace and writes
+    by A's read-only key are all refused; A keeps reading exactly."""
     check(await hostile.tenants_attack_each_other("127.0.0.29", tmp_path))

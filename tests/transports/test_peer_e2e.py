@@ -382,6 +382,7 @@ def test_other_model_namespace_is_a_miss(cluster: Cluster) -> None:
 
 @pytest.mark.slow
 def test_corrupted_bytes_from_a_peer_are_a_counted_miss(cluster: Cluster) -> None:
+    """Scenario: peers that corrupt what they return: B matches and loads nothing, and counts integrity failures."""
     cluster.peers("a", cluster.fake["corrupt"])
     cluster.peers("b", cluster.fake["corrupt"])
     assert cluster.a.ask(op="store", seed=3, tokens=TOKENS, forget=True)["stored"] == 4
@@ -392,6 +393,8 @@ def test_corrupted_bytes_from_a_peer_are_a_counted_miss(cluster: Cluster) -> Non
 
 @pytest.mark.slow
 def test_peer_that_never_answers_is_a_miss_within_the_deadline_then_skipped(cluster: Cluster) -> None:
+    """Scenario: a peer that never answers is a miss within the read deadline; in its cool-down it is not asked
+    again."""
     for fake in ("blackhole", "silent"):
         cluster.peers("b", cluster.fake[fake])
         got = cluster.b.ask(op="fetch", seed=5, tokens=TOKENS, request=f"r5-{fake}")

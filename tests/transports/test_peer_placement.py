@@ -47,6 +47,7 @@ def test_owners_are_stable_across_processes() -> None:
 
 
 def test_load_spreads_evenly() -> None:
+    """Owners of many keys spread over every peer, none more than 25% above an even share."""
     counts = Counter(rendezvous_owners(k, PEERS, 1)[0] for k in keys(6000))
     assert set(counts) == set(PEERS)
     assert max(counts.values()) < 1.25 * 6000 / len(PEERS)
@@ -68,6 +69,7 @@ def test_removing_a_peer_moves_only_its_keys() -> None:
 
 
 def test_replicas_beyond_the_peer_count_give_every_peer() -> None:
+    """Asking more replicas than peers gives every peer; no peers give none; zero replicas is a ConfigError."""
     assert sorted(rendezvous_owners(keys(1)[0], PEERS[:2], 5)) == sorted(PEERS[:2])
     assert rendezvous_owners(keys(1)[0], [], 2) == []
     with pytest.raises(ConfigError):
@@ -80,17 +82,20 @@ def test_replicas_beyond_the_peer_count_give_every_peer() -> None:
     ("[::1]:9000", Peer("::1", 9000)),
 ])
 def test_peer_addresses_parse(text: str, expected: Peer) -> None:
+    """host:port, tcp:// and bracketed IPv6 addresses parse, and a peer's address parses back to it."""
     assert Peer.parse(text) == expected
     assert Peer.parse(expected.address) == expected
 
 
 @pytest.mark.parametrize("text", ["localhost", "host:", ":80", "h:0", "h:70000", "h:x"])
 def test_bad_peer_addresses_raise(text: str) -> None:
+    """An address without a valid host and port (1-65535) is a ConfigError."""
     with pytest.raises(ConfigError):
         Peer.parse(text)
 
 
 def test_peer_list_ignores_comments_blanks_and_duplicates() -> None:
+    """A peer list drops comments, blank lines and duplicates, keeping order."""
     peers = parse_peer_list(["# nodes", "", "127.0.0.2:1  # a", "127.0.0.2:1", "127.0.0.3:1"])
     assert peers == (Peer("127.0.0.2", 1), Peer("127.0.0.3", 1))
 
@@ -111,6 +116,7 @@ def test_membership_file_is_reloaded_when_it_changes(tmp_path: Path) -> None:
 
 
 def test_membership_keeps_last_good_list_when_the_file_breaks(tmp_path: Path) -> None:
+    """A peers file that becomes invalid or disappears leaves the last good list in use."""
     now = [0.0]
     path = tmp_path / "peers"
     path.write_text("127.0.0.2:1\n")
@@ -124,17 +130,21 @@ def test_membership_keeps_last_good_list_when_the_file_breaks(tmp_path: Path) ->
 
 
 def test_membership_file_must_exist_at_start(tmp_path: Path) -> None:
+    """A peers file missing at start is a ConfigError."""
     with pytest.raises(ConfigError):
         Membership(path=tmp_path / "missing")
 
 
 def test_static_and_file_peers_are_merged(tmp_path: Path) -> None:
+    """Static peers and those of the peers file are merged."""
     path = tmp_path / "peers"
     path.write_text("127.0.0.3:1\n")
     assert Membership(["127.0.0.2:1"], path=path).peers() == (Peer("127.0.0.2", 1), Peer("127.0.0.3", 1))
 
 
 def test_failed_peer_is_skipped_for_the_cooldown_then_probed() -> None:
+    """A failed peer is unusable for the cooldown, then tried once more; another failure downs it, a success
+    restores it."""
     now = [0.0]
     health = PeerHealth(5.0, clock=lambda: now[0])
     peer = PEERS[0]

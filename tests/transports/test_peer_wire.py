@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # -- wire format -------------------------------------------------------------------------------------
 def test_request_and_reply_headers_round_trip(make_record: Any) -> None:
+    """Encoded request and reply headers decode to the same op, id, keys, lengths, flags and status."""
     keys = [make_record(8)[0] for _ in range(3)]
     msg = decode_header(encode_request(Op.PUT, 7, keys, [100, 0, 5]), Limits(), reply=False)
     assert (msg.op, msg.request_id, msg.keys, msg.lengths) == (Op.PUT, 7, tuple(keys), (100, 0, 5))
@@ -79,12 +80,14 @@ def _header(op: int = Op.GET, version: int = 1, count: int = 1, magic: bytes = b
     (_header(extra=b"\0"), Status.BAD_REQUEST),  # length does not match the item count
 ])
 def test_malformed_headers_are_refused_with_a_status(header: bytes, status: Status) -> None:
+    """A truncated, wrongly tagged, unsupported, oversized or mis-sized header is refused with the matching status."""
     with pytest.raises(ProtocolError) as info:
         decode_header(header, Limits(), reply=False)
     assert info.value.status is status
 
 
 def test_lengths_are_checked_against_op_and_limits(make_record: Any) -> None:
+    """A GET carrying records is refused, and a PUT record above max_record_bytes is TOO_LARGE."""
     key = make_record(8)[0]
     with pytest.raises(ProtocolError, match="carries no records"):
         decode_header(encode_request(Op.GET, 1, [key], [10]), Limits(), reply=False)
@@ -94,6 +97,8 @@ def test_lengths_are_checked_against_op_and_limits(make_record: Any) -> None:
 
 
 def test_records_are_reassembled_exactly_from_frames() -> None:
+    """Records split into frames rejoin exactly (an empty one too); a missing or extra frame, or lengths off the
+    frame boundaries, are ProtocolErrors."""
     a, b = os.urandom(2500), os.urandom(1000)
     frames = split_frames([a, b], 1024)
     assert [len(f) for f in frames] == [1024, 1024, 452, 1000]
@@ -106,6 +111,8 @@ def test_records_are_reassembled_exactly_from_frames() -> None:
 
 
 def test_streamed_records_are_rebuilt_in_order_only() -> None:
+    """Tagged frames carry their offsets and rebuild the records when the last arrives; a gap, a frame crossing
+    into the next record or past the payload is a ProtocolError."""
     a, b = os.urandom(2500), os.urandom(10)
     frames = list(tagged(1, split_frames([a, b], 1024)))
     asm = RecordAssembler([2500, 0, 10])
@@ -122,6 +129,8 @@ def test_streamed_records_are_rebuilt_in_order_only() -> None:
 
 
 def test_record_matches_only_its_own_key(make_record: Any) -> None:
+    """A record matches only its own key; otherwise the reason is other_key, other_namespace, wrong_length or
+    bad_magic."""
     key, record = make_record(64)
     other_key, _ = make_record(64)
     foreign_key, foreign = make_record(64, namespace=Namespace(model="someone-else").digest())
@@ -161,6 +170,8 @@ async def _handle(service: PeerService, op: Op, keys: Sequence[ChunkKey], record
 
 
 async def test_put_keeps_only_records_that_verify_under_their_key(make_record: Any) -> None:
+    """A PUT stores only records that verify under their key; without payload checks another key's record is
+    still refused."""
     store = MemoryRecordStore(MiB)
     service = PeerService(store)
     good, (k2, r2), (k3, r3) = make_record(100), make_record(100), make_record(100)
@@ -175,6 +186,7 @@ async def test_put_keeps_only_records_that_verify_under_their_key(make_record: A
 
 
 async def test_namespaces_outside_the_served_set_are_misses(make_record: Any) -> None:
+    """A service limited to some namespaces answers EXISTS, GET and PUT for others as misses or refusals."""
     mine, theirs = make_record(10), make_record(10, namespace=Namespace(model="x").digest())
     store = MemoryRecordStore(MiB)
     await store.put([mine, theirs])
@@ -186,6 +198,7 @@ async def test_namespaces_outside_the_served_set_are_misses(make_record: Any) ->
 
 
 async def test_get_reply_stops_at_the_byte_budget(make_record: Any) -> None:
+    """A GET reply carries records up to max_reply_bytes; the rest are misses."""
     items = [make_record(1000) for _ in range(3)]
     store = MemoryRecordStore(MiB)
     await store.put(items)
@@ -195,6 +208,7 @@ async def test_get_reply_stops_at_the_byte_budget(make_record: Any) -> None:
 
 
 async def test_a_store_that_raises_is_answered_with_misses(make_record: Any) -> None:
+    """A store raising on get is answered OK with misses, and counted as a store error."""
     class Broken(MemoryRecordStore):
         async def get(self, keys: Any) -> Any:
             raise OSError("disk on fire")
@@ -206,6 +220,7 @@ async def test_a_store_that_raises_is_answered_with_misses(make_record: Any) -> 
 
 
 async def test_undecodable_requests_get_an_error_reply_or_are_dropped(make_record: Any) -> None:
+    """Junk with no request id is dropped; a PUT missing its payload gets BAD_REQUEST under its request id."""
     service = PeerService(MemoryRecordStore(MiB))
     assert await service.handle(b"junk", []) is None  # no request id to answer
     key, record = make_record(100)
@@ -250,6 +265,8 @@ async def test_put_get_exists_delete_round_trip(servers: list[ZmqPeerServer], ma
 
 
 async def test_every_owner_gets_a_replica_and_reads_fall_back(servers: list[ZmqPeerServer], make_record: Any) -> None:
+    """With 2 replicas each record is on exactly its two owners; with one server gone, every read is served by the
+    other replica, exactly."""
     options = PeerClientOptions(replicas=2, request_timeout=0.5, read_deadline=2.0, cooldown=30.0)
     transport = client([s.address for s in servers], options)
     items = [make_record(100) for _ in range(12)]
@@ -266,6 +283,7 @@ async def test_every_owner_gets_a_replica_and_reads_fall_back(servers: list[ZmqP
 
 
 async def test_membership_change_costs_misses_never_wrong_data(servers: list[ZmqPeerServer], make_record: Any) -> None:
+    """After a peer joins, keys it now owns miss and every other key is served exactly; nothing wrong is served."""
     addresses = [s.address for s in servers]
     items = [make_record(50) for _ in range(40)]
     writer = client(addresses[:2])
@@ -282,6 +300,8 @@ async def test_membership_change_costs_misses_never_wrong_data(servers: list[Zmq
 
 
 async def test_curve_admits_listed_clients_and_refuses_everyone_else(make_record: Any) -> None:
+    """A CURVE server serves its listed client; plain, unlisted or wrong-server-key clients get misses and
+    refused puts within the deadline, and the listed client is still served."""
     allowed, unlisted = CurveConfig.generate(), CurveConfig.generate()
     server_keys = CurveConfig.generate(allowed_clients=frozenset({allowed.public_key}))
     server = ZmqPeerServer(MemoryRecordStore(MiB), "127.0.0.2:0", zmq_options=ZmqOptions(curve=server_keys))
@@ -311,6 +331,8 @@ async def test_curve_admits_listed_clients_and_refuses_everyone_else(make_record
 async def test_malformed_and_oversized_messages_do_not_stop_the_server(
     servers: list[ZmqPeerServer], make_record: Any
 ) -> None:
+    """Garbage is dropped, malformed requests get BAD_REQUEST, an oversized frame never reaches the service, and
+    the server keeps serving a normal client."""
     server = servers[0]
     ctx = zmq.asyncio.Context()
     raw = ctx.socket(zmq.DEALER)
@@ -359,6 +381,8 @@ async def liar() -> AsyncIterator[tuple[str, list[Any]]]:
 
 
 async def test_a_record_for_another_key_is_never_returned(liar: tuple[str, list[Any]], make_record: Any) -> None:
+    """A peer returning another key's or another namespace's record is a miss, counted by reason, and that copy
+    is deleted at the peer."""
     address, script = liar
     asked = make_record(100)[0]
     foreign = make_record(100, namespace=Namespace(model="not-mine").digest())[1]
@@ -382,6 +406,7 @@ async def test_a_record_for_another_key_is_never_returned(liar: tuple[str, list[
 
 
 async def test_a_stream_that_stops_half_way_is_a_miss_at_the_deadline(liar: tuple[str, list[Any]]) -> None:
+    """A streamed record that stops half way is a miss, after the request timeout and within the read deadline."""
     address, script = liar
 
     async def half(sock: Any, ident: bytes, req: Any) -> None:
@@ -415,6 +440,7 @@ async def test_a_late_reply_is_not_taken_for_a_later_request(make_record: Any) -
 
 
 async def test_a_dead_peer_costs_one_timeout_then_is_skipped(make_record: Any) -> None:
+    """A peer that does not answer costs one timeout; it is then marked down and not tried for gets or puts."""
     transport = client(["127.0.0.2:9"])  # nothing listens there
     key = make_record(10)[0]
     t0 = time.monotonic()
@@ -451,6 +477,8 @@ async def test_writes_in_flight_are_bounded_and_excess_is_dropped(make_record: A
 
 
 async def test_engine_store_serves_resident_chunks_as_verifiable_records(layout: Any, namespace: Namespace) -> None:
+    """The engine's store serves resident chunks of shared namespaces only, as records that verify under their
+    key (sealed with the secret if set); other keys fall to the backing store; no pin is left."""
     from tests.conftest import FakeKV, make_config
 
     engine = CacheEngine(make_config())
@@ -481,6 +509,8 @@ async def test_engine_store_serves_resident_chunks_as_verifiable_records(layout:
 
 
 def test_transport_factory_builds_from_plain_config(tmp_path: Path) -> None:
+    """The ZeroMQ transport is built from a plain dict, merging peers and peers_file; bad values, an incomplete
+    CURVE setting and unknown keys are ConfigErrors."""
     peers = tmp_path / "peers"
     peers.write_text("127.0.0.2:7000\n")
     transport = create_transport({"peers_file": str(peers), "peers": ["127.0.0.3:7000"], "replicas": 2})
@@ -494,6 +524,7 @@ def test_transport_factory_builds_from_plain_config(tmp_path: Path) -> None:
 
 
 def test_ucx_transport_factory_builds_from_plain_config() -> None:
+    """The UCX transport is built from a plain dict with its options; unknown keys are a ConfigError."""
     ucx_peer = pytest.importorskip("kvengine.transports.ucx_peer")
     pytest.importorskip("ucxx", reason="the 'ucx' extra (ucxx-cu12) is not installed")
     transport = ucx_peer.create_transport({"peers": ["127.0.0.3:7000"], "connections_per_peer": 2})
@@ -504,6 +535,8 @@ def test_ucx_transport_factory_builds_from_plain_config() -> None:
 
 @pytest.mark.slow
 async def test_kvengine_serve_runs_standalone_until_sigterm(tmp_path: Path, make_record: Any) -> None:
+    """Scenario: ``kvengine serve`` with a disk store serves a put and get exactly, writes to disk, and exits 0
+    on SIGTERM, printing its counts."""
     proc = subprocess.Popen([sys.executable, "-m", "kvengine.cli.serve", "--bind", "127.0.0.7:0",
                              "--disk", str(tmp_path / "disk"), "--capacity", "16MiB"],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -530,6 +563,8 @@ async def test_kvengine_serve_runs_standalone_until_sigterm(tmp_path: Path, make
 async def test_kvengine_serve_with_curve_certificates_admits_only_listed_clients(
     tmp_path: Path, make_record: Any
 ) -> None:
+    """Scenario: ``kvengine serve`` with CURVE certificates takes puts from the allowed client only; a stranger
+    can neither put nor get."""
     import zmq.auth
 
     server_public, server_secret = zmq.auth.create_certificates(str(tmp_path), "server")
@@ -595,6 +630,8 @@ async def test_records_planted_without_the_secret_are_never_served(servers: list
 
 
 async def test_a_server_with_the_secret_refuses_unsealed_or_forged_puts(make_record: Any) -> None:
+    """A server with the group secret stores only puts sealed with it; unsealed or wrongly sealed ones are
+    refused, counted by reason."""
     server = ZmqPeerServer(MemoryRecordStore(64 * MiB), "127.0.0.2:0", ServerOptions(secret=SECRET))
     await server.start()
     try:
@@ -697,6 +734,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_a_short_or_missing_secret_file_is_refused(tmp_path: Path) -> None:
+    """A secret file that is too short or cannot be read is a ConfigError saying which."""
     (tmp_path / "short").write_bytes(b"abc")
     with pytest.raises(ConfigError, match="holds 3 bytes"):
         create_transport({"peers": ["127.0.0.2:1"], "secret_file": str(tmp_path / "short")})
@@ -705,6 +743,8 @@ def test_a_short_or_missing_secret_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_serving_off_loopback_without_a_secret_or_curve_refuses_to_start(capsys, tmp_path: Path) -> None:
+    """Serving off loopback with neither secret nor CURVE exits 1; with a secret alone ZeroMQ is refused (it must
+    admit only listed clients) while the tcp wire is built with the secret."""
     from kvengine.cli.serve import main as serve
 
     assert serve(["--bind", "0.0.0.0:0"]) == 1

@@ -43,6 +43,8 @@ async def ask(service: PeerService, op: Op, client: bytes, items: list[tuple[Any
 
 async def test_a_namespace_belongs_to_its_first_writer_and_only_its_tenant_may_touch_it(
         tmp_path: Path, make_record: Any) -> None:
+    """The first writer's tenant claims a namespace: other tenants, read-only keys and unknown keys are denied,
+    counted; pinned namespaces stay their tenant's, and claims survive a restart."""
     gate = Gatekeeper(load_tenants(tenants_file(tmp_path)), ClaimBook(tmp_path / "claims.json"))
     service = PeerService(MemoryRecordStore(MiB), ServerOptions(tenants=gate))
     item = make_record(100, namespace=NS_A)
@@ -75,17 +77,22 @@ async def test_a_namespace_belongs_to_its_first_writer_and_only_its_tenant_may_t
     ({"tenants": {"a": {"writer": [A.decode()]}}}, "must be an object with writers"),
 ])
 def test_a_bad_tenants_file_is_refused_naming_the_entry(tmp_path: Path, change: dict, message: str) -> None:
+    """An invalid tenants file (empty, bad keys, a key granted twice, bad or doubly pinned namespaces, bad
+    entries) is refused naming the fault."""
     with pytest.raises(ConfigError, match=message):
         load_tenants(tenants_file(tmp_path, **change))
 
 
 def test_an_unreadable_claims_file_refuses_to_start(tmp_path: Path) -> None:
+    """A claims file that is not valid JSON is a ConfigError."""
     (tmp_path / "claims.json").write_text("{not json")
     with pytest.raises(ConfigError, match="claims file"):
         ClaimBook(tmp_path / "claims.json")
 
 
 def test_tenants_need_a_wire_that_proves_the_client_key(tmp_path: Path) -> None:
+    """Tenants are refused without a wire that proves the client key: ZeroMQ needs a CURVE allow-list, tcp TLS with
+    a client CA."""
     gate = Gatekeeper(load_tenants(tenants_file(tmp_path)))
     with pytest.raises(ConfigError, match="CURVE with an allow-list"):
         ZmqPeerServer(MemoryRecordStore(MiB), "127.0.0.2:0", ServerOptions(tenants=gate))

@@ -28,6 +28,7 @@ def test_kv_comparison_tells_exact_from_rounding_from_wrong(dtype):
 
 
 def test_bytes_compare_bitwise_and_shapes_must_agree():
+    """Bytes have no tolerance: a flipped bit, another shape, another tensor count or NaN vs zero is a mismatch."""
     raw = torch.randint(0, 255, (64,), dtype=torch.uint8)
     other = raw.clone()
     other[3] ^= 1
@@ -39,6 +40,8 @@ def test_bytes_compare_bitwise_and_shapes_must_agree():
 
 
 def test_shadow_sampling_takes_the_first_hits_per_namespace_then_a_fraction():
+    """Shadow checks take the first hits of each root namespace (salts share one), none by default, then a
+    seeded, reproducible fraction."""
     layout = make_layout()
     with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 1 << 20}}) as eng:
         a = eng.bind(Namespace(model="a"), layout)

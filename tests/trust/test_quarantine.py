@@ -31,6 +31,8 @@ def test_root_ignores_salts_and_keyed_schemes_but_not_the_model_identity():
 
 
 def test_a_quarantined_namespace_serves_and_stores_nothing_and_withdraws_what_it_promised():
+    """Quarantine withdraws the root's live reservations (every salt), refuses its lookups, stores and keyed ops,
+    counted, leaves no pin and leaves other models untouched."""
     layout = make_layout()
     with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 1 << 20}}) as eng:
         binding = eng.bind(Namespace(model="m"), layout)
@@ -99,6 +101,7 @@ def test_the_quarantine_outlives_the_process_and_reaches_every_engine_on_the_dis
 
 
 def test_an_unreadable_marker_is_skipped_not_fatal(tmp_path: Path):
+    """A quarantine marker that cannot be parsed is skipped; loading the quarantine does not fail."""
     (tmp_path / "quarantine").mkdir()
     (tmp_path / "quarantine" / "bad.json").write_text("{")
     assert len(Quarantine(tmp_path)) == 0

@@ -59,6 +59,7 @@ def test_the_sidecar_skips_unchanged_files_and_misses_rewritten_ones(model_dir: 
 
 
 def test_a_damaged_sidecar_is_an_empty_one(model_dir: Path, tmp_path: Path):
+    """A damaged sidecar is treated as empty: every byte is hashed once, and the next run hashes nothing."""
     sidecar = tmp_path / "sidecar.json"
     sidecar.write_text("{not json")
     result = fingerprint_model_path(model_dir, sidecar=DigestSidecar(sidecar))
@@ -67,23 +68,27 @@ def test_a_damaged_sidecar_is_an_empty_one(model_dir: Path, tmp_path: Path):
 
 
 def test_names_and_sizes_are_part_of_the_identity(model_dir: Path):
+    """Renaming a weight file changes the model's identity."""
     before = fingerprint_model_path(model_dir).digest
     (model_dir / "model-00002-of-00002.safetensors").rename(model_dir / "renamed.safetensors")
     assert fingerprint_model_path(model_dir).digest != before
 
 
 def test_a_directory_without_weight_files_is_refused(tmp_path: Path):
+    """A directory with no weight files is refused, naming model_fingerprint."""
     write(tmp_path / "empty" / "config.json", b"{}")
     with pytest.raises(ConfigError, match="no weight files .* model_fingerprint"):
         fingerprint_model_path(tmp_path / "empty")
 
 
 def test_a_single_weight_file_is_its_own_identity(tmp_path: Path):
+    """A single weight file (here GGUF) is fingerprinted as one file."""
     gguf = write(tmp_path / "m.gguf", os.urandom(1000))
     assert fingerprint_model_path(gguf).files == 1
 
 
 def test_file_stamp_follows_links_to_the_blob(tmp_path: Path):
+    """A file stamp of a symlinked weight file names the blob it resolves to."""
     blob = write(tmp_path / "blobs" / "abc", b"x" * 10)
     link = tmp_path / "snap" / "model.safetensors"
     link.parent.mkdir()
