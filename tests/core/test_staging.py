@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -132,17 +130,25 @@ def test_partial_finish_reports_the_rest_failed_and_counts_once():
         assert eng.begin_load(res) == ()  # an ended reservation cannot be loaded again
 
 
-def test_expired_reservation_begins_no_load():
-    """A reservation past its lease begins no load, finishes with nothing loaded and counts its tokens failed."""
+async def test_expired_reservation_begins_no_load():
+    """A reservation past its lease (the engine's clock moved on, no sleep) begins no load: nothing is
+    delivered and its tokens are counted as failed loads."""
+    from kvengine import CacheEngine
+
+    from ..conftest import make_config
+
+    now = [0.0]
     kv, toks = FakeKV(CHUNK, seed=7), list(range(CHUNK))
-    with engine(lease_seconds=0.01) as eng:
-        binding = eng.bind(Namespace(model="m"), make_layout())
-        eng.store(binding, toks, kv.source)
-        res = eng.lookup(binding, "r", toks)
-        time.sleep(0.05)
-        assert eng.begin_load(res) == ()
-        assert eng.finish_load(res, 1).loaded_tokens == 0
-        assert eng.metrics.value("kvengine_load_failed_tokens_total") == CHUNK
+    eng = CacheEngine(make_config(capacity=16 * make_layout().nbytes(), lease_seconds=1.0), clock=lambda: now[0])
+    await eng.start()
+    binding = eng.bind(Namespace(model="m"), make_layout())
+    await eng.store(binding, toks, kv.source)
+    res = await eng.lookup(binding, "r", toks)
+    now[0] = 1.5
+    assert await eng.begin_load(res) == ()
+    assert (await eng.finish_load(res, 1)).loaded_tokens == 0
+    assert eng.metrics.value("kvengine_load_failed_tokens_total") == CHUNK
+    await eng.close()
 
 
 async def test_unfinished_loads_and_staged_stores_are_covered_by_the_lease():

@@ -114,7 +114,9 @@ async def test_a_trickled_message_is_cut_at_its_deadline_and_idle_connections_ar
     client = _client(server)
     item = make_record(100)
     assert await client.put([item]) == [True]
-    await asyncio.sleep(0.6)  # the pooled connection is closed as idle ...
+    deadline = time.monotonic() + 5  # the pooled connection is closed as idle (idle_timeout 0.3 s) ...
+    while server.counts["closed_idle"] < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
     assert server.counts["closed_idle"] >= 1
     assert [bytes(r) for r in await client.get([item[0]]) if r is not None] == [item[1]]  # ... and reopened
     await client.close()
