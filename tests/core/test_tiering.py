@@ -58,6 +58,13 @@ async def make_engine(transport, **cfg) -> CacheEngine:
     return eng
 
 
+async def only_below(eng: CacheEngine, t: DictTransport) -> None:
+    """Let queued tier writes finish, then drop every chunk ``t`` holds from memory: reads must go below."""
+    await eng.flush()
+    for key in list(t.blobs):
+        assert eng.memory.discard(key)
+
+
 async def test_write_behind_then_promotion_from_lower_tier(layout):
     """A chunk evicted from memory is found below, verified, promoted and loaded exactly."""
     t = DictTransport()
@@ -563,9 +570,7 @@ async def test_concurrent_lookups_of_one_prefix_from_below_both_get_the_whole_hi
     toks = list(range(3 * CHUNK))
     kv = FakeKV(3 * CHUNK)
     await eng.store(b, toks, kv.source)
-    await eng.flush()
-    for key in list(t.blobs):
-        assert eng.memory.discard(key)
+    await only_below(eng, t)
     t.gate.clear()
     first = asyncio.ensure_future(eng.lookup(b, "first", toks))
     await t.waiting.wait()  # the first lookup's reads are in flight
@@ -593,9 +598,7 @@ async def test_a_lookup_waiting_on_a_failed_promotion_is_a_miss_not_a_hang(layou
     b = eng.bind(Namespace(model="m"), layout)
     toks = list(range(2 * CHUNK))
     await eng.store(b, toks, FakeKV(2 * CHUNK).source)
-    await eng.flush()
-    for key in list(t.blobs):
-        assert eng.memory.discard(key)
+    await only_below(eng, t)
     head = min(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)
     damaged = bytearray(t.blobs[head])
     damaged[-1] ^= 0xFF
@@ -625,9 +628,7 @@ async def test_concurrent_keyed_gets_of_one_chunk_from_below_both_hit(layout, pl
     keyed = KeyedStore(eng, eng.bind(keyed_namespace(Namespace(model="m"), "k"), layout))
     kv = FakeKV(CHUNK)
     await keyed.put([b"x"], lambda _i: list(kv.layers))
-    await eng.flush()
-    for key in list(t.blobs):
-        assert eng.memory.discard(key)
+    await only_below(eng, t)
     got: list[list[torch.Tensor]] = [[], []]
     t.gate.clear()
     gets = [asyncio.ensure_future(keyed.get([b"x"], lambda _i, tensors, n=n: got[n].extend(x.clone() for x in tensors)))
