@@ -235,9 +235,9 @@ def scenario_first(work: Path) -> dict[str, Any]:
 
     # -- in-process engines: same process for both halves; lookups in flight; failing loads --
     set_topology(in_process=True)
-    # A slow worker: every lookup answer takes 50 ms, the scheduler waits 1 ms, so vLLM is told
-    # "not yet" (None) and asks again in later steps.
-    lookup = ReservationDesk.lookup
+    # A slow worker: every lookup answer takes 50 ms (none is answered at once from memory), the
+    # scheduler waits 1 ms, so vLLM is told "not yet" (None) and asks again in later steps.
+    lookup, lookup_now = ReservationDesk.lookup, ReservationDesk.lookup_now
 
     def slow_lookup(self: Any, *args: Any) -> Any:
         time.sleep(0.05)
@@ -246,10 +246,11 @@ def scenario_first(work: Path) -> dict[str, Any]:
     port = free_port()
     engine = start(engine_args(model, connector={"kvengine": {"metrics_port": port}, "lookup_wait_ms": 1}))
     ReservationDesk.lookup = slow_lookup  # type: ignore[method-assign]
+    ReservationDesk.lookup_now = lambda self, *args: None  # type: ignore[method-assign]
     try:
         report["inflight"] = {"cold": run(engine, base), "warm": run(engine, base), "metrics": scrape(port)}
     finally:
-        ReservationDesk.lookup = lookup  # type: ignore[method-assign]
+        ReservationDesk.lookup, ReservationDesk.lookup_now = lookup, lookup_now  # type: ignore[method-assign]
         shutdown(engine)
     # Loads that fail part-way (the copy of every second chunk raises): vLLM recomputes from there.
     scatter = PagedCopier.scatter_from
