@@ -224,15 +224,12 @@ class LookupService:
             answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens)
         except Exception:  # the pool's call reports it (as a miss, with the error)
             return None
-        if answer is None:
-            return None
-        return Reply(msg.seq, matched_tokens=answer.matched_tokens, shadow_tokens=answer.shadow_tokens)
+        return None if answer is None else _answered(msg, answer)
 
     def _handle(self, msg: object) -> Reply | None:
         try:
             if isinstance(msg, LookupCall):
-                answer = self._handler.lookup(msg.request_id, msg.salt, msg.tokens, msg.max_tokens)
-                return Reply(msg.seq, matched_tokens=answer.matched_tokens, shadow_tokens=answer.shadow_tokens)
+                return _answered(msg, self._handler.lookup(msg.request_id, msg.salt, msg.tokens, msg.max_tokens))
             if isinstance(msg, ReleaseCall):
                 self._handler.release(msg.request_id)
                 return None
@@ -256,6 +253,10 @@ class LookupService:
             t.join(timeout=2 * _POLL_S + 1)
         self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _answered(call: LookupCall, answer: Answer) -> Reply:
+    return Reply(call.seq, matched_tokens=answer.matched_tokens, shadow_tokens=answer.shadow_tokens)
 
 
 class ChannelClosed(Exception):

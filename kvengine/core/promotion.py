@@ -25,7 +25,8 @@ import asyncio
 import contextlib
 import enum
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -39,6 +40,8 @@ from kvengine.errors import IntegrityError
 from kvengine.metrics import EngineMetrics
 from kvengine.transport import Buffer, ChunkTransport, ReadsInPlace, reads_in_place
 from kvengine.types import ModelBinding
+
+_T = TypeVar("_T")
 
 #: Promotion reads this many records at a time, the next window while admitting this one.
 _READ_WINDOW = 4
@@ -165,16 +168,23 @@ class Promoter:
                     start: int) -> MemoryEntry | AdmitRejected:
         """:meth:`admit_record` off the loop, single-flight per chunk; a corrupt record is deleted from
         ``transport``."""
+        async def admit() -> MemoryEntry | AdmitRejected:
+            entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
+            if entry is AdmitRejected.CORRUPT:
+                await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
+            return entry
+
+        return await self._once(key, admit)
+
+    async def _once(self, key: ChunkKey, promote: Callable[[], Awaitable[_T]]) -> _T | MemoryEntry | AdmitRejected:
+        """``promote()`` unless another promotion of ``key`` is in flight: then what that one admitted."""
         other = self._inflight.claim(key)
         if other is not None:
             return await self._joined(key, other)
         try:
-            entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
+            return await promote()
         finally:
             self._inflight.settle(key)
-        if entry is AdmitRejected.CORRUPT:
-            await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
-        return entry
 
     async def _joined(self, key: ChunkKey, other: asyncio.Future[None]) -> MemoryEntry | AdmitRejected:
         """Wait for another promotion of ``key`` and pin what it admitted (NO_ROOM: it admitted nothing)."""
@@ -302,14 +312,8 @@ class Promoter:
                           start: int) -> MemoryEntry | AdmitRejected | None:
         """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
         deleted from ``transport``. Used for keyed chunks."""
-        other = self._inflight.claim(key)
-        if other is not None:
-            return await self._joined(key, other)
-        try:
-            read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
-            return await self._settle(transport, read, transport.get_into(key, read.place))
-        finally:
-            self._inflight.settle(key)
+        read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
+        return await self._once(key, lambda: self._settle(transport, read, transport.get_into(key, read.place)))
 
     async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
                       pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:

@@ -51,6 +51,10 @@ class DictTransport:
     async def close(self) -> None:
         pass
 
+    def in_prompt_order(self) -> list[ChunkKey]:
+        """The keys held, by the first token position of their record."""
+        return sorted(self.blobs, key=lambda k: unpack_record(self.blobs[k])[0].token_start)
+
 
 async def make_engine(transport, **cfg) -> CacheEngine:
     eng = CacheEngine(make_config(capacity=4 * make_layout().nbytes(), **cfg), transports=[transport])
@@ -96,7 +100,7 @@ async def test_corrupt_lower_tier_record_is_a_counted_miss(layout, damage):
     toks = list(range(3 * CHUNK))
     await eng.store(b, toks, FakeKV(3 * CHUNK).source)
     await eng.flush()
-    keys = sorted(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)  # in prompt order
+    keys = t.in_prompt_order()
     for k in keys:
         eng.memory.discard(k)
     blob = bytearray(t.blobs[keys[1]])
@@ -263,7 +267,7 @@ async def test_record_at_wrong_position_is_refused(layout):
     toks = list(range(2 * CHUNK))
     await eng.store(b, toks, FakeKV(2 * CHUNK).source)
     await eng.flush()
-    keys = sorted(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)
+    keys = t.in_prompt_order()
     for k in keys:
         eng.memory.discard(k)
     header, payload = unpack_record(t.blobs[keys[1]])
@@ -599,7 +603,7 @@ async def test_a_lookup_waiting_on_a_failed_promotion_is_a_miss_not_a_hang(layou
     toks = list(range(2 * CHUNK))
     await eng.store(b, toks, FakeKV(2 * CHUNK).source)
     await only_below(eng, t)
-    head = min(t.blobs, key=lambda k: unpack_record(t.blobs[k])[0].token_start)
+    head = t.in_prompt_order()[0]
     damaged = bytearray(t.blobs[head])
     damaged[-1] ^= 0xFF
     t.blobs[head] = bytes(damaged)
@@ -659,7 +663,7 @@ async def test_lookup_resident_answers_only_what_memory_alone_decides(layout):
     assert await eng.lookup(b, "warm", toks) is res
     assert eng.memory.total_pins() == 3 and eng.metrics.value("kvengine_lookups_total") == 1
     await eng.release(res)
-    tail = next(k for k in t.blobs if unpack_record(t.blobs[k])[0].token_start == 2 * CHUNK)
+    tail = t.in_prompt_order()[2]
     assert eng.memory.discard(tail)
     assert eng.lookup_resident(b, "cold", toks) is None
     assert eng.memory.total_pins() == 0 and eng.metrics.value("kvengine_lookups_total") == 1
