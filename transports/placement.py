@@ -118,7 +118,7 @@ class Membership:
         self._path = Path(path) if path is not None else None
         self._interval = reload_interval
         self._clock = clock
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._next_check = float("-inf")
         self._peers = self._static
         self.version = 0  # incremented on every change of the list after construction
@@ -160,7 +160,8 @@ class Membership:
         assert self._path is not None
         try:
             st = self._path.stat()
-            stamp = (st.st_mtime_ns, st.st_size)
+            # The inode too: a list replaced atomically (rename) may keep size and mtime (coarse clocks).
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
             if stamp == self._stamp:
                 return
             peers = parse_peer_list(self._path.read_text().splitlines())

@@ -23,13 +23,14 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
-import socket
 import sys
 import threading
 import types
 from dataclasses import dataclass
 
 import pytest
+
+from tests.integrations.ports import free_port
 
 SKIP_REASON = ("sglang is not importable in this environment; run `bash scripts/setup_sglang.sh` and use "
                ".venv-sglang/bin/python -m pytest tests/integrations/test_sglang_*.py")
@@ -161,19 +162,13 @@ def storage_config(*, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False, 
 
 
 # -- a one-process "cluster" for HiCacheController ----------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_single_process_parallel() -> None:
     """gloo world of one and SGLang's parallel context pinned to tp=pp=cp=1 (idempotent)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     from sglang.srt.runtime_context import get_parallel
 

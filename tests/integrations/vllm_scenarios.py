@@ -34,12 +34,13 @@ import gc
 import json
 import os
 import random
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from ports import free_port  # run as a script: this folder is sys.path[0]
 
 from kvengine.metrics import scrape
 
@@ -47,12 +48,6 @@ STRESS_TOKENS = 96
 #: KV token slots of the stress engine (its block count follows vLLM's block size): few enough to preempt.
 STRESS_KV_TOKENS = 2560
 CONNECTOR = "kvengine.integrations.vllm.connector"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:

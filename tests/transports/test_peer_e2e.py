@@ -108,7 +108,8 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
 
     options = PeerClientOptions(replicas=1, request_timeout=REQUEST_TIMEOUT, read_deadline=READ_DEADLINE,
                                 write_timeout=3.0, cooldown=30.0)
-    transport = PeerTransport(_connector(wire), Membership(path=peers_file, reload_interval=0.05), options)
+    membership = Membership(path=peers_file, reload_interval=0.05)
+    transport = PeerTransport(_connector(wire), membership, options)
     engine = KVEngine(make_config(capacity=1 << 20), transports=[transport])
     store = EngineStore(engine.core, MemoryRecordStore(16 << 20))
     server = ServerThread(_server(wire, store, bind))
@@ -120,6 +121,12 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             break
+        if cmd["op"] == "peers":  # the list this node uses now (re-read from its file when due)
+            print(json.dumps({"peers": [p.address for p in membership.peers()]}), flush=True)
+            continue
+        if cmd["op"] == "reached":  # wait until a fake hosted here was asked for a record
+            print(json.dumps({"reached": GETS_REACHED[cmd["fake"]].wait(10.0)}), flush=True)
+            continue
         model = cmd.get("model", "tiny-test")
         if model not in bindings:
             bindings[model] = engine.bind(Namespace(model=model), make_layout())
@@ -185,13 +192,22 @@ class _CorruptingStore:
         return await self.inner.delete(keys)
 
 
+#: Per fake that stalls a read, set once a read reached it (the test kills the peer only then).
+GETS_REACHED = {"victim": threading.Event(), "stall": threading.Event()}
+
+
 class _SilentStore:
     """Claims to hold everything; a get never returns."""
+
+    def __init__(self, reached: threading.Event | None = None) -> None:
+        self.reached = reached
 
     async def exists(self, keys: Any) -> list[bool]:
         return [True] * len(keys)
 
     async def get(self, keys: Any) -> list[Any]:
+        if self.reached is not None:
+            self.reached.set()
         await asyncio.sleep(3600)
         return [None] * len(keys)
 
@@ -220,6 +236,7 @@ async def _zmq_staller(host: str) -> str:
             if req.op is not Op.GET:
                 await sock.send_multipart([ident, encode_reply(req.op, req.request_id, flags=[True] * len(req.keys))])
                 continue
+            GETS_REACHED["stall"].set()
             lengths = [size] + [0] * (len(req.keys) - 1)
             flags = [True] + [False] * (len(req.keys) - 1)
             await sock.send_multipart([ident, encode_reply(req.op, req.request_id, flags=flags, lengths=lengths)])
@@ -238,7 +255,7 @@ def _start_fakes(wire: str, host: str) -> dict[str, str]:
     async def main() -> None:
         servers = {"corrupt": _server(wire, _CorruptingStore(), f"{host}:0"),
                    "silent": _server(wire, _SilentStore(), f"{host}:0"),
-                   "victim": _server(wire, _SilentStore(), f"{host}:0")}
+                   "victim": _server(wire, _SilentStore(GETS_REACHED["victim"]), f"{host}:0")}
         for s in servers.values():
             await s.start()
         addresses = {name: s.address for name, s in servers.items()}
@@ -311,7 +328,10 @@ class Cluster:
         tmp = self.files[node].with_suffix(".tmp")
         tmp.write_text("".join(f"{a}\n" for a in addresses))
         os.replace(tmp, self.files[node])
-        time.sleep(0.15)  # > reload_interval
+        proc = self.a if node == "a" else self.b
+        deadline = time.monotonic() + 10.0
+        while (now := proc.ask(op="peers")["peers"]) != list(addresses):  # re-read within reload_interval
+            assert time.monotonic() < deadline, f"node {node} still uses {now}, not {list(addresses)}"
 
     def stop(self) -> None:
         for p in (self.a, self.b):
@@ -410,10 +430,10 @@ def test_peer_killed_mid_transfer_is_a_miss_without_waiting_out_the_deadline(clu
 
     The fakes live in A's process, so this kills A too: it runs last.
     """
-    target = cluster.fake.get("stall") or cluster.fake["victim"]  # never used before: not in cool-down
-    cluster.peers("b", target)
+    fake = "stall" if "stall" in cluster.fake else "victim"  # never used before: not in cool-down
+    cluster.peers("b", cluster.fake[fake])
     cluster.b.send(op="fetch", seed=6, tokens=TOKENS, request="r7")
-    time.sleep(0.3)
+    assert cluster.a.ask(op="reached", fake=fake)["reached"], f"B's read never reached the {fake} peer"
     cluster.a.p.send_signal(signal.SIGKILL)
     got = cluster.b.receive()
     assert got["matched"] == 0 and got["loaded"] == 0

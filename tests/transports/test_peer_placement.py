@@ -115,6 +115,21 @@ def test_membership_file_is_reloaded_when_it_changes(tmp_path: Path) -> None:
     assert members.version == 1
 
 
+def test_membership_sees_a_replaced_file_of_the_same_size_and_mtime(tmp_path: Path) -> None:
+    """Scenario: the list is swapped by rename for one of equal length within one mtime tick; it is re-read."""
+    now = [0.0]
+    path = tmp_path / "peers"
+    path.write_text("127.0.0.2:1\n")
+    members = Membership(path=path, reload_interval=0.1, clock=lambda: now[0])
+    stamp = path.stat().st_mtime_ns
+    tmp = tmp_path / "peers.tmp"
+    tmp.write_text("127.0.0.3:1\n")
+    os.utime(tmp, ns=(stamp, stamp))
+    os.replace(tmp, path)
+    now[0] = 1.0
+    assert members.peers() == (Peer("127.0.0.3", 1),)
+
+
 def test_membership_keeps_last_good_list_when_the_file_breaks(tmp_path: Path) -> None:
     """A peers file that becomes invalid or disappears leaves the last good list in use."""
     now = [0.0]
