@@ -19,6 +19,7 @@ from kvengine.chunks.hashing import TokenInput
 from kvengine.chunks.keys import Namespace
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.config import EngineConfig, load_config
+from kvengine.core.caller_mode import in_callers_mode
 from kvengine.core.engine import CacheEngine
 from kvengine.core.reservations import Reservation
 from kvengine.core.staging import StagedStore
@@ -146,7 +147,7 @@ class KVEngine:
         return self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens)
 
     def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
-        return self.run(self.core.load(reservation, sink))
+        return self.run(self.core.load(reservation, in_callers_mode(sink)))
 
     def begin_load(self, reservation: Reservation) -> tuple[ChunkView, ...]:
         """Views of every reserved chunk for a caller-driven load; :meth:`finish_load` must follow."""
@@ -159,7 +160,7 @@ class KVEngine:
         self.run(self.core.release(reservation))
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
-        return self.run(self.core.store(binding, tokens, source))
+        return self.run(self.core.store(binding, tokens, in_callers_mode(source)))
 
     def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:
         """Slots for the new chunks of ``tokens``, for the caller to fill; :meth:`commit_store` must follow."""

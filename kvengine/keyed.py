@@ -40,6 +40,7 @@ import torch
 import xxhash
 
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
+from kvengine.core.caller_mode import in_callers_mode
 from kvengine.core.copies import copy_all
 from kvengine.core.engine import CacheEngine
 from kvengine.core.memory_tier import MemoryEntry
@@ -294,10 +295,10 @@ class SyncKeyedStore:
         return self.kv.run(self.store.exists(keys, verify=verify))
 
     def put(self, keys: Sequence[bytes], source: KeyedSource) -> list[PutOutcome]:
-        return self.kv.run(self.store.put(keys, source))
+        return self.kv.run(self.store.put(keys, in_callers_mode(source)))
 
     def get(self, keys: Sequence[bytes], sink: KeyedSink) -> list[GetOutcome]:
-        return self.kv.run(self.store.get(keys, sink))
+        return self.kv.run(self.store.get(keys, in_callers_mode(sink)))
 
 
 __all__ = [

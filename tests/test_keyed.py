@@ -273,3 +273,21 @@ def test_keys_must_be_non_empty_bytes() -> None:
         keyed_chunk_key(binding, "text")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError):
         keyed_namespace(keyed_namespace(Namespace(model="m"), SCHEME), "again")
+
+
+def test_sink_writes_inference_tensors_of_a_caller_under_inference_mode() -> None:
+    """Scenario: pool pages made and filled under ``torch.inference_mode()`` (inference tensors). The sink,
+    which the engine runs on its own thread, writes them in the caller's mode: a hit, not a sink failure."""
+    kv, store = open_engine()
+    with kv, torch.inference_mode():
+        data = pages(2, seed=3)
+        assert store.put(keys(2), data.__getitem__) == [PutOutcome.STORED] * 2
+        pool = torch.zeros(2, 2, PAGE, 2, 4)
+
+        def sink(i: int, tensors: tuple[torch.Tensor, ...]) -> None:
+            for j, t in enumerate(tensors):
+                pool[i, j].copy_(t)
+
+        assert store.get(keys(2), sink) == [GetOutcome.HIT] * 2
+    assert pool.is_inference()
+    assert all(torch.equal(pool[i, j], data[i][j]) for i in range(2) for j in range(2))

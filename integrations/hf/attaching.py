@@ -138,7 +138,11 @@ def run_canary(attached: AttachedModel) -> CanaryReport:
     attached.prefill(ctx, ids[:prefix], in_memory, 0, snapshots)
     attached.store(ctx, ids[:prefix], in_memory, snapshots)
 
-    restored, matched, _ = attached.restore(ctx, ids, "kvengine-attach-canary")
+    restored, matched, load_ok = attached.restore(ctx, ids, "kvengine-attach-canary")
+    if not load_ok:  # nothing to compare: a restore path that cannot load is refused as it is
+        return CanaryReport(model=attached.namespace.model, probe_tokens=total, matched_tokens=matched,
+                            restored_exact=False, max_logit_error=float("nan"), logit_bound=float("nan"),
+                            failure=f"store -> fresh load failed: {matched} of {prefix} stored tokens usable")
     restored_states = codec.comparable(restored)
     in_memory_states = codec.comparable(in_memory)
     cached_logits = runner.forward(ids[matched:], restored, matched, encoder_outputs=ctx.encoder_outputs,

@@ -182,3 +182,17 @@ def test_debug_override_is_loud_and_isolated(monkeypatch, caplog, tiny_llama):
         assert verified.namespace.verified
         result = verified.generate(ids, max_new_tokens=2)
         assert result.reused_tokens == 0  # the unverified chunks are in another namespace
+
+
+def test_canary_whose_load_fails_is_refused_not_crashed(monkeypatch, tiny_llama):
+    """Scenario: every load sink call fails during the attach canary (a broken restore path). attach raises
+    AttachError saying the canary's load failed, not a TypeError from an empty cache, and binds nothing."""
+    def broken(self, view):
+        raise RuntimeError("simulated sink failure")
+
+    monkeypatch.setattr(Restorer, "__call__", broken)
+    with make_engine() as engine:
+        bound = spy_bindings(engine)
+        with pytest.raises(AttachError, match="load failed"):
+            attach(tiny_llama, engine)
+        assert only_canary(bound)

@@ -116,3 +116,21 @@ def test_chunks_survive_an_engine_restart_on_disk(tmp_path, tiny_llama):
         out = attach(tiny_llama, engine).generate(ids, max_new_tokens=6, eos_token_id=None)
     assert out.reused_tokens == 3 * CHUNK
     assert list(out.new_tokens) == want
+
+
+@pytest.mark.parametrize("family", ["llama", "mamba2"])
+def test_reuse_works_under_inference_mode(family):
+    """Scenario: the caller runs under ``torch.inference_mode()`` (how most people infer). The cached prefix
+    is still loaded (restore buffers and state copies are written on the engine's thread), and the output
+    equals a plain run."""
+    model = build_tiny(family)
+    ids, _ = prompt_for(model, 2 * CHUNK + 4, seed=21)
+    want = reference_generate(model, ids, None, 6)
+    with make_engine() as engine, torch.inference_mode():
+        am = attach(model, engine)
+        am.generate(ids, max_new_tokens=1)
+        out = am.generate(ids, max_new_tokens=6, eos_token_id=None)
+        failed = engine.metrics.value("kvengine_load_failed_tokens_total")
+    assert out.load_ok and failed == 0
+    assert out.reused_tokens == 2 * CHUNK
+    assert list(out.new_tokens) == want
