@@ -157,7 +157,8 @@ class KVEngine:
         return self.run(self.core.finish_load(reservation, loaded_chunks))
 
     def release(self, reservation: Reservation) -> None:
-        self.run(self.core.release(reservation))
+        """End a reservation without loading; in the calling thread (no hop to the engine's loop)."""
+        self.core.release_now(reservation)
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         return self.run(self.core.store(binding, tokens, in_callers_mode(source)))

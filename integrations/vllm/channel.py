@@ -17,12 +17,15 @@ the same channel is used: one code path, a local round trip costs ~0.1 ms.
 
 Protocol (calls of one request are handled in the order sent; calls of
 different requests at once, so a lookup that promotes from disk holds up
-no other request's answer; a lookup that memory answers is answered by the
-connection's reader thread itself, without a hand-off):
+no other request's answer). What never waits (a lookup that memory answers,
+a release) is handled by the connection's reader thread itself, without a
+hand-off; so the scheduler waits for one round trip, never for a disk:
 
 * :class:`LookupCall` -> :class:`Reply` (``matched_tokens``, or
   ``shadow_tokens`` for a hit sampled for a shadow check: nothing is
-  reserved, vLLM computes it all, the worker compares). Idempotent per
+  reserved, vLLM computes it all, the worker compares). A lookup that must
+  wait (a promotion from disk or peers, a queued call of its request) is
+  first answered ``pending`` at once, then with its answer. Idempotent per
   request id: the worker's engine renews the same reservation.
 * :class:`ReleaseCall` -> no reply. Ends the request's reservation, if any.
 * :class:`StatsCall` -> :class:`Reply` (``stats``): counters for tests and debugging.
@@ -48,6 +51,8 @@ from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Protocol
+
+from .frames import Frames
 
 logger = logging.getLogger("vllm.kvengine")
 
@@ -88,6 +93,7 @@ class Reply:
     seq: int
     matched_tokens: int = 0
     shadow_tokens: int = 0
+    pending: bool = False  # not answered at once: the answer follows (nothing to wait for meanwhile)
     error: str = ""
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -185,6 +191,7 @@ class LookupService:
             self._spawn(self._serve, "kvengine-vllm-lookup", conn)
 
     def _serve(self, conn: Connection) -> None:
+        frames = Frames(conn)
         sending = threading.Lock()  # replies come from several handler threads
 
         def send(reply: Reply | None) -> None:
@@ -192,31 +199,42 @@ class LookupService:
                 return
             with sending:
                 try:
-                    conn.send(reply)
+                    frames.send(reply)
                 except OSError:  # the scheduler is gone; the reader below notices
                     pass
 
+        try:
+            self._read(frames, send)
+        finally:
+            frames.close()
+
+    def _read(self, frames: Frames, send: Callable[[Reply | None], None]) -> None:
         def answer(msg: object) -> None:
             send(self._handle(msg))
 
-        with conn:
-            while not self._stop.is_set():
-                try:
-                    if not conn.poll(_POLL_S):
-                        continue
-                    msg = conn.recv()
-                except (OSError, EOFError):
-                    return
-                # Calls of one request keep their order (a release never overtakes its lookup).
-                key = getattr(msg, "request_id", None) or ("seq", getattr(msg, "seq", None))
-                if isinstance(msg, LookupCall) and not self._calls.busy(key):
-                    # Nothing of this request is queued (this thread is the only one that queues), so
-                    # answering here keeps the order; a hit from memory skips two thread hand-offs.
+        while not self._stop.is_set():
+            try:
+                if not frames.poll(_POLL_S):
+                    continue
+                msg = frames.recv()
+            except (OSError, EOFError):
+                return
+            # Calls of one request keep their order (a release never overtakes its lookup).
+            key = getattr(msg, "request_id", None) or ("seq", getattr(msg, "seq", None))
+            if not self._calls.busy(key):
+                # Nothing of this request is queued (this thread is the only one that queues), so
+                # handling it here keeps the order and skips two thread hand-offs.
+                if isinstance(msg, ReleaseCall):
+                    self._handle(msg)
+                    continue
+                if isinstance(msg, LookupCall):
                     reply = self._handle_now(msg)
                     if reply is not None:
                         send(reply)
                         continue
-                self._calls.submit(key, functools.partial(answer, msg))
+            if isinstance(msg, LookupCall):
+                send(Reply(msg.seq, pending=True))  # sent before the answer can be: the order holds
+            self._calls.submit(key, functools.partial(answer, msg))
 
     def _handle_now(self, msg: LookupCall) -> Reply | None:
         """The reply if the handler has it without waiting; None (also on an error): the pool answers."""
@@ -271,7 +289,7 @@ class LookupClient:
     """
 
     def __init__(self, path: str, authkey: bytes) -> None:
-        self._conn: Connection | None = Client(path, family="AF_UNIX", authkey=authkey)
+        self._conn: Frames | None = Frames(Client(path, family="AF_UNIX", authkey=authkey))
         self._seq = 0
         self._replies: dict[int, Reply] = {}
         self._abandoned: set[int] = set()
@@ -304,8 +322,11 @@ class LookupClient:
         reply = self.result(seq, wait_s)
         return dict(reply.stats) if reply is not None else {}
 
-    def result(self, seq: int, wait_s: float) -> Reply | None:
-        """The reply to call ``seq`` if it arrives within ``wait_s``, else None (ask again later)."""
+    def result(self, seq: int, wait_s: float, *, until_pending: bool = False) -> Reply | None:
+        """The reply to call ``seq`` if it arrives within ``wait_s``, else None (ask again later).
+
+        ``until_pending``: stop waiting (None) as soon as the worker says the answer is pending.
+        """
         if seq in self._replies:
             return self._replies.pop(seq)
         if self._conn is None:
@@ -314,6 +335,12 @@ class LookupClient:
         try:
             while self._conn.poll(max(0.0, deadline - time.monotonic())):
                 reply = self._conn.recv()
+                if not isinstance(reply, Reply):
+                    raise OSError(f"unexpected message {type(reply).__name__}")
+                if reply.pending:  # the answer follows; nothing to keep
+                    if reply.seq == seq and until_pending:
+                        return None
+                    continue
                 if reply.seq == seq:
                     return reply
                 if reply.seq in self._abandoned:

@@ -12,10 +12,11 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
   yourself: replaces the content digest of the weight files (by default
   every byte of every weight file is hashed, see :mod:`kvengine.trust.weights`).
   Change it whenever the weights change, or stale KV is served.
-* ``lookup_wait_ms`` -- how long the scheduler waits for a new lookup's answer
-  from the worker before it tells vLLM "not known yet" (``None``: vLLM asks
-  again next step, and that ask does not wait). Default 2: long enough for an
-  answer from memory, far shorter than a promotion from disk.
+* ``lookup_wait_ms`` -- the longest the scheduler waits for the worker's first
+  word on a new lookup (its answer from memory, or "pending" when it must
+  promote from disk or peers) before it tells vLLM "not known yet" (``None``:
+  vLLM asks again next step, and that ask does not wait). Default 2: a bound
+  for a worker slow to answer at all; a healthy one answers in one round trip.
 """
 
 from __future__ import annotations

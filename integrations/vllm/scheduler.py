@@ -3,8 +3,8 @@
 Per request, a small state machine (:class:`_Phase`):
 
 * ``get_num_new_matched_tokens`` sends a lookup to the worker's engine over
-  the channel and waits up to ``lookup_wait_ms`` (2 ms: an answer from the
-  memory tier comes back well within it). The engine *reserves* the matched
+  the channel and waits one round trip (at most ``lookup_wait_ms``) for the
+  answer from the memory tier, or for "pending" when the engine must promote. The engine *reserves* the matched
   chunks (pins them, with a lease); asking again is idempotent and renews
   the lease. An answer still in flight (a promotion from disk or peers) is
   reported as ``None`` and vLLM asks again next step; that ask only looks
@@ -138,7 +138,7 @@ class SchedulerSide:
                 st.pending_len = limit
                 self.stats.lookups += 1
                 wait = self._wait
-            reply = self._client.result(st.pending_seq, wait)
+            reply = self._client.result(st.pending_seq, wait, until_pending=True)
         except ChannelClosed as exc:
             self._count_error(f"channel: {exc}")
             return 0, False

@@ -332,6 +332,12 @@ class CacheEngine:
 
     async def release(self, res: Reservation) -> None:
         """End a reservation without loading (request not scheduled, aborted, finished)."""
+        self.release_now(res)
+
+    def release_now(self, res: Reservation) -> None:
+        """:meth:`release`, in the calling thread: synchronous and thread-safe (it touches only the
+        reservation table and the memory tier, both locked), so an engine's thread ends a request
+        without a hop to the engine's loop."""
         self._check_owner(res)
         self._end(res)
 

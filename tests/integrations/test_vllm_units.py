@@ -147,6 +147,39 @@ def test_a_lookup_memory_answers_is_answered_while_every_handler_is_busy(channel
     assert handler.calls[0] == ("lookup_now", "warm")
 
 
+def test_a_lookup_that_must_promote_is_answered_pending_at_once(channel):
+    """Issue 14 (nothing in the scheduler waits on disk): a lookup memory cannot answer is first answered
+    "pending" by the reader thread, so a first ask returns at once (not after its wait) while the promotion
+    is still held; its answer follows, and a plain wait skips the pending word."""
+    handler, _, client = channel
+    gate = threading.Event()
+    handler.gates["cold"] = gate
+    seq = client.submit("cold", "", bytes(40), 9)
+    t0 = time.monotonic()
+    assert client.result(seq, 30.0, until_pending=True) is None
+    assert time.monotonic() - t0 < 10  # the gate is still closed: only the pending word can have ended it
+    assert handler.at_gate.wait(5) and not gate.is_set()
+    gate.set()
+    reply = client.result(seq, 5.0)
+    assert reply is not None and not reply.pending and reply.matched_tokens == 8
+
+
+def test_a_release_is_handled_while_every_handler_is_busy(channel):
+    """A release (nothing of its request queued) is handled by the reader thread: it ends the reservation
+    at once, even with every handler thread held on disk."""
+    handler, _, client = channel
+    gate = threading.Event()
+    held = [f"cold{i}" for i in range(12)]  # more than the pool's threads
+    handler.gates = dict.fromkeys(held, gate)
+    cold = [client.submit(rid, "", bytes(40), 9) for rid in held]
+    assert handler.at_gate.wait(5)
+    client.release("other")
+    assert handler.released.wait(5)
+    assert ("release", "other") in handler.calls and not gate.is_set()
+    gate.set()
+    assert all(client.result(seq, 5.0) is not None for seq in cold)
+
+
 def test_a_lookup_memory_could_answer_still_waits_for_its_requests_earlier_calls(channel):
     """Calls of one request stay in order: with its earlier lookup and release still queued, a lookup memory
     could answer at once goes after them (a release never ends the newer lookup's reservation)."""
