@@ -10,7 +10,7 @@ import torch
 
 from kvengine import KVEngine, Namespace
 
-from .conftest import CHUNK, FakeKV, copier, make_layout
+from ..conftest import CHUNK, FakeKV, copier, make_layout
 
 
 def engine_with_disk(path, capacity_chunks: int = 4, **extra) -> KVEngine:

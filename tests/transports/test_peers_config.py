@@ -12,7 +12,7 @@ from kvengine.transports.peer_service import ServerThread
 from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
 from kvengine.transports.zmq_peer import ZmqPeerServer
 
-from .conftest import CHUNK, FakeKV, copier, make_layout
+from ..conftest import CHUNK, FakeKV, copier, make_layout
 
 
 def test_engines_share_chunks_through_a_configured_peer():
