@@ -3,6 +3,7 @@ another package, registered under the ``kvengine.transports`` entry-point group,
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import sys
 import textwrap
@@ -126,3 +127,17 @@ def test_bundled_tiers_are_built_from_their_typed_sections(tmp_path: Path) -> No
     assert (peers.options.replicas, peers.options.read_deadline, peers.name) == (1, 0.25, "peers_tcp")
     with pytest.raises(ConfigError, match=r"unknown local_disk options \['io_thread'\]; allowed: .*io_threads"):
         build_tiers(config, disk_options={"io_thread": 2})
+
+
+def test_a_disk_path_whose_parent_is_missing_is_refused_not_created(tmp_path: Path) -> None:
+    """A ``disk.path`` under a missing directory (an unmounted volume) is a ConfigError naming the missing
+    parent; nothing is created on the filesystem that would have stood in for it. The directory itself is
+    still created when its parent exists."""
+    missing = tmp_path / "not-mounted" / "kv"
+    with pytest.raises(ConfigError, match=r"disk.*parent .*not-mounted does not exist"):
+        build_tiers(load_config({"disk": {"path": str(missing)}}))
+    assert not (tmp_path / "not-mounted").exists()
+    tiers = build_tiers(load_config({"disk": {"path": str(tmp_path / "kv"), "capacity_bytes": "1MiB"}}))
+    assert (tmp_path / "kv").is_dir() and len(tiers) == 1
+    for tier in tiers:
+        asyncio.run(tier.transport.close())

@@ -136,8 +136,14 @@ class LocalDiskTransport:
 
     def __init__(self, options: LocalDiskOptions) -> None:
         self.options = options
+        parent = options.path.parent
+        if not options.path.is_dir() and not parent.is_dir():
+            # Never create parents: a mount point that is missing would silently become a
+            # directory on the root filesystem, and fill it.
+            raise TransportError(f"disk cache directory {options.path}: its parent {parent} does not exist "
+                                 "(a missing mount?); create it first")
         try:
-            options.path.mkdir(parents=True, exist_ok=True)
+            options.path.mkdir(exist_ok=True)
         except OSError as exc:
             if not options.path.is_dir():
                 raise TransportError(f"cannot create disk cache directory {options.path}: {exc}") from exc

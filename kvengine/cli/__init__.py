@@ -59,18 +59,53 @@ _DELEGATED = {
 }
 
 
+_EXAMPLES = """\
+examples:
+  kvengine quickstart                        a store -> lookup -> load round trip
+  kvengine demo --size tiny                  multi-turn chat, with and without the cache
+  kvengine inspect path/to/config.json       a model's KV spec and what kvengine reuses of it
+  kvengine serve --bind 127.0.0.1:7400 --disk /var/kv
+                                             a peer server over a disk store
+  kvengine quarantine list --disk /var/kv    namespaces that failed a provenance check
+
+'kvengine COMMAND --help' describes a command's options.
+"""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvengine")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in _DELEGATED:
         module, func, _ = _DELEGATED[argv[0]]
         return int(getattr(importlib.import_module(module), func)(argv[1:]))
-    parser = argparse.ArgumentParser(prog="kvengine", description="KV-cache offload engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kvengine", description="KV-cache offload engine for LLM inference.",
+                                     epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, _, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    q = sub.add_parser("quickstart", help="store -> lookup -> load round trip through the Python API")
-    q.add_argument("--tokens", type=int, default=4000)
-    q.add_argument("--chunk-size", type=int, default=256)
+    q = sub.add_parser("quickstart", help="store -> lookup -> load round trip through the Python API",
+                       description="Store a random prompt's KV, look it up as a new request, load it back, verify.")
+    q.add_argument("--tokens", type=_positive, default=4000, help="prompt length in tokens (default 4000)")
+    q.add_argument("--chunk-size", type=_positive, default=256, help="tokens per chunk (default 256)")
     q.set_defaults(func=_quickstart)
     args = parser.parse_args(argv)
     return int(args.func(args))
