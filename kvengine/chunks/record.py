@@ -6,13 +6,15 @@ Layout (all little-endian)::
                    digest, chunk hash, token range, codec id, tensor count,
                    raw (decoded) payload length, stored payload length,
                    payload checksum (xxh3-64)
-    descriptors    per tensor: group, category, dtype, ndim, byte length, dims
-    padding        zero bytes (version 2): a large payload starts at a multiple
-                   of 4 KiB, so direct I/O can write and read it in place
+    descriptors    per tensor: group, category, dtype, ndim, token dim (version
+                   3; 255: none), byte length, dims
+    padding        zero bytes (versions 2 and 3): a large payload starts at a
+                   multiple of 4 KiB, so direct I/O can write and read it in place
     header check   xxh3-64 of everything above
     payload        the tensors' bytes in descriptor order, encoded by the codec
 
-Readers accept version 1 (never padded) and 2.
+Readers accept version 1 (never padded), 2 and 3; versions 1 and 2 carry no
+token dims (their descriptors read with ``token_dim`` None).
 
 :func:`unpack_record` is the only parser. It checks, in order: length,
 magic, version, header checksum, expected namespace/key, descriptor sanity,
@@ -37,15 +39,19 @@ from kvengine.chunks.layout import ChunkLayout, KVCategory, dtype_code, is_known
 from kvengine.errors import IntegrityError
 
 MAGIC = b"KVCR"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = frozenset({1, 2})
+FORMAT_VERSION = 3
+READABLE_VERSIONS = frozenset({1, 2, 3})
 MAX_DIMS = 8
 #: Payloads of at least this many bytes start at a multiple of PAYLOAD_ALIGN into the record.
 ALIGNED_PAYLOAD_MIN = 64 * 1024
 PAYLOAD_ALIGN = 4096
 
 _FIXED = struct.Struct("<4sHHI16s16sQQHHQQQ")
-_TENSOR = struct.Struct("<HBBB3xQ")
+_TENSOR = struct.Struct("<HBBBB2xQ")
+#: Descriptors of versions 1 and 2: the token dim byte was padding.
+_TENSOR_V2 = struct.Struct("<HBBB3xQ")
+#: The token dim byte of a tensor without one.
+_NO_TOKEN_DIM = 255
 _DIM = struct.Struct("<Q")
 _CHECK = struct.Struct("<Q")
 
@@ -69,6 +75,9 @@ class TensorDescriptor:
     dtype_code: int
     shape: tuple[int, ...]
     nbytes: int
+    #: The dimension that grows with the chunk's tokens (``TensorSpec.token_dim``); None for tensors
+    #: without one, and for every tensor of a record written before format version 3.
+    token_dim: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +101,7 @@ class RecordHeader:
 
 def descriptors_for(layout: ChunkLayout, tokens: int) -> tuple[TensorDescriptor, ...]:
     return tuple(
-        TensorDescriptor(spec.group, spec.category, dtype_code(spec.dtype), tuple(shape), size)
+        TensorDescriptor(spec.group, spec.category, dtype_code(spec.dtype), tuple(shape), size, spec.token_dim)
         for spec, shape, size in zip(layout.tensors, layout.shapes(tokens), layout.sizes(tokens))
     )
 
@@ -112,7 +121,10 @@ def encode_header(
     for t in tensors:
         if len(t.shape) > MAX_DIMS:
             raise IntegrityError("too_many_dims", f"{len(t.shape)} > {MAX_DIMS}")
-        body += _TENSOR.pack(t.group, int(t.category), t.dtype_code, len(t.shape), t.nbytes)
+        if t.token_dim is not None and not 0 <= t.token_dim < len(t.shape):
+            raise IntegrityError("bad_descriptor", f"token_dim {t.token_dim} outside shape {t.shape}")
+        token_dim = _NO_TOKEN_DIM if t.token_dim is None else t.token_dim
+        body += _TENSOR.pack(t.group, int(t.category), t.dtype_code, len(t.shape), token_dim, t.nbytes)
         for d in t.shape:
             body += _DIM.pack(d)
     header_length = _FIXED.size + len(body) + _CHECK.size
@@ -174,14 +186,21 @@ def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest 
     for _ in range(n_tensors):
         if offset + _TENSOR.size > header_length - _CHECK.size:
             raise IntegrityError("bad_descriptor", "descriptor table overruns header")
-        group, category, dcode, ndim, nbytes = _TENSOR.unpack_from(view, offset)
+        if version >= 3:
+            group, category, dcode, ndim, token_dim, nbytes = _TENSOR.unpack_from(view, offset)
+        else:
+            group, category, dcode, ndim, nbytes = _TENSOR_V2.unpack_from(view, offset)
+            token_dim = _NO_TOKEN_DIM
         offset += _TENSOR.size
         if ndim > MAX_DIMS or not is_known_dtype_code(dcode) or category not in KVCategory._value2member_map_:
             raise IntegrityError("bad_descriptor", f"ndim={ndim} dtype={dcode} category={category}")
+        if token_dim != _NO_TOKEN_DIM and token_dim >= ndim:
+            raise IntegrityError("bad_descriptor", f"token_dim={token_dim} ndim={ndim}")
         shape = tuple(_DIM.unpack_from(view, offset + 8 * i)[0] for i in range(ndim))
         offset += 8 * ndim
-        tensors.append(TensorDescriptor(group, KVCategory(category), dcode, shape, nbytes))
-    padding = view[offset : header_length - _CHECK.size]  # zero bytes up to the check (version 2)
+        tensors.append(TensorDescriptor(group, KVCategory(category), dcode, shape, nbytes,
+                                        None if token_dim == _NO_TOKEN_DIM else token_dim))
+    padding = view[offset : header_length - _CHECK.size]  # zero bytes up to the check (versions 2, 3)
     if (offset > header_length - _CHECK.size or (version == 1 and padding.nbytes)
             or padding.nbytes >= PAYLOAD_ALIGN or padding.tobytes().strip(b"\0")):
         raise IntegrityError("bad_descriptor", "descriptor table length mismatch")

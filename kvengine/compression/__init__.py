@@ -49,11 +49,11 @@ def codec_family(codec: Codec) -> str:
     return LOSSLESS_FAMILY if codec.lossless else f"lossy:{codec.name}"
 
 
-def default_codecs(threads: int = 2, *, token_dim: int = 0) -> CodecRegistry:
+def default_codecs(threads: int = 2) -> CodecRegistry:
     """Registry of raw plus every codec of this package.
 
-    ``threads``: blosc2 threads per lossless call. ``token_dim``: the layout's
-    token dimension, over which per-channel lossy codecs take their scales
-    when encoding (any registry decodes any writer's chunks).
+    ``threads``: blosc2 threads per lossless call. Per-channel lossy codecs
+    take their scales over each tensor's token dimension (its descriptor's
+    ``token_dim``), and any registry decodes any writer's chunks.
     """
-    return CodecRegistry([RawCodec(), *lossless_codecs(threads), *lossy_codecs(token_dim)])
+    return CodecRegistry([RawCodec(), *lossless_codecs(threads), *lossy_codecs()])

@@ -7,16 +7,20 @@ symmetrically, ``q = round(x / scale)``, with one scale per group:
   dimension (the whole last dimension when ``group`` is 0): one scale per
   token and head, since every KV layout here ends with ``head_dim``;
 * ``CHANNEL`` grouping: one scale per channel, taken over the chunk's tokens,
-  i.e. over the tensor's token dimension. Descriptors do not carry it, so
-  the encoder is told (``token_dim``, the layout's ``TensorSpec.token_dim``;
-  tensors with fewer dimensions use axis 0) and records it in the body: any
-  reader decodes any writer's chunks.
+  i.e. over each tensor's token dimension: its descriptor's ``token_dim``
+  (the layout's ``TensorSpec.token_dim``; axis 0 when it has none). The body
+  records the axis of every tensor, so a body decodes by itself, whatever
+  its descriptors carry (records written before format version 3 carry no
+  token dims).
 
 Scales are stored as bf16, rounded up so that no value clips. Other tensors
 (integers, fp8) pass through unchanged. Decoding returns the original dtype
-and shape, dequantized. Body: for ``CHANNEL`` codecs one byte, the token
-dimension; then per tensor in descriptor order its scales, then its codes
-(int4: two per byte, low nibble first, ``q + 8``).
+and shape, dequantized. Body: for ``CHANNEL`` codecs the byte 0xFF and one
+byte per tensor in descriptor order, the axis its scales were taken over
+(older writers wrote a single byte other than 0xFF instead, one axis for all
+tensors, axis 0 for those with fewer dimensions; such bodies still decode);
+then per tensor in descriptor order its scales, then its codes (int4: two per
+byte, low nibble first, ``q + 8``).
 
 Lossy chunks must never be served to a reader that expects exact KV: the
 engine keeps them in their own namespace (``Namespace.codec_family``, see
@@ -45,6 +49,9 @@ _NUMPY_FLOATS = {dtype_code(torch.float16): np.float16, dtype_code(torch.float32
 _FP8_MAX = 448.0
 #: float32 value of every e4m3fn code (decoding is a table lookup).
 _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+#: First body byte of CHANNEL codecs that record one axis per tensor (any other byte: the single axis
+#: older writers used for every tensor).
+_PER_TENSOR_AXES = 0xFF
 #: Elements per torch conversion call when encoding fp8: below torch's parallel
 #: grain size, so it runs on the calling thread instead of waking (and, on a
 #: busy machine, waiting for) torch's intra-op pool.
@@ -100,7 +107,7 @@ SCHEMES: tuple[QuantScheme, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """Where one tensor's bytes go, derived from its descriptor (and token dim) only.
+    """Where one tensor's bytes go, derived from its descriptor (and, CHANNEL grouping, its axis) only.
 
     A quantized tensor is viewed as ``(outer, group, inner)``, padded where
     TOKEN groups do not divide the last dim; each ``(outer, inner)`` pair
@@ -124,7 +131,14 @@ class _Plan:
         return self.view[0] * self.view[1] * self.view[2]
 
 
-def _plan(t: TensorDescriptor, scheme: QuantScheme, token_dim: int, *, decoding: bool) -> _Plan:
+def _channel_axis(t: TensorDescriptor, dim: int | None) -> int:
+    """The axis CHANNEL grouping reduces ``t`` over for a requested ``dim``: axis 0 when None or when
+    ``t`` has fewer dimensions."""
+    return dim if dim is not None and dim < max(len(t.shape), 1) else 0
+
+
+def _plan(t: TensorDescriptor, scheme: QuantScheme, axis: int, *, decoding: bool) -> _Plan:
+    """``axis``: CHANNEL grouping's, already resolved (:func:`_channel_axis`); ignored by TOKEN grouping."""
     numel = math.prod(t.shape)
     quantized = t.dtype_code == _BF16 or t.dtype_code in _NUMPY_FLOATS
     if quantized and numel * dtype_from_code(t.dtype_code).itemsize != t.nbytes:
@@ -141,7 +155,6 @@ def _plan(t: TensorDescriptor, scheme: QuantScheme, token_dim: int, *, decoding:
         rows = numel // cols
         view = (rows * padded // width, width, 1)
     else:
-        axis = token_dim if token_dim < len(shape) else 0
         view = (math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
     count = view[0] * view[1] * view[2]
     code_bytes = (count + 1) // 2 if scheme.fmt is Format.INT4 else count
@@ -185,23 +198,20 @@ def _bf16_ceil(x: np.ndarray) -> np.ndarray:
 class QuantCodec:
     """A lossy :class:`~kvengine.chunks.codecs.Codec` (``lossless = False``; stateless, thread-safe).
 
-    ``token_dim`` is the token dimension CHANNEL codecs reduce over when
-    encoding (ignored by TOKEN codecs and by decoding, which reads it back).
+    CHANNEL codecs reduce each tensor over its descriptor's ``token_dim`` when
+    encoding, and read the axes back from the body when decoding.
     """
 
     lossless = False
 
-    def __init__(self, scheme: QuantScheme, *, token_dim: int = 0) -> None:
-        if not 0 <= token_dim < 256:
-            raise ValueError(f"token_dim must be in 0..255, got {token_dim}")
+    def __init__(self, scheme: QuantScheme) -> None:
         self.scheme = scheme
         self.codec_id = scheme.codec_id
         self.name = scheme.name
-        self.token_dim = token_dim
-        self._prefix = b"" if scheme.grouping is Grouping.TOKEN else bytes([token_dim])
+        self._channel = scheme.grouping is Grouping.CHANNEL
 
     def __repr__(self) -> str:
-        return f"QuantCodec({self.name!r}, id={self.codec_id}, token_dim={self.token_dim})"
+        return f"QuantCodec({self.name!r}, id={self.codec_id})"
 
     def encode(self, raw: memoryview, tensors: Sequence[TensorDescriptor]) -> bytes:
         """Framed scales and codes.
@@ -209,10 +219,11 @@ class QuantCodec:
         :raises InvalidRequestError: on a length/shape mismatch or non-finite values.
         """
         view = expect_length(raw, sum(t.nbytes for t in tensors))
-        parts: list[bytes | memoryview] = [self._prefix]
+        axes = [_channel_axis(t, t.token_dim) if self._channel else 0 for t in tensors]
+        parts: list[bytes | memoryview] = [bytes([_PER_TENSOR_AXES, *axes]) if self._channel else b""]
         pos = 0
-        for t in tensors:
-            plan, chunk = _plan(t, self.scheme, self.token_dim, decoding=False), view[pos : pos + t.nbytes]
+        for t, axis in zip(tensors, axes):
+            plan, chunk = _plan(t, self.scheme, axis, decoding=False), view[pos : pos + t.nbytes]
             pos += t.nbytes
             parts.extend(self._quantize(chunk, t.dtype_code, plan) if plan.quantized else [chunk])
         return seal(self.codec_id, parts)
@@ -224,16 +235,14 @@ class QuantCodec:
             with the descriptors, or invalid scales (``codec_layout``).
         """
         body = open_frame(self.codec_id, stored)
-        if len(body) < len(self._prefix):
-            raise IntegrityError("codec_layout", "body is shorter than its prefix")
-        token_dim = body[0] if self._prefix else 0
-        plans = [_plan(t, self.scheme, token_dim, decoding=True) for t in tensors]
-        need = len(self._prefix) + sum(p.stored_bytes for p in plans)
+        axes, prefix = self._axes(body, tensors)
+        plans = [_plan(t, self.scheme, axis, decoding=True) for t, axis in zip(tensors, axes)]
+        need = prefix + sum(p.stored_bytes for p in plans)
         if need != len(body):
             raise IntegrityError("codec_layout", f"body is {len(body)} B, descriptors need {need} B")
         out = bytearray(sum(t.nbytes for t in tensors))
         target = memoryview(out)
-        src, dst = len(self._prefix), 0
+        src, dst = prefix, 0
         for t, plan in zip(tensors, plans):
             chunk = body[src : src + plan.stored_bytes]
             if plan.quantized:
@@ -242,6 +251,22 @@ class QuantCodec:
                 target[dst : dst + t.nbytes] = chunk
             src, dst = src + plan.stored_bytes, dst + t.nbytes
         return target
+
+    def _axes(self, body: memoryview, tensors: Sequence[TensorDescriptor]) -> tuple[list[int], int]:
+        """Each tensor's CHANNEL axis as the body records it, and the length of that prefix."""
+        if not self._channel:
+            return [0] * len(tensors), 0
+        if not body:
+            raise IntegrityError("codec_layout", "body is shorter than its prefix")
+        if body[0] != _PER_TENSOR_AXES:  # an older writer's: one axis for every tensor
+            return [_channel_axis(t, body[0]) for t in tensors], 1
+        prefix = 1 + len(tensors)
+        if len(body) < prefix:
+            raise IntegrityError("codec_layout", "body is shorter than its prefix")
+        axes = list(body[1:prefix])
+        if any(axis >= max(len(t.shape), 1) for t, axis in zip(tensors, axes)):
+            raise IntegrityError("codec_layout", f"{self.name}: axes {axes} outside the tensors' shapes")
+        return axes, prefix
 
     def _quantize(self, chunk: memoryview, code: int, plan: _Plan) -> list[bytes]:
         m = _grouped(_to_f32(chunk, code), plan)  # a fresh array: worked on in place
@@ -303,6 +328,6 @@ def _unpack4(codes: memoryview, count: int) -> np.ndarray:
     return nib[:count] - 8
 
 
-def lossy_codecs(token_dim: int = 0) -> list[QuantCodec]:
-    """One codec per stable lossy scheme; CHANNEL codecs reduce over ``token_dim``."""
-    return [QuantCodec(scheme, token_dim=token_dim) for scheme in SCHEMES]
+def lossy_codecs() -> list[QuantCodec]:
+    """One codec per stable lossy scheme (CHANNEL codecs reduce over each tensor's ``token_dim``)."""
+    return [QuantCodec(scheme) for scheme in SCHEMES]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ import numpy as np
 
 from kvengine.chunks.codecs import CodecRegistry, RawCodec
 from kvengine.chunks.keys import ChunkKey
-from kvengine.chunks.record import RecordFlag, RecordHeader, descriptors_for, unpack_record
+from kvengine.chunks.record import RecordFlag, RecordHeader, TensorDescriptor, descriptors_for, unpack_record
 from kvengine.core.buffers import BufferPool
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
 from kvengine.core.tier_set import TierSet
@@ -57,6 +58,16 @@ class AdmitRejected(enum.Enum):
     NO_ROOM = "no_room"  # a verified record found no room in memory; keep it
 
 
+def same_layout(recorded: tuple[TensorDescriptor, ...], expected: tuple[TensorDescriptor, ...]) -> bool:
+    """Whether a record's descriptors are the layout's. Records written before format version 3 carry no
+    token dims (every ``token_dim`` None): those match on everything else."""
+    if recorded == expected:
+        return True
+    if any(t.token_dim is not None for t in recorded):
+        return False
+    return recorded == tuple(dataclasses.replace(t, token_dim=None) for t in expected)
+
+
 def check_position(binding: ModelBinding, header: RecordHeader, start: int, end: int | None = None) -> None:
     """Raise IntegrityError unless a (verified) header is the chunk of ``binding`` starting at ``start``
     (and ending at ``end``, when known): bytes that verify are not usable at another position, in another
@@ -65,7 +76,7 @@ def check_position(binding: ModelBinding, header: RecordHeader, start: int, end:
     if header.token_start != start or not 0 < n <= binding.chunk_size or end not in (None, header.token_end):
         raise IntegrityError("wrong_position", f"record covers tokens {header.token_start}:"
                              f"{header.token_end}, expected a chunk starting at {start}")
-    if header.tensors != descriptors_for(binding.layout, n):
+    if not same_layout(header.tensors, descriptors_for(binding.layout, n)):
         raise IntegrityError("layout_mismatch", "record tensors do not match the model's layout")
     if bool(header.flags & RecordFlag.UNVERIFIED) == binding.namespace.verified:
         raise IntegrityError("verification_flag", "record's verification flag differs from the reader's")

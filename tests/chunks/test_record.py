@@ -9,11 +9,14 @@ import torch
 import xxhash
 
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
+from kvengine.chunks.layout import KVCategory, dtype_code
 from kvengine.chunks.record import (
     ALIGNED_PAYLOAD_MIN,
     FORMAT_VERSION,
     PAYLOAD_ALIGN,
+    READABLE_VERSIONS,
     RecordFlag,
+    TensorDescriptor,
     decode_header,
     descriptors_for,
     encode_header,
@@ -140,6 +143,66 @@ def test_padding_must_be_zero_and_version_1_never_padded():
     struct.pack_into("<H", old, 4, 1)
     header, body = unpack_record(_reseal(old) + bytes(small[n:]), expect_key=KEY)
     assert bytes(body) == b"x" * 2048 and header.token_start == 32
+
+
+# -- format version 3: token dims ----------------------------------------------------
+#: Byte offset of the first descriptor's token dim: the 88-byte fixed header, then group (u16), category,
+#: dtype, ndim.
+_FIRST_TOKEN_DIM = 88 + 5
+
+
+def _token_dim_record() -> tuple[bytes, tuple[TensorDescriptor, ...]]:
+    f32 = dtype_code(torch.float32)
+    desc = (TensorDescriptor(0, KVCategory.FULL_ATTENTION, f32, (3, 4, 8), 384, token_dim=1),
+            TensorDescriptor(1, KVCategory.LINEAR_STATE, f32, (4, 8), 128, token_dim=None),
+            TensorDescriptor(2, KVCategory.FULL_ATTENTION, f32, (4, 2, 2, 2), 128, token_dim=3))
+    payload = bytes(640)
+    return encode_header(KEY, (0, 4), desc, codec_id=0, raw_length=640, payload=payload) + payload, desc
+
+
+def test_token_dims_round_trip():
+    """Each descriptor's token dim, None included, survives encode -> unpack in a version-3 record, and
+    descriptors_for takes them from the layout's TensorSpecs."""
+    assert FORMAT_VERSION == 3 and READABLE_VERSIONS == {1, 2, 3}
+    blob, desc = _token_dim_record()
+    assert struct.unpack_from("<H", blob, 4)[0] == 3
+    header, _ = unpack_record(blob, expect_key=KEY)
+    assert header.tensors == desc and [t.token_dim for t in header.tensors] == [1, None, 3]
+    assert [t.token_dim for t in descriptors_for(make_layout(), 8)] == [2, 2]
+
+
+@pytest.mark.parametrize("token_dim", [3, 7, 254])
+def test_token_dim_outside_the_shape_is_a_bad_descriptor(token_dim):
+    """A version-3 descriptor whose token dim is not below its ndim (checksum intact) is refused as
+    bad_descriptor; a writer cannot produce one."""
+    blob, desc = _token_dim_record()
+    n = decode_header(blob).header_length
+    head = bytearray(blob[:n])
+    assert head[_FIRST_TOKEN_DIM] == 1
+    head[_FIRST_TOKEN_DIM] = token_dim
+    with pytest.raises(IntegrityError) as err:
+        unpack_record(_reseal(head) + blob[n:], expect_key=KEY)
+    assert err.value.reason == "bad_descriptor"
+    with pytest.raises(IntegrityError) as err:
+        encode_header(KEY, (0, 4), (TensorDescriptor(0, KVCategory.FULL_ATTENTION, dtype_code(torch.float32),
+                                                     (3, 4, 8), 384, token_dim=3),),
+                      codec_id=0, raw_length=384, payload=bytes(384))
+    assert err.value.reason == "bad_descriptor"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_records_of_versions_1_and_2_read_without_token_dims(version):
+    """A version-1 or -2 record (token dim byte was padding, written as zero) still parses, every token
+    dim None, whatever the former padding byte holds."""
+    blob, desc = _token_dim_record()
+    n = decode_header(blob).header_length
+    head = bytearray(blob[:n])
+    struct.pack_into("<H", head, 4, version)
+    for offset in (_FIRST_TOKEN_DIM, _FIRST_TOKEN_DIM + 16 + 3 * 8, _FIRST_TOKEN_DIM + 2 * 16 + 5 * 8):
+        head[offset] = 0
+    header, payload = unpack_record(_reseal(head) + blob[n:], expect_key=KEY)
+    assert [t.token_dim for t in header.tensors] == [None] * 3
+    assert [t.shape for t in header.tensors] == [t.shape for t in desc] and bytes(payload) == bytes(640)
 
 
 def test_integrity_reasons_are_a_closed_set_because_each_is_a_metric_label() -> None:

@@ -198,23 +198,107 @@ def test_lossy_error_is_bounded_by_the_group_scale(codec: QuantCodec, dtype: tor
         assert len(stored) < len(raw)
 
 
-@pytest.mark.parametrize("scheme", [c.scheme for c in LOSSY if c.scheme.grouping is Grouping.CHANNEL],
-                         ids=lambda s: s.name)
-def test_channel_codecs_reduce_over_the_configured_token_dim(scheme: QuantScheme) -> None:
-    """Scenario: a [2 (K/V), heads, tokens, head_dim] layout (token_dim=2). Each (kv, head, dim)
-    channel gets its own scale over the tokens, and a reader configured for another
-    token_dim still decodes it (the body records the dim)."""
-    writer = QuantCodec(scheme, token_dim=2)
+CHANNEL_SCHEMES = [c.scheme for c in LOSSY if c.scheme.grouping is Grouping.CHANNEL]
+
+
+def with_token_dims(descs: list[TensorDescriptor], dims: list[int | None]) -> list[TensorDescriptor]:
+    """``descs`` carrying the given token dims (as ``descriptors_for`` fills them from a layout)."""
+    return [dataclasses.replace(d, token_dim=dim) for d, dim in zip(descs, dims)]
+
+
+def legacy_channel_body(codec: QuantCodec, raw: bytes, descs: list[TensorDescriptor], axis: int) -> bytes:
+    """What a writer before per-tensor axes stored: one prefix byte, ``axis``, for every tensor (axis 0
+    for tensors with fewer dimensions), then the same scales and codes."""
+    dims = [axis if axis < max(len(d.shape), 1) else None for d in descs]
+    body = bytes(codec.encode(memoryview(raw), with_token_dims(descs, dims)))[HEADER_BYTES:]
+    assert body[0] == 0xFF and len(body) > len(descs)
+    return reseal(codec, bytes([axis]) + body[1 + len(descs) :])
+
+
+@pytest.mark.parametrize("scheme", CHANNEL_SCHEMES, ids=lambda s: s.name)
+def test_channel_codecs_reduce_over_each_tensors_token_dim(scheme: QuantScheme) -> None:
+    """Scenario: a [2 (K/V), heads, tokens, head_dim] tensor whose descriptor says token_dim=2. Each
+    (kv, head, dim) channel gets its own scale over the tokens, a reader whose descriptors carry no
+    token dim still decodes it (the body records the axes), and a 1-D tensor without one uses axis 0."""
+    codec = QuantCodec(scheme)
     kv = synthetic_kv(48, 2 * 4, 16, dtype=torch.float32).reshape(48, 2, 4, 16).permute(1, 2, 0, 3).contiguous()
-    small = torch.randn(5) * 100  # 1-D: falls back to axis 0
-    raw, descs = payload([kv, small])
-    stored = writer.encode(memoryview(raw), descs)
-    y, y_small = tensors_of(REGISTRY.by_id(scheme.codec_id).decode(memoryview(stored), descs), descs, [kv, small])
+    small = torch.randn(5) * 100  # no token dim: axis 0
+    raw, plain = payload([kv, small])
+    descs = with_token_dims(plain, [2, None])
+    stored = codec.encode(memoryview(raw), descs)
+    y, y_small = tensors_of(REGISTRY.by_id(scheme.codec_id).decode(memoryview(stored), plain), plain, [kv, small])
     step = STEP[scheme.fmt] * (1 + 2.0**-7)
-    assert bool(((y - kv).abs() <= group_amax(kv, writer, token_dim=2) * step + 1e-6).all())
+    assert bool(((y - kv).abs() <= group_amax(kv, codec, token_dim=2) * step + 1e-6).all())
     assert bool(((y_small - small).abs() <= small.abs().max() * step + 1e-6).all())
-    token_first = QuantCodec(scheme, token_dim=0).encode(memoryview(raw), descs)
+    token_first = codec.encode(memoryview(raw), plain)
     assert len(stored) < len(token_first)  # 2*4*16 channel scales, not 4*48*16
+
+
+@pytest.mark.parametrize("scheme", CHANNEL_SCHEMES, ids=lambda s: s.name)
+def test_channel_codecs_take_one_scale_per_head_and_dim_in_the_hf_layout(scheme: QuantScheme) -> None:
+    """Scenario: the Hugging Face chunk layout, [kv_heads, tokens, head_dim] bf16 with token_dim=1. The
+    body holds heads*head_dim scales (one per (head, dim) over the tokens), not one per 3 values across
+    heads, and every value is within half a step of its channel's scale."""
+    heads, tokens, dim = 3, 64, 16
+    x = synthetic_kv(tokens, heads, dim, dtype=torch.bfloat16).permute(1, 0, 2).contiguous()
+    raw, descs = payload([x])
+    descs = with_token_dims(descs, [1])
+    codec = QuantCodec(scheme)
+    stored = codec.encode(memoryview(raw), descs)
+    codes = x.numel() if scheme.fmt is Format.INT8 else (x.numel() + 1) // 2
+    assert len(stored) == HEADER_BYTES + 2 + 2 * heads * dim + codes  # 0xFF, one axis, bf16 scales, codes
+    (y,) = tensors_of(codec.decode(memoryview(stored), descs), descs, [x])
+    bound = group_amax(x, codec, token_dim=1).double() * STEP[scheme.fmt] * (1 + 2.0**-7)
+    bound = bound + x.double().abs() * 2 * EPS[torch.bfloat16] + 1e-30
+    assert bool(((y.double() - x.double()).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("scheme", CHANNEL_SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("axis", [0, 2])
+def test_channel_bodies_of_older_writers_still_decode(scheme: QuantScheme, axis: int) -> None:
+    """A body with the former one-byte prefix (one axis for all tensors, axis 0 for those with fewer
+    dimensions) decodes to the same tensors as the per-tensor body of the same axes."""
+    codec = QuantCodec(scheme)
+    tensors = [rand((4, 8, 16), torch.bfloat16), rand((6, 10), torch.float32, seed=1), rand((9,), torch.float16)]
+    raw, descs = payload(tensors)
+    legacy = legacy_channel_body(codec, raw, descs, axis)
+    dims = [axis if axis < len(d.shape) else None for d in descs]
+    current = codec.encode(memoryview(raw), with_token_dims(descs, dims))
+    assert len(legacy) == len(current) - len(descs)
+    assert bytes(codec.decode(memoryview(legacy), descs)) == bytes(codec.decode(memoryview(current), descs))
+
+
+@pytest.mark.parametrize("scheme", CHANNEL_SCHEMES, ids=lambda s: s.name)
+def test_tensors_of_one_record_each_use_their_own_token_dim(scheme: QuantScheme) -> None:
+    """Tensors with token dims 0, 1 and 2 (and none) in one body each take their scales over their own
+    axis: the error of each is bounded by its own channels' amax, and the body stores their axes."""
+    codec = QuantCodec(scheme)
+    kv = synthetic_kv(32, 4, 8, dtype=torch.float32)  # [tokens, heads, dim]
+    tensors = [kv, kv.permute(1, 0, 2).contiguous(), kv.permute(1, 2, 0).contiguous(), torch.randn(7) * 10]
+    dims: list[int | None] = [0, 1, 2, None]
+    raw, descs = payload(tensors)
+    descs = with_token_dims(descs, dims)
+    stored = codec.encode(memoryview(raw), descs)
+    assert bytes(stored)[HEADER_BYTES : HEADER_BYTES + 5] == bytes([0xFF, 0, 1, 2, 0])
+    got = tensors_of(codec.decode(memoryview(stored), descs), descs, tensors)
+    step = STEP[scheme.fmt] * (1 + 2.0**-7)
+    for y, x, dim in zip(got, tensors, dims):
+        assert bool(((y - x).abs() <= group_amax(x, codec, token_dim=dim or 0) * step + 1e-6).all())
+    token_first = codec.encode(memoryview(raw), with_token_dims(descs, [0, 0, 0, None]))
+    assert len(stored) == len(token_first) - 2 * (32 * 8 - 4 * 8) - 2 * (32 * 8 - 4 * 8)  # fewer scales
+
+
+@pytest.mark.parametrize("scheme", CHANNEL_SCHEMES, ids=lambda s: s.name)
+def test_channel_axes_outside_the_shapes_raise(scheme: QuantScheme) -> None:
+    """A per-tensor axis forged beyond its tensor's dimensions (valid checksum) is an IntegrityError, as
+    is an empty body."""
+    codec = QuantCodec(scheme)
+    raw, descs = payload([rand((8, 4, 16), torch.float32)])
+    body = bytearray(bytes(codec.encode(memoryview(raw), descs))[HEADER_BYTES:])
+    body[1] = 3
+    for bad in (bytes(body), b""):
+        with pytest.raises(IntegrityError):
+            codec.decode(memoryview(reseal(codec, bad)), descs)
 
 
 @pytest.mark.parametrize("codec", LOSSY, ids=lambda c: c.name)
@@ -315,7 +399,7 @@ def test_forged_invalid_scales_raise(codec: QuantCodec, scale_bits: int) -> None
     """A scale forged to inf, NaN, zero or a negative value under a valid checksum raises IntegrityError."""
     raw, descs = payload([rand((8, 4, 16), torch.float32)])
     body = bytearray(bytes(codec.encode(memoryview(raw), descs))[HEADER_BYTES:])
-    struct.pack_into("<H", body, 1 if codec.scheme.grouping is Grouping.CHANNEL else 0, scale_bits)
+    struct.pack_into("<H", body, 2 if codec.scheme.grouping is Grouping.CHANNEL else 0, scale_bits)  # 0xFF, axis
     with pytest.raises(IntegrityError):
         codec.decode(memoryview(reseal(codec, bytes(body))), descs)
 

@@ -281,6 +281,72 @@ async def test_record_at_wrong_position_is_refused(layout):
     await eng.close()
 
 
+def rewritten(blob: bytes, token_dims: list[int | None]) -> bytes:
+    """``blob`` (a record) with its descriptors' token dims replaced, header resealed."""
+    import dataclasses
+
+    from kvengine.chunks.record import encode_header, unpack_record
+
+    header, payload = unpack_record(blob)
+    tensors = [dataclasses.replace(t, token_dim=dim) for t, dim in zip(header.tensors, token_dims)]
+    return encode_header(header.key, (header.token_start, header.token_end), tensors, codec_id=header.codec_id,
+                         raw_length=header.raw_length, payload=payload, flags=header.flags) + bytes(payload)
+
+
+def as_version_2(blob: bytes) -> bytes:
+    """``blob`` (a record) as a format-version-2 writer wrote it: the token dim byte was padding (zero)."""
+    import struct
+
+    import xxhash
+
+    out = bytearray(rewritten(blob, [0] * len(unpack_record(blob)[0].tensors)))
+    length = int.from_bytes(out[8:12], "little")
+    struct.pack_into("<H", out, 4, 2)
+    struct.pack_into("<Q", out, length - 8, xxhash.xxh3_64_intdigest(bytes(out[: length - 8])))
+    return bytes(out)
+
+
+async def test_records_written_before_token_dims_still_promote(layout):
+    """A version-2 record (its descriptors carry no token dims) of a layout whose tensors have one is a
+    hit, loaded exactly: promotion compares everything else."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    kv = FakeKV(2 * CHUNK)
+    await eng.store(b, toks, kv.source)
+    await only_below(eng, t)
+    for key in t.blobs:
+        t.blobs[key] = as_version_2(t.blobs[key])
+        assert all(d.token_dim is None for d in unpack_record(t.blobs[key])[0].tensors)
+    res = await eng.lookup(b, "old", toks)
+    assert res.matched_tokens == 2 * CHUNK
+    out = [torch.zeros_like(x) for x in kv.layers]
+    await eng.load(res, copier(out))
+    assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    assert eng.metrics.value("kvengine_integrity_failures_total", reason="layout_mismatch") == 0
+    await eng.close()
+
+
+async def test_record_whose_token_dim_disagrees_with_the_layout_is_a_layout_mismatch(layout):
+    """A version-3 record whose descriptors name another token dim than the layout's is a
+    layout_mismatch miss (only records that carry no token dims at all match without them)."""
+    t = DictTransport()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(2 * CHUNK))
+    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
+    await only_below(eng, t)
+    keys = t.in_prompt_order()
+    assert [d.token_dim for d in unpack_record(t.blobs[keys[1]])[0].tensors] == [2, 2]
+    t.blobs[keys[1]] = rewritten(t.blobs[keys[1]], [2, 1])
+    res = await eng.lookup(b, "r", toks)
+    assert res.matched_tokens == CHUNK
+    assert eng.metrics.value("kvengine_integrity_failures_total", reason="layout_mismatch") == 1
+    await eng.release(res)
+    await eng.close()
+
+
 class GatheringTransport(DictTransport):
     """Takes records as parts, as the local-disk transport does; remembers where each payload lay."""
 
