@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvengine.chunks.codecs import CodecRegistry
+from kvengine.chunks.codecs import Codec, CodecRegistry
 from kvengine.chunks.hashing import TokenInput
 from kvengine.chunks.keys import Namespace
 from kvengine.chunks.layout import ChunkLayout
@@ -130,6 +130,13 @@ class KVEngine:
     @property
     def metrics(self) -> EngineMetrics:
         return self.core.metrics
+
+    @property
+    def lossy_codec(self) -> Codec | None:
+        """The lossy codec the lower tiers write with (their records decode to other KV than was stored,
+        so only namespaces with ``codec_family=codec_family(codec)`` bind); None when they are lossless
+        or there are none. The memory tier always holds exact KV."""
+        return self.core.tiers.lossy_codec
 
     def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
         return self.core.bind(namespace, layout)

@@ -12,13 +12,31 @@ cache the model really builds, then runs the attach canary:
    the dtype's tolerance, layer by layer.
 
 Any difference raises :class:`~kvengine.errors.AttachError` naming the layer
-group, and nothing is bound. ``debug_unverified=True`` skips the canary,
+group, and nothing is bound.
+
+Lossy codecs are opt-in: an engine whose lower tiers write with a lossy codec
+(``disk.codec: int8-channel``, ...) serves KV that differs from what was
+stored, so :func:`attach` refuses it unless ``lossy_kv=True``, which binds the
+model in that codec's family (``Namespace(codec_family="lossy:<codec>")``);
+``lossy_kv=True`` on lossless tiers is refused too (nothing lossy to opt into).
+A lossy model's hits are exact from memory or lossy from the lower tiers, so
+its canary checks both: steps 1-4 unchanged (as strict as the lossless canary),
+then a second restore of the probe whose chunks pass through the tiers' codec
+(encoded and decoded with the same record descriptors the tier writer and the
+promoter use: exactly the KV a disk or peer hit holds, without waiting for the
+write to land), which must be within the codec's error bound of the stored
+cache (:func:`kvengine.compression.error_bound`: int8 1/127, fp8 1/16,
+int4 1/7 of each tensor's largest magnitude). The continuation over that
+cache is measured and reported (largest logit error, greedy agreement), not
+judged: its quality is what the user opted into. ``debug_unverified=True`` skips the canary,
 logs loudly and binds under ``Namespace(verified=False)``, whose chunks
 never reach verified readers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -26,8 +44,13 @@ from typing import Any
 import torch
 
 from kvengine import KVEngine, Namespace
-from kvengine.semantics.canary import CanaryReport, judge
+from kvengine.chunks.codecs import Codec
+from kvengine.chunks.record import descriptors_for
+from kvengine.compression import LOSSLESS_FAMILY, codec_family, error_bound
+from kvengine.errors import InvalidRequestError
+from kvengine.semantics.canary import CanaryReport, LossyProbe, judge
 from kvengine.semantics.families import derive_spec
+from kvengine.types import ChunkView
 
 from .generator import AttachedModel
 from .proof import probe_tokens, prove_namespace
@@ -45,12 +68,18 @@ def attach(
     model_id: str | None = None,
     fingerprint: str | None = None,
     debug_unverified: bool = False,
+    lossy_kv: bool = False,
 ) -> AttachedModel:
     """Verify ``model`` and bind it to ``engine``; see the module docstring.
 
+    ``lossy_kv=True`` opts into the lossy codec of ``engine``'s lower tiers: the model binds in that
+    codec's family, and the canary also measures a hit read through the codec (``AttachedModel.canary``).
+
+    :raises InvalidRequestError: the tiers' codec is lossy but ``lossy_kv`` is False, or the reverse.
     :raises UnsupportedModelError: the family, a layer type or a config feature is not reusable.
     :raises AttachError: the canary found a cached continuation that differs from a plain prefill.
     """
+    lossy = _lossy_codec(engine, lossy_kv)
     model.eval()
     spec = derive_spec(model.config, dtype=model.dtype)
     chunk = engine.config.chunk_size
@@ -63,6 +92,7 @@ def attach(
         kv_spec_fingerprint=spec.fingerprint,
         layout_id=layout.fingerprint,
         verified=not debug_unverified,
+        codec_family=codec_family(lossy) if lossy is not None else LOSSLESS_FAMILY,
     )
     attached = AttachedModel(model, engine, spec, layout, namespace, content_fingerprint=content,
                              explicit_fingerprint=fingerprint is not None)
@@ -78,11 +108,63 @@ def attach(
     else:
         report = run_canary(attached)
         report.raise_if_failed()
-        logger.info("kvengine: attach canary passed for %r (max logit error %.3g)", name, report.max_logit_error)
+        attached.canary = report
+        if report.lossy:
+            logger.info("kvengine: attach canary passed for %r under lossy codec %s: exact restore (max logit "
+                        "error %.3g); restore through %s within %.3g of the stored KV (bound %.3g, relative to "
+                        "each tensor's max), continuation max logit error %.3g, greedy next token agrees at "
+                        "%.0f%% of probe positions", name, report.codec, report.max_logit_error, report.codec,
+                        report.restored_error, report.restored_bound, report.lossy_logit_error,
+                        100 * (report.lossy_greedy_agreement or 0.0))
+        else:
+            logger.info("kvengine: attach canary passed for %r (max logit error %.3g)", name,
+                        report.max_logit_error)
     attached.binding = engine.bind(namespace, layout)
     if not debug_unverified:
         attached.proof = prove_namespace(attached)
     return attached
+
+
+def _lossy_codec(engine: KVEngine, lossy_kv: bool) -> Codec | None:
+    """The lossy codec this attach opts into (None: lossless); refuses a mismatch with the engine's tiers
+    before anything is bound, and a lossy codec with no known error bound for the canary."""
+    codec = engine.lossy_codec
+    if codec is None:
+        if lossy_kv:
+            raise InvalidRequestError(
+                "attach(..., lossy_kv=True) but the engine's lower tiers use no lossy codec (disk.codec "
+                f"{engine.config.disk.codec!r}): there is nothing lossy to opt into; drop lossy_kv or configure "
+                "a lossy disk.codec such as 'int8-channel'")
+        return None
+    if not lossy_kv:
+        raise InvalidRequestError(
+            f"the engine's lower tiers store KV with the lossy codec {codec.name!r}: hits from them differ from "
+            "the KV that was stored; pass attach(..., lossy_kv=True) to opt into it, or configure a lossless "
+            "codec (raw, zstd-byteshuffle, ...)")
+    if error_bound(codec) is None:
+        raise InvalidRequestError(f"lossy codec {codec.name!r} has no known error bound: the attach canary "
+                                  "cannot judge KV restored through it")
+    return codec
+
+
+def through_codec(codec: Codec, view: ChunkView) -> ChunkView:
+    """``view`` as a lower tier would deliver it: its payload encoded and decoded by ``codec``, with the
+    descriptors the tier writer records for it (:func:`~kvengine.chunks.record.descriptors_for`), which
+    are also those the promoter decodes with."""
+    tensors = view.tensors
+    descriptors = descriptors_for(view.layout, view.token_range[1] - view.token_range[0])
+    raw = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
+    decoded = memoryview(codec.decode(memoryview(codec.encode(memoryview(raw), descriptors)), descriptors))
+    out: list[torch.Tensor] = []
+    pos = 0
+    for t, d in zip(tensors, descriptors):
+        back = torch.empty(t.shape, dtype=t.dtype)
+        if d.nbytes:
+            back.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(decoded[pos : pos + d.nbytes]),
+                                                                      dtype=torch.uint8))
+        out.append(back.to(t.device))
+        pos += d.nbytes
+    return dataclasses.replace(view, tensors=tuple(out))
 
 
 def _check_real_cache(attached: AttachedModel) -> None:
@@ -145,6 +227,22 @@ def run_canary(attached: AttachedModel) -> CanaryReport:
                             failure=f"store -> fresh load failed: {matched} of {prefix} stored tokens usable")
     restored_states = codec.comparable(restored)
     in_memory_states = codec.comparable(in_memory)
+    lossy: LossyProbe | None = None
+    tier_codec = attached.engine.lossy_codec if attached.namespace.codec_family != LOSSLESS_FAMILY else None
+    if tier_codec is not None:  # a hit from the lower tiers: the same chunks, through their codec
+        through = functools.partial(through_codec, tier_codec)
+        lossy_cache, lossy_matched, lossy_ok = attached.restore(ctx, ids, f"{CANARY_KEY}-lossy", through=through)
+        if not lossy_ok:
+            return CanaryReport(model=attached.namespace.model, probe_tokens=total, matched_tokens=lossy_matched,
+                                restored_exact=False, max_logit_error=float("nan"), logit_bound=float("nan"),
+                                codec=tier_codec.name,
+                                failure=f"store -> load through codec {tier_codec.name} failed: {lossy_matched} of "
+                                        f"{prefix} stored tokens usable")
+        lossy_states = codec.comparable(lossy_cache)
+        lossy_logits = runner.forward(ids[lossy_matched:], lossy_cache, lossy_matched,
+                                      encoder_outputs=ctx.encoder_outputs, all_logits=True)
+        lossy = LossyProbe(codec=tier_codec.name, bound=error_bound(tier_codec) or 0.0, matched_tokens=lossy_matched,
+                           restored=lossy_states, cached_logits=lossy_logits[-(total - prefix):])
     cached_logits = runner.forward(ids[matched:], restored, matched, encoder_outputs=ctx.encoder_outputs,
                                    all_logits=True)
     return judge(
@@ -159,4 +257,5 @@ def run_canary(attached: AttachedModel) -> CanaryReport:
         cached_logits=cached_logits if matched == prefix else cached_logits[-(total - prefix):],
         reference_states=codec.comparable(reference),
         continued_states=codec.comparable(restored),
+        lossy=lossy,
     )

@@ -34,9 +34,10 @@ from kvengine import KVEngine, Namespace, Reservation
 from kvengine.chunks.hashing import token_bytes
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.errors import InvalidRequestError, ModelChangedError
+from kvengine.semantics.canary import CanaryReport
 from kvengine.semantics.spec import ModelKVSpec
 from kvengine.trust.provenance import CanaryResult, ShadowSampler
-from kvengine.types import ModelBinding
+from kvengine.types import ChunkView, ModelBinding
 
 from .codec import ChunkUnavailable, HFCacheCodec, Snapshot
 from .proof import ShadowCheck, prove_namespace
@@ -122,6 +123,10 @@ class AttachedModel:
         self.codec = HFCacheCodec(spec, model.config, layout)
         self.runner = ModelRunner(model, spec)
         self.binding: ModelBinding | None = None
+        #: the attach canary's report (None: ``debug_unverified``); for a lossy attach it carries the
+        #: measured error of a hit read through the lower tiers' codec (``codec``, ``restored_error``,
+        #: ``lossy_logit_error``, ``lossy_greedy_agreement``)
+        self.canary: CanaryReport | None = None
         #: the namespace canary's verdict at attach (or after the last weights change)
         self.proof: CanaryResult | None = None
         self._encoder_bindings: OrderedDict[tuple[bytes, str], ModelBinding] = OrderedDict()
@@ -190,16 +195,22 @@ class AttachedModel:
         return RequestContext(bound, self.runner.encode(enc))
 
     # -- building blocks (also used by the canary) ------------------------------------
-    def restore(self, ctx: RequestContext, ids: torch.Tensor, request_id: str) -> tuple[Any, int, bool]:
-        """Look up and load the longest cached prefix (<= len-1 tokens); returns (cache, tokens, load ok)."""
-        return self._load(self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1))
+    def restore(self, ctx: RequestContext, ids: torch.Tensor, request_id: str, *,
+                through: Callable[[ChunkView], ChunkView] | None = None) -> tuple[Any, int, bool]:
+        """Look up and load the longest cached prefix (<= len-1 tokens); returns (cache, tokens, load ok).
 
-    def _load(self, res: Reservation) -> tuple[Any, int, bool]:
+        ``through`` rewrites every loaded chunk before it reaches the cache (the attach canary passes
+        its chunks through the lower tiers' lossy codec with it)."""
+        return self._load(self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1), through)
+
+    def _load(self, res: Reservation,
+              through: Callable[[ChunkView], ChunkView] | None = None) -> tuple[Any, int, bool]:
         if res.matched_tokens == 0:
             self.engine.release(res)
             return self.codec.new_cache(), 0, True
         restorer = self.codec.restorer(res.matched_tokens, self.runner.device)
-        result = self.engine.load(res, restorer)
+        sink: Callable[[ChunkView], None] = restorer if through is None else lambda view: restorer(through(view))
+        result = self.engine.load(res, sink)
         cache, used = restorer.build(result.loaded_tokens)
         if not result.ok:
             logger.warning("kvengine: load delivered %d of %d tokens; recomputing the rest",

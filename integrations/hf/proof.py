@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvengine import Reservation
-from kvengine.trust.provenance import CanaryResult, KVComparison, check_namespace_canary, compare_kv, settle, worst
+from kvengine.trust.provenance import (
+    CanaryResult,
+    KVComparison,
+    check_namespace_canary,
+    compare_kv,
+    namespace_lossy_bound,
+    settle,
+    worst,
+)
 from kvengine.types import ChunkView
 
 from .codec import ChunkUnavailable, Snapshot
@@ -86,6 +94,7 @@ class ShadowCheck:
         attached, codec = self._attached, self._attached.codec
         results: list[KVComparison] = []
         held = True
+        lossy_bound = namespace_lossy_bound(attached.engine, self._ctx.binding)  # a hit from a lossy tier
 
         def compare(view: ChunkView) -> None:
             nonlocal held
@@ -95,7 +104,7 @@ class ShadowCheck:
                 except ChunkUnavailable:  # the request no longer holds this chunk (a sliding window moved on)
                     held = False
                     return
-                results.append(compare_kv(view.tensors, computed))
+                results.append(compare_kv(view.tensors, computed, lossy_bound=lossy_bound))
 
         attached.engine.load(self._res, compare)
         verdict = worst(results)  # None: e.g. a sliding window moved past every chunk

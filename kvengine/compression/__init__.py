@@ -31,7 +31,7 @@ from .quantize import Format, Grouping, QuantCodec, QuantScheme, lossy_codecs
 
 __all__ = [
     "LOSSLESS_FAMILY", "BloscCodec", "BloscScheme", "Format", "Grouping", "QuantCodec", "QuantScheme",
-    "Shuffle", "codec_family", "default_codecs", "lossless_codecs", "lossy_codecs",
+    "Shuffle", "codec_family", "default_codecs", "error_bound", "lossless_codecs", "lossy_codecs",
 ]
 
 #: ``Namespace.codec_family`` of every lossless codec (and the Namespace default).
@@ -47,6 +47,26 @@ def codec_family(codec: Codec) -> str:
     lossy chunks, and two lossy schemes never mix.
     """
     return LOSSLESS_FAMILY if codec.lossless else f"lossy:{codec.name}"
+
+
+#: Bound on ``|decoded - original|`` relative to the tensor's ``max|original|``, per lossy format: about
+#: 2x the worst case. Symmetric int quantization errs by at most half a step, ``scale / 2`` with
+#: ``scale = amax_group / qmax`` (bf16 scales rounded up: +0.4 %), and ``amax_group <= max|tensor|``:
+#: int8 1/254, int4 1/14 -> bounds 1/127 and 1/7. fp8 e4m3 has 3 mantissa bits: half an ulp of the top
+#: binade is 16 at 448, i.e. 1/28 of the group's maximum -> bound 1/16. Re-rounding the decoded values
+#: to bf16 adds at most 1/512 of the maximum, inside the margin.
+_ERROR_BOUNDS = {Format.INT8: 1 / 127, Format.INT4: 1 / 7, Format.FP8: 1 / 16}
+
+
+def error_bound(codec: Codec) -> float | None:
+    """Largest ``|decoded - original|`` a round trip through ``codec`` may cause in a floating tensor,
+    relative to that tensor's largest magnitude: 0.0 for lossless codecs, the format's bound (with a
+    2x margin) for :class:`QuantCodec`, None for a lossy codec whose error is unknown here."""
+    if codec.lossless:
+        return 0.0
+    if isinstance(codec, QuantCodec):
+        return _ERROR_BOUNDS[codec.scheme.fmt]
+    return None
 
 
 def default_codecs(threads: int = 2) -> CodecRegistry:

@@ -48,6 +48,9 @@ class TierSet:
             )
         #: What every lower tier's records decode to (None: no lower tiers).
         self.family = families.pop() if families else None
+        #: The codec every lower tier writes with when that family is lossy (one lossy codec per family);
+        #: None when the tiers are lossless or absent.
+        self.lossy_codec: Codec | None = next((c for _, c in pairs if not c.lossless), None)
         self._names = sorted({c.name for _, c in pairs})
         #: codec -> its tiers, each with whether it takes records as parts (:class:`WritesGathered`);
         #: a record is encoded once per codec, not once per tier.

@@ -129,14 +129,60 @@ class CanaryReport:
     failure: str | None = None
     mismatch: GroupMismatch | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: Lossy attach only (``attach(..., lossy_kv=True)``): the lower tiers' codec, the largest error of
+    #: the cache restored through it (``|restored - stored| / max|stored|`` over the tensors) and its bound;
+    #: then the continuation over that cache against a plain prefill: its largest logit error and the
+    #: fraction of probe positions whose greedy next token agrees. None/0 on the lossless path.
+    codec: str | None = None
+    restored_error: float = 0.0
+    restored_bound: float = 0.0
+    lossy_logit_error: float | None = None
+    lossy_greedy_agreement: float | None = None
 
     @property
     def passed(self) -> bool:
         return self.failure is None
 
+    @property
+    def lossy(self) -> bool:
+        return self.codec is not None
+
     def raise_if_failed(self) -> None:
         if self.failure is not None:
             raise AttachError(f"attach canary failed for {self.model!r}: {self.failure}; nothing will be served")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossyProbe:
+    """The canary's second restore, through the lower tiers' lossy codec (what a hit from disk or a peer
+    holds), and the continuation's logits over it."""
+
+    codec: str
+    #: relative bound of the codec's round trip (:func:`kvengine.compression.error_bound`)
+    bound: float
+    matched_tokens: int
+    restored: LayerStates
+    cached_logits: torch.Tensor
+
+
+def max_relative_error(want: LayerStates, got: LayerStates) -> float:
+    """Largest ``|got - want| / max|want|`` over the floating tensors present on both sides (inf for a
+    shape mismatch or NaN); other tensors count only when they differ (inf)."""
+    worst = 0.0
+    for key in set(want) & set(got):
+        for w, g in zip(want[key], got[key]):
+            err = _max_error(g, w)
+            if not w.is_floating_point():
+                worst = max(worst, 0.0 if err == 0 else float("inf"))
+            elif err:
+                worst = max(worst, err / (float(w.abs().max()) or 1.0))
+    return worst
+
+
+def _greedy_agreement(cached: torch.Tensor, reference: torch.Tensor) -> float:
+    if cached.shape != reference.shape or not cached.numel():
+        return 0.0
+    return float((cached.argmax(-1) == reference.argmax(-1)).double().mean())
 
 
 def judge(
@@ -152,6 +198,7 @@ def judge(
     cached_logits: torch.Tensor,
     reference_states: LayerStates,
     continued_states: LayerStates,
+    lossy: LossyProbe | None = None,
 ) -> CanaryReport:
     """Turn the canary's measurements into a report (first failing check wins).
 
@@ -159,6 +206,16 @@ def judge(
     2. the restored cache equals, bit for bit, the in-memory cache it was stored from;
     3. after continuing, every layer's state is within tolerance of a plain prefill's;
     4. the continuation's logits are within tolerance of the plain prefill's.
+
+    With ``lossy`` (a lossy attach, whose hits are exact from memory or lossy from the lower tiers),
+    checks 1-4 run as above on the exact restore, then:
+
+    5. the cache restored through the codec matched the same tokens and is within the codec's bound
+       of the in-memory cache, tensor by tensor (``|got - want| <= bound * max|want|``; integer tensors
+       exactly). A wrong layout, layer order or window breaks it by the magnitude of the KV itself,
+       far beyond a quantization step; positions are caught by checks 3-4 on the same restore path.
+    6. the continuation over that cache is measured, not judged: its largest logit error and how
+       often its greedy next token agrees with a plain prefill's are reported.
     """
     tol = tolerance_for(spec.dtype)
     logit_err = _max_error(cached_logits, reference_logits)
@@ -182,4 +239,20 @@ def judge(
         return CanaryReport(**common, restored_exact=True,
                             failure=f"output logits differ by {logit_err:.3g} (> {bound:.3g}) although every layer "
                                     f"group's state matched")
+    if lossy is None:
+        return CanaryReport(**common, restored_exact=True)
+    common.update(codec=lossy.codec, restored_bound=lossy.bound,
+                  restored_error=max_relative_error(in_memory, lossy.restored))
+    if lossy.matched_tokens != matched_tokens:
+        return CanaryReport(**common, restored_exact=True,
+                            failure=f"restore through codec {lossy.codec} matched {lossy.matched_tokens} of "
+                                    f"{matched_tokens} stored tokens")
+    common.update(lossy_logit_error=_max_error(lossy.cached_logits, reference_logits),
+                  lossy_greedy_agreement=_greedy_agreement(lossy.cached_logits, reference_logits))
+    off = compare_states(spec, in_memory, lossy.restored, CanaryTolerance(0.0, lossy.bound))
+    if off is not None:
+        return CanaryReport(**common, restored_exact=True, mismatch=off,
+                            failure=f"{off.group}: cache restored through codec {lossy.codec} differs from the "
+                                    f"in-memory cache it was stored from by more than the codec's error bound "
+                                    f"({lossy.bound:.3g} x max|KV|) at layer {off.layer} ({off.kind}): {off.detail}")
     return CanaryReport(**common, restored_exact=True)

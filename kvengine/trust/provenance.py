@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from kvengine.compression import LOSSLESS_FAMILY, codec_family, error_bound
 from kvengine.config import ShadowConfig
 from kvengine.facade import KVEngine
 from kvengine.keyed import GetOutcome, SyncKeyedStore, keyed_namespace
@@ -75,8 +76,14 @@ class KVComparison:
         return "exact" if self.exact else "close" if self.within_tolerance else "mismatch"
 
 
-def compare_kv(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> KVComparison:
-    """Compare stored tensors ``got`` with the recomputed ``want`` (same order)."""
+def compare_kv(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], *,
+               lossy_bound: float | None = None) -> KVComparison:
+    """Compare stored tensors ``got`` with the recomputed ``want`` (same order).
+
+    ``lossy_bound``: the stored KV went through a lossy codec (a namespace of a lossy codec family), so
+    floating tensors are accepted up to that relative error too (:func:`kvengine.compression.error_bound`)
+    and such a comparison is at best ``close``.
+    """
     if len(got) != len(want):
         return KVComparison(False, False, float("inf"), f"{len(got)} tensors stored, {len(want)} computed")
     exact, close, worst, detail = True, True, 0.0, ""
@@ -88,6 +95,8 @@ def compare_kv(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> KVC
             continue
         exact = False
         tol = kv_tolerance(w.dtype)
+        if tol is not None and lossy_bound is not None:
+            tol = max(tol, lossy_bound)
         if tol is None:
             close, worst, detail = False, float("inf"), detail or f"tensor {i}: bytes differ"
             continue
@@ -139,7 +148,7 @@ def check_namespace_canary(engine: KVEngine, binding: ModelBinding, probe: Seque
     stored: list[tuple[torch.Tensor, ...]] = []
     got = store.get([_CANARY_KEY], lambda _i, tensors: stored.append(tuple(t.clone() for t in tensors)))[0]
     if got is GetOutcome.HIT:
-        comparison = compare_kv(stored[0], probe)
+        comparison = compare_kv(stored[0], probe, lossy_bound=namespace_lossy_bound(engine, binding))
         settle(engine, binding, "canary", comparison, "namespace canary differs from the KV this model computes")
         if not comparison.within_tolerance:
             return CanaryResult(CanaryOutcome.MISMATCH, comparison)
@@ -155,6 +164,19 @@ def check_namespace_canary(engine: KVEngine, binding: ModelBinding, probe: Seque
     logger.warning("kvengine: namespace canary of %r could not be read or written (%s)", binding.namespace.model,
                    got.value)
     return CanaryResult(CanaryOutcome.UNAVAILABLE)
+
+
+def namespace_lossy_bound(engine: KVEngine, binding: ModelBinding) -> float | None:
+    """The relative error stored KV of ``binding``'s namespace may carry: None for a lossless namespace,
+    the lossy codec's :func:`~kvengine.compression.error_bound` otherwise (0.0, i.e. no slack beyond the
+    dtype's, for a lossy codec whose bound is unknown: fail closed)."""
+    family = binding.namespace.codec_family
+    if family == LOSSLESS_FAMILY:
+        return None
+    codec = engine.lossy_codec
+    if codec is None or codec_family(codec) != family:
+        return 0.0
+    return error_bound(codec) or 0.0
 
 
 def worst(comparisons: Sequence[KVComparison]) -> KVComparison | None:
