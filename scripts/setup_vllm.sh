@@ -17,3 +17,5 @@ if ! $py -c "import vllm" 2>/dev/null; then
   $py -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 $py -m pip install -q -e ".[test]"
+source scripts/_real_model.sh
+install_real_model $py  # the real-model scenario of the vLLM tests

