@@ -4,16 +4,19 @@
 >>> cached = attach(model, engine)            # derives the KV spec, runs the attach canary
 >>> out = cached.generate(prompt_ids, max_new_tokens=20)
 >>> out.reused_tokens, out.new_tokens
+>>> run = cached.model_generate(prompt_ids, max_new_tokens=20, do_sample=False)  # the model's own generate
+>>> run.output.sequences, run.reused_tokens
 
 * :func:`attach` - fail-closed attach (canary; ``debug_unverified`` override).
-* :class:`AttachedModel` - ``generate`` plus the restore / prefill / store steps.
+* :class:`AttachedModel` - ``model_generate`` (the model's own ``generate`` over a cache kvengine
+  prefilled), ``generate`` (kvengine's loop), and the restore / prefill / store steps.
 * :func:`run_demo` - the multi-turn chat demo (``kvengine demo``).
 """
 
 from __future__ import annotations
 
 from .attaching import attach, model_fingerprint, run_canary
-from .generator import AttachedModel, GenerationResult, Sampling
+from .generator import AttachedModel, GenerationResult, ModelGeneration, Sampling
 
 
 def run_demo(argv: list[str] | None = None) -> int:
@@ -23,4 +26,7 @@ def run_demo(argv: list[str] | None = None) -> int:
     return _run(argv)
 
 
-__all__ = ["AttachedModel", "GenerationResult", "Sampling", "attach", "model_fingerprint", "run_canary", "run_demo"]
+__all__ = [
+    "AttachedModel", "GenerationResult", "ModelGeneration", "Sampling", "attach", "model_fingerprint", "run_canary",
+    "run_demo",
+]

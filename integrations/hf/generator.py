@@ -33,7 +33,7 @@ import xxhash
 from kvengine import KVEngine, Namespace, Reservation
 from kvengine.chunks.hashing import token_bytes
 from kvengine.chunks.layout import ChunkLayout
-from kvengine.errors import InvalidRequestError, ModelChangedError
+from kvengine.errors import InvalidRequestError, ModelChangedError, UnsupportedModelError
 from kvengine.semantics.canary import CanaryReport
 from kvengine.semantics.spec import ModelKVSpec
 from kvengine.trust.provenance import CanaryResult, ShadowSampler
@@ -282,16 +282,9 @@ class AttachedModel:
         self.check_weights()
         ctx = self.context(encoder_input_ids)
         rid = request_id or f"hf-{next(_request_ids)}"
-        t_restore = time.perf_counter()
-        shadow: ShadowCheck | None = None
-        cache, reused, load_ok = self.codec.new_cache(), 0, True
-        if use_cache:
-            res = self.engine.lookup(ctx.binding, rid, ids, max_tokens=len(ids) - 1)
-            if res.matched_tokens and self._shadow.pick(ctx.binding):
-                shadow = ShadowCheck(self, ctx, res)  # prefill it all, then compare with what is stored
-            else:
-                cache, reused, load_ok = self._load(res)
-        restore_s = time.perf_counter() - t_restore if use_cache else 0.0
+        restored = self._restore(ctx, ids, rid, use_cache)
+        cache, reused, load_ok, shadow = restored.cache, restored.reused, restored.load_ok, restored.shadow
+        restore_s = restored.seconds
         snapshots: dict[int, Snapshot] = {}
         keep = store or shadow is not None  # the computed chunks are wanted after the prefill
         if keep:
@@ -326,6 +319,105 @@ class AttachedModel:
             total_s=time.perf_counter() - t0,
             load_ok=load_ok, shadow=shadow_outcome,
         )
+
+
+    def _restore(self, ctx: RequestContext, ids: torch.Tensor, request_id: str, use_cache: bool) -> _Restored:
+        """A fresh cache holding the longest cached prefix of ``ids`` (nothing when ``use_cache`` is False,
+        or when the hit is sampled for a shadow check: then the request computes it all, and the check
+        compares)."""
+        t0 = time.perf_counter()
+        if not use_cache:
+            return _Restored(self.codec.new_cache(), 0, True, None, 0.0)
+        res = self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1)
+        if res.matched_tokens and self._shadow.pick(ctx.binding):
+            return _Restored(self.codec.new_cache(), 0, True, ShadowCheck(self, ctx, res), time.perf_counter() - t0)
+        cache, reused, load_ok = self._load(res)
+        return _Restored(cache, reused, load_ok, None, time.perf_counter() - t0)
+
+    # -- the model's own generate ------------------------------------------------------
+    def model_generate(self, input_ids: Any, *, store: bool = True, use_cache: bool = True,
+                       request_id: str | None = None, **generate_kwargs: Any) -> ModelGeneration:
+        """The model's own ``generate`` (batch size 1) over a cache kvengine prefilled: everything
+        ``generate`` supports applies (generation config, logits processors, stopping criteria,
+        streamers, sampling); kvengine loads the longest cached prefix first and stores the full
+        chunks after. ``generate`` computes only the tokens the cache does not hold.
+
+        Stateful families (recurrent state) are prefilled here up to the last chunk boundary before
+        the prompt's end, in chunk-sized pieces, so that every boundary's state can be stored; the model's
+        ``generate`` computes the rest. Families where that is not exact are refused
+        (``_MODEL_GENERATE_REFUSED``, with the measured reason; :meth:`generate` serves them).
+
+        :raises UnsupportedModelError: a refused family.
+        :raises InvalidRequestError: a batch of more than one sequence, or ``past_key_values`` passed.
+        """
+        refused = _MODEL_GENERATE_REFUSED.get("encoder-decoder" if self.spec.encoder_decoder else self.spec.model_type)
+        if refused:
+            raise UnsupportedModelError(f"{self.spec.model_type}: model_generate is refused: {refused}; "
+                                        "use AttachedModel.generate, which is exact for it")
+        if {"past_key_values", "cache_params"} & generate_kwargs.keys():
+            raise InvalidRequestError("model_generate brings its own cache: do not pass past_key_values")
+        t0 = time.perf_counter()
+        ids = as_tokens(input_ids)
+        self.check_weights()
+        ctx = self.context()
+        restored = self._restore(ctx, ids, request_id or f"hf-{next(_request_ids)}", use_cache)
+        cache, snapshots = restored.cache, dict[int, Snapshot]()
+        keep = store or restored.shadow is not None
+        if keep:
+            self.codec.record(cache)
+        if keep and self.spec.stateful:  # states at chunk boundaries exist only if computed piece by piece
+            boundary = (len(ids) - 1) // self.chunk_size * self.chunk_size
+            if boundary > restored.reused:
+                self.prefill(ctx, ids[:boundary], cache, restored.reused, snapshots)
+        kwargs = {"return_dict_in_generate": True, **generate_kwargs, self.runner.cache_kw: cache}
+        with torch.no_grad():
+            output = self.model.generate(ids.reshape(1, -1).to(self.runner.device), **kwargs)
+        sequences = output.sequences if hasattr(output, "sequences") else output
+        generated = [int(t) for t in sequences[0, len(ids):]]
+        verdict = restored.shadow.run(cache, snapshots) if restored.shadow is not None else None
+        shadow = None if restored.shadow is None else "skipped" if verdict is None else verdict.outcome
+        stored = 0
+        if store:
+            seen = torch.cat([ids, torch.tensor(generated[:-1], dtype=torch.long)]) if generated else ids
+            stored = self.store(ctx, seen, cache, snapshots)
+        return ModelGeneration(output=output, prompt_tokens=len(ids), reused_tokens=restored.reused,
+                               new_tokens=tuple(generated), stored_chunks=stored, restore_s=restored.seconds,
+                               total_s=time.perf_counter() - t0, load_ok=restored.load_ok, shadow=shadow)
+
+
+#: Families whose ``generate`` over a cache kvengine prefilled is not exact, with what was measured
+#: (``tests/integrations/test_hf_model_generate.py`` proves the others against a plain ``generate``).
+_MODEL_GENERATE_REFUSED = {
+    "encoder-decoder": "greedy outputs of T5 and BART through generate over a restored decoder cache differed "
+                       "from a plain generate",
+    "mamba2": "scores differed from a plain generate by up to 2.5e-2 (sequences equal), also on a miss: "
+              "generate continuing over prefilled recurrent state is not the same computation",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Restored:
+    cache: Any
+    reused: int
+    load_ok: bool
+    shadow: ShadowCheck | None
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelGeneration:
+    """One :meth:`AttachedModel.model_generate` call: what the model's ``generate`` returned, and what
+    kvengine reused and stored around it."""
+
+    output: Any  # as model.generate returns it (return_dict_in_generate=True unless the caller said otherwise)
+    prompt_tokens: int
+    reused_tokens: int
+    new_tokens: tuple[int, ...]
+    stored_chunks: int
+    restore_s: float
+    total_s: float
+    load_ok: bool
+    shadow: str | None = None
 
 
 def _eos_set(model: Any, eos: int | Sequence[int] | None) -> frozenset[int]:
