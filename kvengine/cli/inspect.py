@@ -2,21 +2,188 @@
 
 Reads the configuration only (no weights). Prints, per layer group, the
 category, bytes per token and per chunk boundary, the reuse plan and the
-storage per 1k tokens; a refused model or feature is printed with its
-reason and the command exits 1. ``--json`` prints the same as JSON;
+storage per 1k tokens, then one verdict per integration (HF generate loop,
+vLLM connector, SGLang HiCache backend: supported, refused with the reason,
+or checked at start-up with what is checked). A model kvengine refuses is
+printed with its reason and the command exits 1; a user error (no such
+file, malformed config, unknown ``model_type``, unsupported ``--dtype``) is
+one line on stderr and exit status 2. ``--json`` prints the same as JSON;
 ``--list-refused`` lists every refused family and feature with its reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvengine.errors import KVEngineError, UnsupportedModelError
 
+if TYPE_CHECKING:
+    from kvengine.semantics import ModelKVSpec
+
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+
+#: Cache dtypes ``--dtype`` accepts (what the HF models kvengine attaches run their caches in; the vLLM
+#: connector refuses quantized KV, ``kv_cache_dtype`` other than 'auto').
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2), not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+# -- per-integration verdicts -------------------------------------------------------------------
+class Integration(enum.Enum):
+    """The integrations a verdict is given for (value: the label printed)."""
+
+    HF = "HF generate loop"
+    VLLM = "vLLM connector"
+    SGLANG = "SGLang HiCache backend"
+
+
+class Support(enum.Enum):
+    SUPPORTED = "supported"
+    REFUSED = "refused"
+    #: The integration decides from what its engine declares when it starts, not from the config.
+    AT_START_UP = "checked at start-up"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether one integration accepts a model, and why (or what it checks when it starts)."""
+
+    integration: Integration
+    support: Support
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"integration": self.integration.name.lower(), "name": self.integration.value,
+                "verdict": self.support.value, "reason": self.reason}
+
+    def line(self) -> str:
+        return f"{self.integration.value + ':':<24}{self.support.value}: {self.reason}"
+
+
+def _hf_verdict(spec: ModelKVSpec) -> Verdict:
+    # Mirrors kvengine.integrations.hf.attaching.attach(): it calls the same derive_spec() this report is built
+    # from (refusals raise there), then runs the attach canary on the real model.
+    if spec.encoder_only:
+        return Verdict(Integration.HF, Support.REFUSED, "encoder-only: no cache between forward passes, "
+                                                        "nothing to store")
+    why = "the same KV spec attach() derives; the attach canary compares a cached continuation with a plain " \
+          "prefill when the model is attached"
+    return Verdict(Integration.HF, Support.SUPPORTED, why)
+
+
+def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
+    """Mirrors integrations/vllm: connector.check_vllm_config (encoder-decoder), layout.plan_groups /
+    layout._plan_one (spec classes: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode; anything
+    else "has not been validated"), and layout.derive_layout (ATTENTION_BACKENDS, STATE_BACKENDS)."""
+    from kvengine.chunks.layout import KVCategory
+    from kvengine.integrations.vllm.layout import ATTENTION_BACKENDS, STATE_BACKENDS
+
+    v = Integration.VLLM
+    if spec.encoder_only:  # layout.plan_groups
+        return Verdict(v, Support.REFUSED, "it has no KV cache groups (encoder-only or pooling model)")
+    if spec.encoder_decoder:  # connector.check_vllm_config
+        return Verdict(v, Support.REFUSED, "encoder-decoder models are not supported")
+    categories = {g.category for g in spec.groups}
+    refused = {  # the vLLM spec class each category is declared as, refused by layout._plan_one
+        KVCategory.MLA_LATENT: "MLA layers are declared as MLAAttentionSpec, which has not been validated for "
+                               "reuse",
+        KVCategory.CHUNKED_LOCAL: "chunked local attention is declared as ChunkedLocalAttentionSpec, which has "
+                                  "not been validated for reuse",
+    }
+    reasons = [why for cat, why in refused.items() if cat in categories]
+    if reasons:
+        reasons[-1] += " (supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode)"
+    # layout.derive_layout -> _state_tensor: recurrent state only on the validated state backends.
+    state_kinds = sorted({g.part.kind for g in spec.groups if g.category is KVCategory.LINEAR_STATE
+                          and hasattr(g.part, "kind")})
+    unvalidated = [k for k in state_kinds if _VLLM_STATE_BACKEND.get(k) not in STATE_BACKENDS]
+    if unvalidated:
+        reasons.append(f"{'/'.join(unvalidated)} recurrent state runs on a vLLM state backend that has not been "
+                       f"validated (supported: {sorted(STATE_BACKENDS)})")
+    if reasons:
+        return Verdict(v, Support.REFUSED, "; ".join(reasons))
+    if KVCategory.ATTENTION_SINK in categories:
+        return Verdict(v, Support.AT_START_UP, "learned attention sinks: accepted only if vLLM declares the "
+                                               "layers as FullAttentionSpec / SlidingWindowSpec on a validated "
+                                               f"backend {sorted(ATTENTION_BACKENDS)}")
+    conditions = [f"attention backend in {sorted(ATTENTION_BACKENDS)}", "kv_cache_dtype 'auto'",
+                  "tensor and pipeline parallel size 1, no speculative decoding"]
+    if state_kinds:
+        conditions.insert(0, "prefix caching on (mamba_cache_mode 'align')")
+    return Verdict(v, Support.SUPPORTED, f"{_kinds(categories)}; checked at start-up: {', '.join(conditions)}")
+
+
+#: StatePart.kind -> the vLLM recurrent-state backend its layers run on (only GDN_ATTN is in
+#: integrations/vllm/layout.py STATE_BACKENDS; the others stand for "not that one").
+_VLLM_STATE_BACKEND = {"gated_delta_net": "GDN_ATTN", "mamba2": "mamba2", "mamba1": "mamba1",
+                       "short_conv": "short_conv"}
+
+#: The refusal text of integrations/sglang/backend.py (_HYBRID_REFUSAL), which imports SGLang.
+_SGLANG_HYBRID = "recurrent (Mamba / linear-attention) state: SGLang registers a state host pool for it, and the " \
+                 "kvengine HiCache backend stores full-attention KV pages only (register_mem_host_pool_v2 refuses " \
+                 "other pools)"
+
+
+def _sglang_verdict(spec: ModelKVSpec) -> Verdict:
+    """Mirrors integrations/sglang: backend.register_mem_host_pool_v2 (hybrid pools refused) and
+    pages.geometry_of (MHATokenToKVPoolHost with K head dim == V head dim, MLATokenToKVPoolHost)."""
+    from kvengine.chunks.layout import KVCategory
+    from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS, PoolKind
+
+    s = Integration.SGLANG
+    if spec.encoder_only:
+        return Verdict(s, Support.REFUSED, "encoder-only: no cache between forward passes, nothing to store")
+    categories = {g.category for g in spec.groups}
+    if KVCategory.LINEAR_STATE in categories:
+        return Verdict(s, Support.REFUSED, _SGLANG_HYBRID)
+    for g in spec.groups:
+        part = g.part
+        key, value = getattr(part, "key_shape", None), getattr(part, "value_shape", None)
+        if g.category is not KVCategory.MLA_LATENT and key is not None and value is not None and key[1] != value[1]:
+            return Verdict(s, Support.REFUSED, f"MHA with K head dim {key[1]} != V head dim {value[1]} is not "
+                                               "supported (pages.geometry_of)")
+    pools = sorted(k.value for k in PoolKind)
+    if spec.encoder_decoder:
+        return Verdict(s, Support.AT_START_UP, f"the host pool SGLang builds for an encoder-decoder model must be "
+                                               f"one of {pools}")
+    if categories & {KVCategory.SLIDING_WINDOW, KVCategory.CHUNKED_LOCAL}:
+        return Verdict(s, Support.AT_START_UP, "sliding-window / chunked layers: refused if SGLang runs them with "
+                                               "a separate sliding-window host pool (hybrid SWA memory), accepted "
+                                               "with one full-size pool")
+    pool = PoolKind.MLA if KVCategory.MLA_LATENT in categories else PoolKind.MHA
+    return Verdict(s, Support.SUPPORTED, f"{pool.value} pool; checked at start-up: host layout in "
+                                         f"{list(SUPPORTED_LAYOUTS)}, no decode context parallelism")
+
+
+def _kinds(categories: set[Any]) -> str:
+    return " + ".join(sorted(c.name for c in categories))
+
+
+def integration_verdicts(spec: ModelKVSpec) -> tuple[Verdict, ...]:
+    """One verdict per integration for a model whose KV spec kvengine derives."""
+    return _hf_verdict(spec), _vllm_verdict(spec), _sglang_verdict(spec)
+
+
+def refused_verdicts(reason: str) -> tuple[Verdict, ...]:
+    """The verdicts for a config kvengine's registry refuses (``reason``): the HF loop refuses it (attach calls
+    derive_spec); the vLLM connector and the SGLang backend plan from what their engine declares at start-up."""
+    later = "kvengine's registry cannot describe this config (see the HF verdict); the {who} decides from " \
+            "{what} at start-up"
+    vllm = later.format(who="connector", what="vLLM's KV cache groups")
+    sglang = later.format(who="backend", what="the host pool SGLang registers")
+    return (Verdict(Integration.HF, Support.REFUSED, reason), Verdict(Integration.VLLM, Support.AT_START_UP, vllm),
+            Verdict(Integration.SGLANG, Support.AT_START_UP, sglang))
 
 
 def _human(n: float) -> str:
@@ -28,16 +195,24 @@ def _human(n: float) -> str:
 
 
 def inspect_report(path: str, *, chunk_size: int = 256, dtype: str | None = None) -> dict[str, Any]:
-    """The inspection as a JSON-able dict; ``refused`` is set instead of ``groups`` for refused models."""
-    from kvengine.semantics import derive_spec, load_model_config
+    """The inspection as a JSON-able dict; ``refused`` is set instead of ``groups`` for refused models.
+
+    :raises ModelConfigError: the config is missing, unreadable or malformed (a user error, not a refusal).
+    """
+    from kvengine.semantics import ModelConfigError, derive_spec, load_model_config
 
     out: dict[str, Any] = {"source": path, "chunk_size": chunk_size}
     try:
-        config = load_model_config(path)
-        spec = derive_spec(config, dtype=dtype)
+        spec = derive_spec(load_model_config(path), dtype=dtype)
+    except ModelConfigError:
+        raise
     except UnsupportedModelError as exc:
         out["refused"] = str(exc)
+        out["integrations"] = [v.as_dict() for v in refused_verdicts(str(exc))]
         return out
+    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as exc:  # values it cannot hold
+        detail = " ".join(str(exc).split())[:300]
+        raise ModelConfigError(f"{path}: malformed model config ({type(exc).__name__}: {detail})") from None
     out.update(
         model_type=spec.model_type,
         architecture=spec.architecture,
@@ -46,6 +221,7 @@ def inspect_report(path: str, *, chunk_size: int = 256, dtype: str | None = None
         kv_spec_fingerprint=spec.fingerprint,
         notes=list(spec.notes),
     )
+    out["integrations"] = [v.as_dict() for v in integration_verdicts(spec)]
     if spec.encoder_only:
         out["refused"] = "encoder-only model: it keeps no cache between forward passes, nothing to store"
         out["groups"] = []
@@ -100,17 +276,24 @@ def _print_text(rep: dict[str, Any]) -> None:
         print(f"note          {note}")
     if "refused" in rep:
         print(f"REFUSED       {rep['refused']}")
+    if rep.get("integrations"):
+        print()
+        print("integrations")
+        for v in rep["integrations"]:
+            print(f"    {v['name'] + ':':<24}{v['verdict']}: {v['reason']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvengine inspect``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="kvengine inspect", description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", help="model directory or config.json")
+    parser = _Parser(prog="kvengine inspect", description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", help="model directory (holding config.json) or a config.json file")
     parser.add_argument("--list-refused", action="store_true",
-                        help="list the families and features kvengine refuses, with reasons")
-    parser.add_argument("--chunk-size", type=int, default=256)
-    parser.add_argument("--dtype", default=None, help="cache dtype (default: the config's dtype, else float32)")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+                        help="list the families and features kvengine refuses, with reasons, and exit")
+    parser.add_argument("--chunk-size", type=int, default=256, metavar="TOKENS",
+                        help="tokens per chunk, for the per-chunk sizes and reuse plans (default 256)")
+    parser.add_argument("--dtype", default=None, metavar="DTYPE",
+                        help=f"cache dtype, one of {', '.join(DTYPES)} (default: the config's dtype, else float32)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     args = parser.parse_args(argv)
     if args.list_refused:
         from kvengine.semantics import refusal_reasons
@@ -122,10 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("a model directory or config.json is required (or --list-refused)")
     if args.chunk_size <= 0:
         parser.error("--chunk-size must be positive")
+    if args.dtype is not None and args.dtype.removeprefix("torch.") not in DTYPES:
+        parser.error(f"--dtype {args.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     try:
         rep = inspect_report(args.model, chunk_size=args.chunk_size, dtype=args.dtype)
-    except KVEngineError as exc:
-        print(f"kvengine inspect: {exc}", file=sys.stderr)
+    except KVEngineError as exc:  # ModelConfigError (a refused family is reported, not raised)
+        print(f"kvengine inspect: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
         print(json.dumps(rep, indent=2))

@@ -17,6 +17,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from kvengine.transports.local_disk import delete_namespace_records, records_per_namespace
 from kvengine.trust.quarantine import QuarantineEntry, read_markers, read_namespace_notes, remove_marker
@@ -36,21 +37,29 @@ def _describe(entry: QuarantineEntry, disk: Path, counts: dict[str, int]) -> str
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2), not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvengine quarantine", description=__doc__,
+    parser = _Parser(prog="kvengine quarantine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
     ls = sub.add_parser("list", help="show the quarantined namespaces of a disk tier")
     ls.add_argument("--disk", type=Path, required=True, help="the disk tier's directory (disk.path)")
     purge = sub.add_parser("purge", help="delete the records and markers of quarantined namespaces")
     purge.add_argument("--disk", type=Path, required=True, help="the disk tier's directory (disk.path)")
-    purge.add_argument("roots", nargs="*", help="roots to purge (as 'list' shows them)")
+    purge.add_argument("roots", nargs="*", help="roots to purge (as 'list' shows them); or --all")
     purge.add_argument("--all", action="store_true", help="purge every quarantined namespace")
     args = parser.parse_args(argv)
 
     disk: Path = args.disk
     if not disk.is_dir():
-        print(f"kvengine quarantine: --disk {disk} is not a directory", file=sys.stderr)
+        print(f"kvengine quarantine: --disk {disk}: {'not a directory' if disk.exists() else 'no such directory'}",
+              file=sys.stderr)
         return 2
     entries = {e.root: e for e in read_markers(disk)}
     counts = records_per_namespace(disk)

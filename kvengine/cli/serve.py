@@ -32,13 +32,27 @@ import argparse
 import asyncio
 import os
 import signal
+import ssl
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from kvengine.chunks.keys import DIGEST_BYTES, NamespaceDigest
 from kvengine.errors import ConfigError, KVEngineError
+
+EXIT_USAGE = 2
+
+
+class FileOptionError(ConfigError):
+    """A file or directory an option names is missing or malformed (exit status 2, like an argument error)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2), not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _size(text: str) -> int:
@@ -60,29 +74,30 @@ def _namespace(text: str) -> NamespaceDigest:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``serve`` options, added to ``parser`` (a CLI subcommand's) or to a parser of their own."""
-    p = parser or argparse.ArgumentParser(prog="kvengine serve", description=__doc__.split("\n")[0])
-    p.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on (port 0: any)")
+    p = parser or _Parser(prog="kvengine serve", description=__doc__.split("\n")[0])
+    p.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on (required; port 0: any free port)")
     p.add_argument("--transport", choices=("zmq", "tcp", "ucx"), default="zmq",
-                   help="zmq (CURVE), tcp (own framing, bounded before buffering; TLS) or ucx")
-    p.add_argument("--disk", metavar="DIR", help="serve a local-disk tier in DIR instead of memory")
+                   help="zmq (CURVE), tcp (own framing, bounded before buffering; TLS) or ucx (default zmq)")
+    p.add_argument("--disk", metavar="DIR", help="serve a local-disk tier in DIR instead of memory (default: memory)")
     p.add_argument("--capacity", type=_size, default=_size("4GiB"), help="store capacity (default 4GiB)")
     p.add_argument("--namespace", type=_namespace, action="append", metavar="HEX",
                    help="serve only this namespace digest (repeatable; default: all)")
-    p.add_argument("--max-concurrent", type=int, default=8, help="requests served at once")
-    p.add_argument("--no-verify-puts", action="store_true", help="check put records' headers only, not payloads")
+    p.add_argument("--max-concurrent", type=int, default=8, help="requests served at once (default 8)")
+    p.add_argument("--no-verify-puts", action="store_true", help="check put records' headers only, not payloads (default: verify payloads too)")
     p.add_argument("--secret-file", metavar="FILE",
                    help="the peer group's shared secret: puts must carry a record MAC that verifies under it "
                         "(required off loopback unless CURVE is on)")
-    p.add_argument("--curve-cert", metavar="FILE", help="server secret certificate (turns CURVE on)")
-    p.add_argument("--curve-allow", metavar="DIR", help="admit only clients whose public certificates are here")
-    p.add_argument("--tls-cert", metavar="FILE", help="tcp: server certificate, PEM (turns TLS on)")
-    p.add_argument("--tls-key", metavar="FILE", help="tcp: the certificate's private key, PEM")
+    p.add_argument("--curve-cert", metavar="FILE", help="server secret certificate (turns CURVE on; default: off)")
+    p.add_argument("--curve-allow", metavar="DIR", help="admit only clients whose public certificates are here (needs --curve-cert)")
+    p.add_argument("--tls-cert", metavar="FILE", help="tcp: server certificate, PEM (turns TLS on; default: off)")
+    p.add_argument("--tls-key", metavar="FILE", help="tcp: the certificate's private key, PEM (default: read from --tls-cert)")
     p.add_argument("--tls-ca", metavar="FILE", help="tcp: admit only clients with a certificate this CA signed")
     p.add_argument("--message-timeout", type=float, default=5.0, metavar="S",
                    help="tcp: a message must arrive whole within this time of its first byte (default 5)")
     p.add_argument("--tenants", metavar="FILE",
                    help="per-tenant access control by client key (needs --curve-cert, or --tls-ca with tcp)")
-    p.add_argument("--claims", metavar="FILE", help="where tenants' namespace claims are kept")
+    p.add_argument("--claims", metavar="FILE", help="where tenants' namespace claims are kept (default DIR/tenant-claims.json with --disk, "
+                                                       "else in memory)")
     return p
 
 
@@ -101,7 +116,10 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     from kvengine.transports.peer_client import read_secret, require_protection
     from kvengine.transports.peer_service import ServerOptions
 
-    secret = read_secret(args.secret_file)
+    try:
+        secret = read_secret(args.secret_file)
+    except ConfigError as exc:
+        raise FileOptionError(f"--secret-file: {exc}") from None
     _check_wire_options(args)
     require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert or args.tls_cert), what="--bind")
     gate = _gatekeeper(args)
@@ -116,6 +134,10 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
         if args.tls_cert:
             tls = TlsConfig(cert=Path(args.tls_cert), key=Path(args.tls_key) if args.tls_key else None,
                             ca=Path(args.tls_ca) if args.tls_ca else None)
+            try:  # load the files now, so that a bad one is reported as such before anything starts
+                tls.server_context()
+            except (ConfigError, ssl.SSLError) as exc:
+                raise FileOptionError(f"--tls-cert/--tls-key/--tls-ca: {_one_line(exc)}") from None
         return TcpPeerServer(store, args.bind, options, TcpServerOptions(tls=tls, message_timeout=args.message_timeout))
     if args.transport == "ucx":
         os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
@@ -131,12 +153,20 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     if args.curve_cert:
         import zmq.auth
 
-        public, secret = zmq.auth.load_certificate(args.curve_cert)
+        try:
+            public, secret = zmq.auth.load_certificate(args.curve_cert)
+        except (OSError, ValueError, KeyError) as exc:
+            raise FileOptionError(f"--curve-cert {args.curve_cert}: not a readable CURVE certificate ({exc})") \
+                from None
         if secret is None:
-            raise ConfigError(f"{args.curve_cert} holds no secret key")
+            raise FileOptionError(f"--curve-cert {args.curve_cert} holds no secret key")
         allowed = gate.policy.client_keys if gate is not None else None
         if args.curve_allow:
-            allowed = (allowed or frozenset()) | frozenset(zmq.auth.load_certificates(args.curve_allow))
+            try:
+                allowed = (allowed or frozenset()) | frozenset(zmq.auth.load_certificates(args.curve_allow))
+            except (OSError, ValueError, KeyError) as exc:
+                raise FileOptionError(f"--curve-allow {args.curve_allow}: cannot load client certificates "
+                                      f"({exc})") from None
         curve = CurveConfig(public_key=public, secret_key=secret, allowed_clients=allowed)
     return ZmqPeerServer(store, args.bind, options, ZmqOptions(curve=curve))
 
@@ -167,7 +197,11 @@ def _gatekeeper(args: argparse.Namespace) -> Any:
     from kvengine.transports.tenants import ClaimBook, Gatekeeper, load_tenants
 
     claims = args.claims or (os.path.join(args.disk, "tenant-claims.json") if args.disk else None)
-    return Gatekeeper(load_tenants(args.tenants), ClaimBook(claims))
+    try:
+        policy = load_tenants(args.tenants)
+    except ConfigError as exc:
+        raise FileOptionError(f"--tenants: {exc}") from None
+    return Gatekeeper(policy, ClaimBook(claims))
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -195,12 +229,40 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; ``args`` as parsed by :func:`build_parser`. Returns the exit status."""
     if args.max_concurrent < 1:
         print("kvengine serve: --max-concurrent must be >= 1", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
+        _check_wire_options(args)  # option combinations first: they name what is missing
+        _check_files(args)
         return asyncio.run(_serve(args))
+    except FileOptionError as exc:  # a missing or malformed file: the caller's to fix
+        print(f"kvengine serve: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except ssl.SSLError as exc:  # certificate / key files that do not load
+        files = ", ".join(f for f in (args.tls_cert, args.tls_key, args.tls_ca) if f)
+        print(f"kvengine serve: TLS files {files} do not load: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except (KVEngineError, OSError) as exc:
-        print(f"kvengine serve: {exc}", file=sys.stderr)
+        print(f"kvengine serve: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    """Every file and directory option names one that exists, before anything starts (else
+    :class:`FileOptionError`)."""
+    for option, path, want_dir in (("--secret-file", args.secret_file, False), ("--curve-cert", args.curve_cert, False),
+                                   ("--curve-allow", args.curve_allow, True), ("--tls-cert", args.tls_cert, False),
+                                   ("--tls-key", args.tls_key, False), ("--tls-ca", args.tls_ca, False),
+                                   ("--tenants", args.tenants, False)):
+        if path is None:
+            continue
+        if want_dir and not os.path.isdir(path):
+            raise FileOptionError(f"{option} {path}: no such directory")
+        if not want_dir and not os.path.isfile(path):
+            raise FileOptionError(f"{option} {path}: no such file")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,13 +9,20 @@
 from __future__ import annotations
 
 from .canary import CanaryReport, CanaryTolerance, GroupMismatch, compare_states, tolerance_for
-from .families import REFUSED_FAMILIES, derive_spec, known_model_types, load_model_config, refusal_reasons
+from .families import (
+    REFUSED_FAMILIES,
+    ModelConfigError,
+    derive_spec,
+    known_model_types,
+    load_model_config,
+    refusal_reasons,
+)
 from .policies import POLICIES, MatchRule, ReusePolicy, Storage, policy_for
 from .spec import AttentionPart, LayerGroup, LayerSpec, ModelKVSpec, StatePart
 
 __all__ = [
     "POLICIES", "REFUSED_FAMILIES", "AttentionPart", "CanaryReport", "CanaryTolerance", "GroupMismatch",
-    "LayerGroup", "LayerSpec", "MatchRule", "ModelKVSpec", "ReusePolicy", "StatePart", "Storage",
+    "LayerGroup", "LayerSpec", "MatchRule", "ModelConfigError", "ModelKVSpec", "ReusePolicy", "StatePart", "Storage",
     "compare_states", "derive_spec", "known_model_types", "load_model_config", "policy_for", "refusal_reasons",
     "tolerance_for",
 ]

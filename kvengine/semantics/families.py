@@ -12,6 +12,7 @@ reuse raises :class:`UnsupportedModelError` naming it. Nothing is derived
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Callable
@@ -340,24 +341,55 @@ def _derive_encoder_decoder(config: Any, model_type: str, arch: str, family: Fam
                        notes=("decoder chunks are keyed by the encoder input's digest (namespace extra key)",))
 
 
+class ModelConfigError(UnsupportedModelError):
+    """The model config itself is missing, unreadable or malformed (a caller mistake, not a refusal of the model).
+
+    A subclass of :class:`UnsupportedModelError` so that callers catching that keep working; commands
+    tell the two apart (``kvengine inspect`` exits 2 for this one, 1 for a refusal)."""
+
+
+def _unknown_model_type(model_type: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(model_type, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"model_type {model_type!r} is unknown to transformers{hint}"
+
+
+def _decode_special_floats(obj: dict[str, Any]) -> Any:
+    # transformers' save_pretrained writes inf / nan as {"__float__": "Infinity"} (e.g. Mamba2's time_step_limit).
+    if len(obj) == 1 and isinstance(obj.get("__float__"), str):
+        return float(obj["__float__"])
+    return obj
+
+
 def load_model_config(path: str | os.PathLike[str]) -> Any:
-    """A transformers config from a model directory or a ``config.json`` (local files only)."""
+    """A transformers config from a model directory or a ``config.json`` (local files only).
+
+    :raises ModelConfigError: no such file, not JSON, no ``model_type``, a ``model_type`` transformers does not
+        know (naming close matches), or values transformers rejects.
+    :raises UnsupportedModelError: a refused family.
+    """
     try:
-        from transformers import AutoConfig
+        from transformers import CONFIG_MAPPING, AutoConfig
     except ImportError:  # pragma: no cover - depends on the environment
         raise UnsupportedModelError("reading model configs needs transformers: pip install 'kvengine[hf]'") from None
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
     try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UnsupportedModelError(f"cannot read model config {file}: {exc}") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise UnsupportedModelError(f"{file} has no model_type; cannot tell which cache the model keeps")
+        data = json.loads(file.read_text(), object_hook=_decode_special_floats)
+    except OSError as exc:
+        raise ModelConfigError(f"cannot read model config {file}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"cannot read model config {file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ModelConfigError(f"{file} has no model_type; cannot tell which cache the model keeps")
     model_type = data.pop("model_type")
     if model_type in REFUSED_FAMILIES:
         raise UnsupportedModelError(f"model_type '{model_type}' is refused: {REFUSED_FAMILIES[model_type]}")
+    known = list(CONFIG_MAPPING.keys())
+    if model_type not in known:
+        raise ModelConfigError(f"{file}: {_unknown_model_type(model_type, known)}")
     try:
         return AutoConfig.for_model(model_type, **data)
-    except ValueError as exc:
-        raise UnsupportedModelError(f"model_type '{model_type}' is unknown to transformers: {exc}") from None
+    except Exception as exc:  # any failure to build it from the file's values is the file's
+        detail = " ".join(str(exc).split())[:300]
+        raise ModelConfigError(f"{file}: transformers cannot build a {model_type!r} config from it: {detail}") from None

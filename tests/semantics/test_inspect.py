@@ -1,4 +1,5 @@
-"""``kvengine inspect``: per-group report from config.json alone; refusals exit 1 with the reason."""
+"""``kvengine inspect``: per-group report and per-integration verdicts from config.json alone; refusals exit 1
+with the reason, user errors exit 2 with one line."""
 
 from __future__ import annotations
 
@@ -52,10 +53,155 @@ def test_refused_model_exits_1_with_reason(tmp_path, capsys, model_type, reason)
     assert "REFUSED" in out and reason in out
 
 
-def test_unreadable_path_is_refused(tmp_path, capsys):
-    """A path with no readable model config exits 1, saying so."""
-    assert main([str(tmp_path / "nope")]) == 1
-    assert "cannot read model config" in capsys.readouterr().out
+def _one_line_error(capsys) -> str:
+    cap = capsys.readouterr()
+    assert "Traceback" not in cap.err and cap.out == ""
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1, cap.err
+    return lines[0]
+
+
+def verdicts(out: str) -> dict[str, str]:
+    """The per-integration lines of the text report, by integration label."""
+    lines = out.split("\nintegrations\n", 1)[1].splitlines()
+    return {line.strip().split(":", 1)[0]: line.strip().split(":", 1)[1].strip() for line in lines if line.strip()}
+
+
+def test_unreadable_path_is_a_user_error(tmp_path, capsys):
+    """A path with no model config (missing file, directory without config.json) is one line on stderr, exit 2."""
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "cannot read model config" in _one_line_error(capsys)
+    assert main([str(tmp_path)]) == 2
+    assert "config.json" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{not json", "not valid JSON"),
+    ('["llama"]', "has no model_type"),
+    ('{"hidden_size": 8}', "has no model_type"),
+    ('{"model_type": "llama", "num_attention_heads": "many"}', "transformers cannot build a 'llama' config"),
+])
+def test_malformed_config_is_a_user_error(tmp_path, capsys, text, message):
+    """A config.json that is not JSON, has no model_type or holds values the spec cannot use: one line, exit 2."""
+    (tmp_path / "config.json").write_text(text)
+    assert main([str(tmp_path)]) == 2
+    assert message in _one_line_error(capsys)
+
+
+def test_unknown_model_type_suggests_close_names(tmp_path, capsys):
+    """An unknown model_type is named with close matches, not transformers' list of every model type (exit 2)."""
+    (tmp_path / "config.json").write_text('{"model_type": "lama"}')
+    assert main([str(tmp_path)]) == 2
+    line = _one_line_error(capsys)
+    assert "model_type 'lama' is unknown to transformers; did you mean" in line and "'llama'" in line
+    assert len(line) < 300
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "float8_e4m3fn", "int8"])
+def test_unsupported_dtype_names_the_allowed_values(tmp_path, capsys, dtype):
+    """--dtype outside float32/float16/bfloat16 is a one-line usage error (exit 2) naming the allowed values."""
+    model_type, kw, _ = TINY_CONFIGS["llama"]
+    with pytest.raises(SystemExit) as info:
+        main([str(save(tmp_path, model_type, **kw)), "--dtype", dtype])
+    assert info.value.code == 2
+    line = _one_line_error(capsys)
+    assert repr(dtype) in line and "float32, float16, bfloat16" in line
+
+
+def test_llama_is_supported_by_every_integration(tmp_path, capsys):
+    """Llama: the HF loop, the vLLM connector and the SGLang backend all accept it (vLLM and SGLang listing what
+    they check at start-up); the per-group output is still there."""
+    model_type, kw, _ = TINY_CONFIGS["llama"]
+    assert main([str(save(tmp_path, model_type, **kw)), "--chunk-size", "16", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "FULL_ATTENTION" in out and "match at" in out
+    v = verdicts(out)
+    assert set(v) == {"HF generate loop", "vLLM connector", "SGLang HiCache backend"}
+    assert all(text.startswith("supported:") for text in v.values()), v
+    assert "CPU_ATTN" in v["vLLM connector"] and "MHATokenToKVPoolHost" in v["SGLang HiCache backend"]
+
+
+def test_mla_is_refused_by_vllm_only(tmp_path, capsys):
+    """DeepSeek-V2 (MLA): the HF loop and SGLang (MLA host pool) accept it; the vLLM connector refuses it because
+    it declares the layers as MLAAttentionSpec, a spec class it has not validated."""
+    model_type, kw, _ = TINY_CONFIGS["deepseek_v2"]
+    assert main([str(save(tmp_path, model_type, **kw)), "--chunk-size", "16"]) == 0
+    v = verdicts(capsys.readouterr().out)
+    assert v["HF generate loop"].startswith("supported:")
+    assert v["vLLM connector"].startswith("refused:") and "MLAAttentionSpec" in v["vLLM connector"]
+    assert v["SGLang HiCache backend"].startswith("supported:") and "MLATokenToKVPool" in v["SGLang HiCache backend"]
+
+
+@pytest.mark.parametrize(("name", "vllm", "sglang"), [
+    ("qwen3_next", "supported:", "refused:"),  # GDN state: vLLM's GDN_ATTN is validated (in 'align' mode)
+    ("granitemoehybrid", "refused:", "refused:"),  # Mamba2 state: not a validated vLLM state backend
+    ("gemma2", "supported:", "checked at start-up:"),  # sliding window: SGLang's pool choice decides
+    ("t5", "refused:", "checked at start-up:"),  # encoder-decoder: check_vllm_config refuses it
+])
+def test_hybrid_and_other_verdicts(tmp_path, capsys, name, vllm, sglang):
+    """Hybrids, sliding window and encoder-decoder models get what each integration really does with them."""
+    model_type, kw, _ = TINY_CONFIGS[name]
+    assert main([str(save(tmp_path, model_type, **kw)), "--chunk-size", "16"]) == 0
+    v = verdicts(capsys.readouterr().out)
+    assert v["HF generate loop"].startswith("supported:")
+    assert v["vLLM connector"].startswith(vllm), v
+    assert v["SGLang HiCache backend"].startswith(sglang), v
+    if name == "qwen3_next":
+        assert "mamba_cache_mode 'align'" in v["vLLM connector"]
+        assert "register_mem_host_pool_v2" in v["SGLang HiCache backend"]
+
+
+def test_json_lists_the_verdicts(tmp_path, capsys):
+    """--json carries one verdict object per integration."""
+    model_type, kw, _ = TINY_CONFIGS["deepseek_v2"]
+    assert main([str(save(tmp_path, model_type, **kw)), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [(v["integration"], v["verdict"]) for v in rep["integrations"]] == [
+        ("hf", "supported"), ("vllm", "refused"), ("sglang", "supported")]
+
+
+def test_hf_verdict_uses_the_derivation_attach_uses():
+    """Drift guard: the HF verdict is built from derive_spec, the very function attach() calls."""
+    from kvengine.integrations.hf import attaching
+    from kvengine.semantics import derive_spec
+
+    assert attaching.derive_spec is derive_spec
+
+
+def test_vllm_verdict_mirrors_the_connector_checks():
+    """Drift guard: the spec classes, backends and refusals the vLLM verdict encodes are those of
+    integrations/vllm/layout.py and connector.py (read as text: vLLM is not installed here)."""
+    from pathlib import Path
+
+    from kvengine.cli import inspect
+    from kvengine.integrations.vllm import layout
+
+    root = Path(layout.__file__).parent
+    text = (root / "layout.py").read_text()
+    assert "(supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode)" in text
+    assert "if type(spec) is FullAttentionSpec:" in text  # so MLAAttentionSpec (a subclass) is refused
+    assert layout.STATE_BACKENDS == {"GDN_ATTN"}
+    assert [k for k, b in inspect._VLLM_STATE_BACKEND.items() if b in layout.STATE_BACKENDS] == ["gated_delta_net"]
+    assert "is_encoder_decoder" in (root / "connector.py").read_text()
+
+
+def test_sglang_verdict_mirrors_the_backend_checks():
+    """Drift guard: the SGLang verdict's pools match integrations/sglang (pages.PoolKind, the hybrid refusal)."""
+    from pathlib import Path
+
+    from kvengine.integrations.sglang import pages
+
+    assert {k.value for k in pages.PoolKind} == {"MHATokenToKVPoolHost", "MLATokenToKVPoolHost"}
+    backend = (Path(pages.__file__).parent / "backend.py").read_text()
+    assert "def register_mem_host_pool_v2" in backend and "raise UnsupportedModelError(_HYBRID_REFUSAL" in backend
+
+
+def test_help_describes_every_option(capsys):
+    """Every option of kvengine inspect has help text; those with a default name it."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "(default 256)" in out and "float32, float16, bfloat16" in out and "as JSON" in out
 
 
 def test_list_refused_prints_every_reason(capsys):
