@@ -5,7 +5,8 @@
        python examples/sglang_hicache.py flags --disk /var/cache/kvengine --memory 8GiB
 
 2. Drive the backend the way SGLang's controller does, on CPU, with a real
-   SGLang host pool (needs .venv-sglang: ``bash scripts/setup_sglang.sh``)::
+   SGLang host pool (needs SGLang 0.5.23: ``bash scripts/setup_sglang.sh``
+   makes .venv-sglang; exit 2 with that hint when SGLang is missing)::
 
        .venv-sglang/bin/python examples/sglang_hicache.py demo
 
@@ -17,13 +18,112 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import json
 import shlex
 import sys
 import tempfile
-from pathlib import Path
+import types
 
-REPO = Path(__file__).resolve().parents[1]
+INSTALL = ("pip install --no-deps 'sglang==0.5.23' plus the modules its imports need "
+           "(bash scripts/setup_sglang.sh does both, into .venv-sglang)")
+HOST_BUDGET_BYTES = 64 << 30
+
+
+def require(module: str, install: str) -> None:
+    """Exit 2 with one line naming the install command when ``module`` is not installed."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != module:
+            raise  # installed but broken: the real error says more than an install hint
+        print(f"examples/sglang_hicache.py demo needs {module}, which is not installed; install it with: {install}",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+# -- SGLang on a CPU box, outside a server (quirks of SGLang, not of the backend) ---------------------
+class _Unavailable:
+    """Stands for any torchvision attribute; using it says why it is missing."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        raise RuntimeError(f"{self._name}: torchvision is stubbed out in this example")
+
+    def __getattr__(self, attr: str) -> _Unavailable:
+        return _Unavailable(f"{self._name}.{attr}")
+
+    def __mro_entries__(self, bases: tuple) -> tuple:  # ``class X(torchvision.Foo)``
+        return (object,)
+
+
+class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """SGLang's config package imports torchvision at load time; the PyPI build is CUDA-only."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []  # a package, so submodules import
+        module.__getattr__ = lambda attr, _n=spec.name: _Unavailable(f"{_n}.{attr}")  # type: ignore[attr-defined]
+        if spec.name == "torchvision":
+            module.__version__ = "0.0.0+kvengine-stub"  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def install_shims() -> None:
+    """Stub torchvision when absent; give SGLang's host pools a fixed budget (it reserves 10 GiB of RAM)."""
+    if importlib.util.find_spec("torchvision") is None:
+        sys.meta_path.insert(0, _TorchvisionStub())
+    import sglang.srt.mem_cache.pool_host.base as pool_base
+    import sglang.srt.mem_cache.pool_host.mha as pool_mha
+    import sglang.srt.mem_cache.pool_host.mla as pool_mla
+
+    def budget(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+        return HOST_BUDGET_BYTES
+
+    for module in (pool_base, pool_mha, pool_mla):
+        if hasattr(module, "host_memory_budget_bytes"):
+            module.host_memory_budget_bytes = budget  # type: ignore[attr-defined]
+
+
+def make_mha_pools(layout: str, *, layers: int = 3, heads: int = 2, head_dim: int = 8, page: int = 16,
+                   device_tokens: int = 256):
+    """A CPU ``MHATokenToKVPool`` and its ``MHATokenToKVPoolHost`` (twice its size) in ``layout``."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool(device_tokens, page, torch.bfloat16, heads, head_dim, layers, "cpu", False,
+                              start_layer=0, end_layer=layers)
+    host = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout, pin_memory=False,
+        device="cpu", device_capacity_tokens=device.size, start_layer=device.start_layer,
+        end_layer=device.end_layer,
+    )
+    return device, host
+
+
+def storage_config(*, layout: str = "page_first", extra: dict | None = None):
+    """What SGLang's controller hands a storage backend, for one rank (tp=pp=cp=1)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
+        model_name="tiny/example-model", extra_config=dict(extra or {}),
+    )
 
 
 def server_flags(disk: str | None, memory: str, model: str | None) -> list[str]:
@@ -41,10 +141,8 @@ def server_flags(disk: str | None, memory: str, model: str | None) -> list[str]:
 
 
 def demo() -> int:
-    sys.path.insert(0, str(REPO))
-    from tests.integrations import sglang_env  # SGLang's CPU quirks (torchvision stub, host budget)
-
-    sglang_env.install_shims()
+    require("sglang", INSTALL)
+    install_shims()
     import torch
     from sglang.srt.mem_cache.utils import get_hash_str
 
@@ -53,7 +151,7 @@ def demo() -> int:
     from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
 
     page = 16
-    _, host = sglang_env.make_mha_pools("page_first")
+    _, host = make_mha_pools("page_first")
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape))
     tokens = list(range(1000, 1000 + 8 * page))
     keys = get_hash_str(tokens, None, page_size=page)  # SGLang's page hash chain
@@ -61,7 +159,7 @@ def demo() -> int:
 
     with tempfile.TemporaryDirectory() as disk:
         def open_backend() -> KVEngineHiCacheStorage:
-            config = sglang_env.storage_config(extra=extra_config(kvengine_config={
+            config = storage_config(extra=extra_config(kvengine_config={
                 "memory": {"capacity_bytes": "64MiB"}, "disk": {"path": disk}},
                 model_fingerprint="demo-random-pages"))  # a real server hashes its model's weight files
             backend = KVEngineHiCacheStorage(config, {})  # what SGLang's factory does ...
@@ -81,9 +179,9 @@ def demo() -> int:
         print("bit-exact:", same)
         backend.close()
 
-    _, page_head = sglang_env.make_mha_pools("page_head")
+    _, page_head = make_mha_pools("page_head")
     try:
-        KVEngineHiCacheStorage(sglang_env.storage_config(layout="page_head", extra=extra_config()), {}) \
+        KVEngineHiCacheStorage(storage_config(layout="page_head", extra=extra_config()), {}) \
             .register_mem_pool_host(page_head)
     except UnsupportedModelError as exc:
         print("refused:", exc)
@@ -97,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     flags.add_argument("--disk", default=None, help="disk tier directory (omit: memory only)")
     flags.add_argument("--memory", default="4GiB", help="kvengine memory tier capacity")
     flags.add_argument("--model", default=None, help="model identity for the namespace (default: SGLang's)")
-    sub.add_parser("demo", help="store and load pages through a real SGLang host pool (needs .venv-sglang)")
+    sub.add_parser("demo", help="store and load pages through a real SGLang host pool (needs SGLang: .venv-sglang)")
     args = parser.parse_args(argv)
     if args.cmd == "flags":
         print("python -m sglang.launch_server --model-path MODEL " + shlex.join(
