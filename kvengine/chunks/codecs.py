@@ -50,9 +50,11 @@ class RawCodec:
 class CodecRegistry:
     """Codecs known to this process, by id and by name. Pass it where needed."""
 
-    def __init__(self, codecs: list[Codec] | None = None) -> None:
+    def __init__(self, codecs: list[Codec] | None = None, *, unavailable: dict[str, str] | None = None) -> None:
         self._by_id: dict[int, Codec] = {}
         self._by_name: dict[str, Codec] = {}
+        #: Codecs this process knows of but cannot run, with what is missing (asked for: a clear error).
+        self._unavailable = dict(unavailable or {})
         for codec in codecs or [RawCodec()]:
             self.add(codec)
 
@@ -66,6 +68,8 @@ class CodecRegistry:
         try:
             return self._by_name[name]
         except KeyError:
+            if name in self._unavailable:
+                raise ValueError(f"codec {name!r} is not available here: {self._unavailable[name]}") from None
             raise ValueError(f"unknown codec {name!r}; known: {sorted(self._by_name)}") from None
 
     def by_id(self, codec_id: int) -> Codec:

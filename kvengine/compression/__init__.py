@@ -26,11 +26,23 @@ from __future__ import annotations
 
 from kvengine.chunks.codecs import Codec, CodecRegistry, RawCodec
 
-from .lossless import BloscCodec, BloscScheme, Shuffle, lossless_codecs
 from .quantize import Format, Grouping, QuantCodec, QuantScheme, lossy_codecs
 
+#: The lossless codecs, by name: they need blosc2, the ``[compression]`` extra (a C library and about
+#: 17 packages), so a process without it still runs raw and lossy codecs and names what is missing.
+LOSSLESS_NAMES = ("lz4-byteshuffle", "lz4-bitshuffle", "zstd-byteshuffle", "zstd-bitshuffle")
+BLOSC2_MISSING = "it needs blosc2: pip install 'kvengine[compression]'"
+try:
+    from .lossless import BloscCodec, BloscScheme, Shuffle, lossless_codecs
+except ModuleNotFoundError as exc:
+    if exc.name != "blosc2":
+        raise
+    HAVE_BLOSC2 = False
+else:
+    HAVE_BLOSC2 = True
+
 __all__ = [
-    "LOSSLESS_FAMILY", "BloscCodec", "BloscScheme", "Format", "Grouping", "QuantCodec", "QuantScheme",
+    "HAVE_BLOSC2", "LOSSLESS_FAMILY", "LOSSLESS_NAMES", "BloscCodec", "BloscScheme", "Format", "Grouping", "QuantCodec", "QuantScheme",
     "Shuffle", "codec_family", "default_codecs", "error_bound", "lossless_codecs", "lossy_codecs",
 ]
 
@@ -76,4 +88,6 @@ def default_codecs(threads: int = 2) -> CodecRegistry:
     take their scales over each tensor's token dimension (its descriptor's
     ``token_dim``), and any registry decodes any writer's chunks.
     """
+    if not HAVE_BLOSC2:
+        return CodecRegistry([RawCodec(), *lossy_codecs()], unavailable=dict.fromkeys(LOSSLESS_NAMES, BLOSC2_MISSING))
     return CodecRegistry([RawCodec(), *lossless_codecs(threads), *lossy_codecs()])

@@ -487,3 +487,39 @@ def test_int8_cache_keeps_the_model_close_and_lossless_is_exact(family: str) -> 
     assert abs(int8.ppl_codec - int8.ppl_exact) / int8.ppl_exact < 0.01
     int4 = cache_quality(model, REGISTRY.by_name("int4-token-g32"), steps=30)
     assert int4.kv_rel_rms_error > 5 * int8.kv_rel_rms_error
+
+
+def test_without_blosc2_raw_and_lossy_codecs_run_and_lossless_ones_name_the_extra(tmp_path):
+    """blosc2 is the ``[compression]`` extra. In a process without it, an engine with raw or lossy tier codecs
+    starts and round-trips a chunk through its disk tier, and one configured with a lossless codec is refused
+    at start-up with a ConfigError naming the setting and the pip command."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["blosc2"] = None  # as if not installed
+        import torch
+        from kvengine import ChunkLayout, ConfigError, KVCategory, KVEngine, Namespace, TensorSpec
+        from kvengine.compression import HAVE_BLOSC2
+        assert not HAVE_BLOSC2
+        layout = ChunkLayout(4, (TensorSpec(name="kv", group=0, category=KVCategory.FULL_ATTENTION,
+                                            dtype=torch.float32, shape=(4, 8), token_dim=0),))
+        for codec in ("raw", "int8-token"):
+            cfg = {{"chunk_size": 4, "write_mode": "write_through",
+                   "disk": {{"path": r"{tmp_path}/" + codec, "codec": codec, "fsync": "never"}}}}
+            lossy = codec != "raw"
+            with KVEngine(cfg) as eng:
+                ns = Namespace(model="m", codec_family="lossy:" + codec if lossy else "lossless")
+                b = eng.bind(ns, layout)
+                assert eng.store(b, list(range(8)), lambda i, s, e: [torch.ones(4, 8) * i]).stored_chunks == 2
+        try:
+            KVEngine({{"disk": {{"path": r"{tmp_path}/z", "codec": "zstd-byteshuffle"}}}})
+        except ConfigError as exc:
+            print("REFUSED", exc)
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED disk.codec: codec 'zstd-byteshuffle' is not available here" in out.stdout
+    assert "pip install 'kvengine[compression]'" in out.stdout
