@@ -1,13 +1,26 @@
 """The one configuration object, typed and validated.
 
-Sources, later ones overriding earlier ones: defaults, a dict or YAML file,
-then ``KVENGINE_*`` environment variables. Nested keys use ``__`` in the
-environment: ``KVENGINE_MEMORY__CAPACITY_BYTES=8GiB``. Unknown keys and
-invalid values raise :class:`ConfigError` naming the key and what is allowed.
+Sources, later ones overriding earlier ones: defaults; a dict or YAML file
+(or, when none is given, the YAML file named by ``KVENGINE_CONFIG_FILE``);
+``KVENGINE_*`` environment variables; then explicit ``overrides`` (a
+command's own arguments: what a user typed is never overridden by the
+environment). Nested keys use ``__`` in the environment
+(``KVENGINE_MEMORY__CAPACITY_BYTES=8GiB``); list and mapping settings take
+JSON (``KVENGINE_PEERS__PEERS='["10.0.0.2:7400", "10.0.0.3:7400"]'``).
+Unknown keys (with did-you-mean suggestions) and invalid values raise
+:class:`ConfigError` naming the key and what is allowed. An
+:class:`EngineConfig` is final: passing one again applies nothing more.
+
+This is hand-written rather than ``pydantic-settings``: that would ignore a
+mistyped ``KVENGINE_`` variable instead of refusing it, and would make every
+``EngineConfig()`` read the process environment as a hidden input; the merge
+below is the few lines that need neither.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +32,8 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, mo
 from kvengine.errors import ConfigError
 
 ENV_PREFIX = "KVENGINE_"
+#: The YAML file to read when no configuration source is given (not a key of the configuration).
+CONFIG_FILE_VAR = "KVENGINE_CONFIG_FILE"
 
 
 class _Section(BaseModel):
@@ -173,7 +188,10 @@ def _error(exc: ValidationError) -> ConfigError:
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = f"unknown key (allowed keys: {', '.join(_allowed_keys(err['loc']))})"
+            allowed = _allowed_keys(err["loc"])
+            close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            msg = f"unknown key ({hint}allowed keys: {', '.join(allowed)})"
         lines.append(f"{key}: {msg}")
     return ConfigError("invalid kvengine configuration: " + "; ".join(lines))
 
@@ -181,7 +199,7 @@ def _error(exc: ValidationError) -> ConfigError:
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_VAR:
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         node = out
@@ -189,8 +207,21 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"environment variable {name} conflicts with another KVENGINE_ variable")
-        node[path[-1]] = None if value.lower() in ("", "none", "null") else value
+        node[path[-1]] = _env_value(name, value)
     return out
+
+
+def _env_value(name: str, value: str) -> Any:
+    """A variable's value: None for empty/none/null, JSON for lists and mappings, else the string
+    (pydantic converts it to the key's type)."""
+    if value.lower() in ("", "none", "null"):
+        return None
+    if value.lstrip()[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"environment variable {name}: not valid JSON ({exc})") from None
+    return value
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,13 +234,14 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _read(source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
-          environ: Mapping[str, str] | None) -> dict[str, Any]:
-    """The merged, not yet validated settings of ``source`` and the environment."""
-    if isinstance(source, EngineConfig):
-        data: dict[str, Any] = source.model_dump()
-    elif source is None:
-        data = {}
+def _read(source: Mapping[str, Any] | str | os.PathLike[str] | None, environ: Mapping[str, str] | None,
+          overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The merged, not yet validated settings of ``source``, the environment and ``overrides``."""
+    env = os.environ if environ is None else environ
+    if source is None and env.get(CONFIG_FILE_VAR):
+        source = env[CONFIG_FILE_VAR]
+    if source is None:
+        data: dict[str, Any] = {}
     elif isinstance(source, Mapping):
         data = dict(source)
     else:
@@ -221,7 +253,7 @@ def _read(source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | No
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"configuration file {path} must hold a mapping, got {type(loaded).__name__}")
         data = dict(loaded)
-    return _merge(data, _env_overrides(os.environ if environ is None else environ))
+    return _merge(_merge(data, _env_overrides(env)), overrides or {})
 
 
 def _validate(data: Mapping[str, Any]) -> EngineConfig:
@@ -235,12 +267,19 @@ def load_config(
     source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
-    """Build an :class:`EngineConfig` from a dict, a YAML path or nothing, plus the environment.
+    """Build an :class:`EngineConfig` from a dict, a YAML path or nothing, plus the environment, plus
+    ``overrides`` (a command's explicit arguments, which the environment never overrides).
 
+    An :class:`EngineConfig` is returned as it is (it was resolved already; ``overrides`` then raise).
     Pass ``environ={}`` to ignore the process environment.
     """
-    return _validate(_read(source, environ))
+    if isinstance(source, EngineConfig):
+        if overrides:
+            raise ConfigError("overrides apply to a dict or file source, not to a resolved EngineConfig")
+        return source
+    return _validate(_read(source, environ, overrides))
 
 
 #: ``chunk_size`` value asking an integration to derive the chunk size from its engine's block size.

@@ -53,8 +53,9 @@ async def _contained(coro: Coroutine[Any, Any, T]) -> T | _Escaped:
 class KVEngine:
     """Embedded cache engine with a blocking API.
 
-    ``config`` may be an :class:`EngineConfig`, a dict, a YAML path or None
-    (defaults); ``KVENGINE_*`` environment variables override it.
+    ``config`` may be an :class:`EngineConfig` (final, as :func:`load_config` resolved it), a dict,
+    a YAML path or None (defaults, or the file ``KVENGINE_CONFIG_FILE`` names); ``KVENGINE_*``
+    environment variables override a dict or file.
     ``transports`` replaces the tiers the configuration would build (a bare
     transport writes records with ``disk.codec``).
     """

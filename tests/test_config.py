@@ -90,3 +90,50 @@ def test_auto_is_not_a_chunk_size_for_the_core_engine():
     """The core engine has no block size to derive from: "auto" is refused there, naming the key."""
     with pytest.raises(ConfigError, match="chunk_size"):
         load_config({"chunk_size": "auto"}, environ={})
+
+
+def test_list_settings_take_json_from_the_environment():
+    """A list setting (peers.peers) can be set from the environment as JSON; invalid JSON is refused
+    naming the variable."""
+    cfg = load_config(environ={"KVENGINE_PEERS__PEERS": '["10.0.0.2:7400", "10.0.0.3:7400"]'})
+    assert cfg.peers.peers == ("10.0.0.2:7400", "10.0.0.3:7400")
+    with pytest.raises(ConfigError, match="KVENGINE_PEERS__PEERS: not valid JSON"):
+        load_config(environ={"KVENGINE_PEERS__PEERS": '["10.0.0.2:7400",'})
+
+
+def test_config_file_variable_is_read_when_no_source_is_given(tmp_path):
+    """KVENGINE_CONFIG_FILE names the YAML file used when the caller gives none; variables still override
+    it; a source the caller gives wins over the file variable."""
+    path = tmp_path / "kv.yaml"
+    path.write_text("chunk_size: 128\nmemory:\n  eviction: fifo\n")
+    env = {"KVENGINE_CONFIG_FILE": str(path), "KVENGINE_MEMORY__EVICTION": "lru"}
+    cfg = load_config(environ=env)
+    assert cfg.chunk_size == 128 and cfg.memory.eviction == "lru"
+    assert load_config({"chunk_size": 64}, environ=env).chunk_size == 64
+    with pytest.raises(ConfigError, match="cannot read configuration file .*missing.yaml"):
+        load_config(environ={"KVENGINE_CONFIG_FILE": str(tmp_path / "missing.yaml")})
+
+
+def test_explicit_overrides_win_over_the_environment():
+    """A command's explicit arguments (overrides) are never overridden by KVENGINE_ variables, which still
+    override the dict or file source."""
+    env = {"KVENGINE_CHUNK_SIZE": "512", "KVENGINE_MEMORY__CAPACITY_BYTES": "1GiB"}
+    cfg = load_config({"chunk_size": 128, "memory": {"capacity_bytes": "64MiB"}}, environ=env,
+                      overrides={"chunk_size": 64})
+    assert cfg.chunk_size == 64 and cfg.memory.capacity_bytes == 1 << 30
+
+
+def test_a_resolved_config_is_final():
+    """An EngineConfig passed again is returned as it is: the environment is not applied twice."""
+    cfg = load_config({"chunk_size": 128}, environ={})
+    assert load_config(cfg, environ={"KVENGINE_CHUNK_SIZE": "512"}) is cfg
+    with pytest.raises(ConfigError, match="resolved EngineConfig"):
+        load_config(cfg, overrides={"chunk_size": 64})
+
+
+def test_unknown_keys_suggest_the_closest_one():
+    """An unknown key, from a dict or the environment, suggests the closest allowed key."""
+    with pytest.raises(ConfigError, match="did you mean 'chunk_size'"):
+        load_config({"chunk_sise": 1}, environ={})
+    with pytest.raises(ConfigError, match="memroy.*did you mean 'memory'"):
+        load_config(environ={"KVENGINE_MEMROY__CAPACITY_BYTES": "1"})

@@ -190,7 +190,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=len(USER_TURNS), help=f"1-{len(USER_TURNS)} user turns")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="reply length limit (default 48 for SmolLM2, 24 for the random model)")
-    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default 64)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--disk", default=None, help="also use a disk tier at this directory")
@@ -212,7 +212,7 @@ def run_demo(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from kvengine import KVEngine
+    from kvengine import KVEngine, load_config
 
     from .attaching import attach
 
@@ -220,9 +220,12 @@ def run_demo(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     out = (lambda *a, **k: None) if args.quiet else tqdm.write  # keeps rows above the progress bar
-    config: dict[str, Any] = {"chunk_size": args.chunk_size}
+    # The options typed on the command line win over KVENGINE_* variables; the demo's default chunk
+    # size (64: short prompts) does not.
+    explicit: dict[str, Any] = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
     if args.disk:
-        config["disk"] = {"path": args.disk}
+        explicit["disk"] = {"path": args.disk}
+    config = load_config({"chunk_size": 64}, overrides=explicit)
 
     bars = True if args.quiet else None  # tqdm: None = only on a terminal
     with tqdm(total=2, desc="loading model + attach canary", leave=False, file=sys.stderr, disable=bars) as bar:
@@ -236,7 +239,7 @@ def run_demo(argv: list[str] | None = None) -> int:
     reports: list[TurnReport] = []
     with engine:
         out(f"model: {demo.description}, {args.dtype}")
-        out(f"engine: chunk size {args.chunk_size}, tiers: memory{' + disk' if args.disk else ''}; "
+        out(f"engine: chunk size {config.chunk_size}, tiers: memory{' + disk' if config.disk.path else ''}; "
             f"KV spec {attached.spec.fingerprint[:12]}: {attached.spec.bytes_per_token} bytes/token, canary passed")
         out("")
         out(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'saved':>6} {'TTFT plain':>11} {'TTFT cached':>12} "

