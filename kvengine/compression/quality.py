@@ -121,10 +121,15 @@ class QualityReport:
 
 @torch.inference_mode()
 def cache_quality(model: Any, codec: Codec, *, prompt_tokens: int = 96, steps: int = 50, chunk_tokens: int = 32,
-                  seed: int = 0) -> QualityReport:
-    """Compare continuing from an exact and a ``codec``-perturbed prompt cache (see module doc)."""
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=gen)
+                  seed: int = 0, prompt: torch.Tensor | None = None) -> QualityReport:
+    """Compare continuing from an exact and a ``codec``-perturbed prompt cache (see module doc).
+
+    ``prompt``: the prompt's token ids (a real model on real text); random ids of ``prompt_tokens`` if None.
+    """
+    if prompt is None:
+        gen = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=gen)
+    prompt = prompt.reshape(1, -1)
     out = model(prompt, use_cache=True)
     exact = out.past_key_values
     first = out.logits[0, -1].argmax()
