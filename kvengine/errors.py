@@ -27,7 +27,7 @@ class CapacityError(KVEngineError):
 
 
 #: Why stored bytes were refused: a closed set, because each is a metric label
-#: (``kvengine_tier_integrity_failures{reason}``) and a dashboard must know them all.
+#: (``kvengine_integrity_failures{tier,reason}``) and a dashboard must know them all.
 IntegrityReason = Literal[
     "bad_descriptor",
     "bad_mac",

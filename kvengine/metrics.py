@@ -6,15 +6,34 @@ import logging
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvengine.errors import ConfigError, IntegrityReason
+from kvengine.errors import INTEGRITY_REASONS, ConfigError, IntegrityReason
 from kvengine.transport import ChunkTransport, ReportsStats
 
 logger = logging.getLogger("kvengine")
+
+#: Latency histogram buckets, in seconds: a resident lookup takes microseconds, a promotion from a
+#: remote peer or a store of a long prompt can take seconds.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, float("inf"))
+
+#: Tier calls counted in ``kvengine_tier_errors_total{op}`` (present at 0 per lower tier from the start).
+TIER_OPS = ("exists", "get", "delete")
+
+
+class MemoryGauges(Protocol):
+    """What the metrics read of the memory tier (:class:`kvengine.core.memory_tier.MemoryTier`)."""
+
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    def __len__(self) -> int: ...
 
 
 class EngineMetrics:
@@ -29,11 +48,9 @@ class EngineMetrics:
         self.stored_bytes = Counter("kvengine_stored_bytes", "Bytes written per tier", ["tier"], registry=r)
         self.loaded_bytes = Counter("kvengine_loaded_bytes", "Bytes read per tier", ["tier"], registry=r)
         self.stored_chunks = Counter("kvengine_stored_chunks", "Chunks written per tier", ["tier"], registry=r)
-        self.evictions = Counter("kvengine_evictions", "Chunks evicted per tier", ["tier"], registry=r)
         self.store_rejected = Counter("kvengine_store_rejected", "Chunks not stored", ["reason"], registry=r)
         self.reservations_active = Gauge("kvengine_reservations_active", "Live reservations", registry=r)
         self.reservations_reclaimed = Counter("kvengine_reservations_reclaimed", "Reservations reclaimed after their lease", registry=r)
-        self.integrity_failures = Counter("kvengine_integrity_failures", "Records that failed verification", ["reason"], registry=r)
         self.writes_dropped = Counter("kvengine_writes_dropped", "Background writes dropped", ["reason"], registry=r)
         self.abandoned = Counter("kvengine_abandoned", "Loads and staged stores left unfinished for 10 leases, "
                                  "their pins dropped", ["op"], registry=r)
@@ -59,17 +76,83 @@ class EngineMetrics:
                                 ("shadow", ("exact", "close", "mismatch", "skipped"))):
             for outcome in outcomes:  # present from the start, so an alert on them sees a 0 first
                 self.provenance_checks.labels(check=check, outcome=outcome)
+        # Latency of the engine's operations, and of each lower tier's share of them.
+        self.lookup_seconds = Histogram("kvengine_lookup_seconds", "Lookup latency (memory, and any promotion "
+                                        "from lower tiers)", buckets=LATENCY_BUCKETS, registry=r)
+        self.load_seconds = Histogram("kvengine_load_seconds", "Load latency, begin_load to finish_load (the "
+                                      "caller's copies included)", buckets=LATENCY_BUCKETS, registry=r)
+        self.store_seconds = Histogram("kvengine_store_seconds", "Store latency, until the call returns (in "
+                                       "memory and queued for the tiers, or written through)",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.tier_read_seconds = Histogram("kvengine_tier_read_seconds", "Promotions from a lower tier within a "
+                                           "lookup (exists, reads, verification, copy into memory)", ["tier"],
+                                           buckets=LATENCY_BUCKETS, registry=r)
+        self.tier_write_seconds = Histogram("kvengine_tier_write_seconds", "Writes of one record to a lower tier",
+                                            ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        # Counted here and merged by TierStatsCollector with what the lower tiers count themselves: one
+        # family per concept, labelled by tier (the engine's own registry never exports these two).
+        self._own = CollectorRegistry(auto_describe=True)
+        self.evictions = Counter("kvengine_evictions", "Chunks evicted per tier", ["tier"], registry=self._own)
+        self.integrity_failures = Counter("kvengine_integrity_failures", "Records that failed verification",
+                                          ["tier", "reason"], registry=self._own)
+        for tier in ("memory",):  # present from the start, so a dashboard never shows "no data"
+            self._seed_tier(tier)
+        self.store_rejected.labels(reason="no_room")
+        for reason in ("shutdown", "encode_failed"):
+            self.writes_dropped.labels(reason=reason)
+        for op in ("load", "store"):
+            self.abandoned.labels(op=op)
+        for op in ("lookup", "store"):
+            self.quarantine_refusals.labels(op=op)
+        self._tier_stats = TierStatsCollector(self)
+        r.register(self._tier_stats)
         self._logged: set[str] = set()
         self._lock = threading.Lock()
 
-    def value(self, name: str, **labels: str) -> float:
-        """Current value of a sample (``name`` as exported, e.g. ``kvengine_hit_tokens_total``)."""
-        v = self.registry.get_sample_value(name, labels or None)
-        return 0.0 if v is None else v
+    def _seed_tier(self, tier: str) -> None:
+        for family in (self.stored_bytes, self.loaded_bytes, self.stored_chunks):
+            family.labels(tier=tier)
+        if tier == "memory":
+            self.evictions.labels(tier=tier)
+            return
+        self.writes_dropped.labels(reason=f"{tier}_failed")
+        self.tier_read_seconds.labels(tier=tier)
+        self.tier_write_seconds.labels(tier=tier)
+        for op in TIER_OPS:
+            self.tier_errors.labels(tier=tier, op=op)
 
-    def integrity_failure(self, reason: IntegrityReason, detail: str) -> None:
-        """Count a verification failure; log each reason once per engine."""
-        self.integrity_failures.labels(reason=reason).inc()
+    def watch_memory(self, memory: MemoryGauges) -> None:
+        """Export the memory tier's chunks, used and capacity bytes (``kvengine_tier_*{tier="memory"}``)."""
+        self._tier_stats.memory = memory
+
+    def watch_tiers(self, transports: Sequence[ChunkTransport]) -> None:
+        """Export the lower tiers' own counters and gauges; their labelled series start at 0."""
+        self._tier_stats.transports = [(t.name, t) for t in transports if isinstance(t, ReportsStats)]
+        self._tier_stats.tiers = [t.name for t in transports]
+        for transport in transports:
+            self._seed_tier(transport.name)
+
+    def own_samples(self, family: str) -> Iterator[tuple[dict[str, str], float]]:
+        """(labels, value) of each ``_total`` sample of a family counted by the engine itself."""
+        for metric in self._own.collect():
+            if metric.name == family:
+                for sample in metric.samples:
+                    if sample.name == f"{family}_total":
+                        yield sample.labels, sample.value
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample (``name`` as exported, e.g. ``kvengine_hit_tokens_total``), summed over
+        the samples whose labels include ``labels`` (all of a family's samples when none are given)."""
+        total = 0.0
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def integrity_failure(self, reason: IntegrityReason, detail: str, *, tier: str) -> None:
+        """Count a verification failure of a record read from ``tier``; log each reason once per engine."""
+        self.integrity_failures.labels(tier=tier, reason=reason).inc()
         self.log_once(f"integrity:{reason}", "cache integrity failure (%s): %s; served as a miss", reason, detail)
 
     def log_once(self, tag: str, msg: str, *args: object) -> None:
@@ -100,32 +183,69 @@ class EngineMetrics:
 def scrape(port: int, host: str = "127.0.0.1", *, timeout: float = 10.0) -> dict[str, float]:
     """The kvengine samples an engine serves on ``metrics_port`` (e.g. inside a vLLM worker
     process), keyed as exposed: ``'kvengine_loaded_bytes_total{tier="local_disk"}'``."""
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout).read().decode()
+    return scrape_url(f"http://{host}:{port}/metrics", timeout=timeout)
+
+
+def scrape_url(url: str, *, timeout: float = 10.0) -> dict[str, float]:
+    """:func:`scrape` of a full metrics URL (``http://host:port/metrics``).
+
+    :raises OSError: the endpoint cannot be reached (``urllib.error.URLError`` is one).
+    """
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return parse_samples(reply.read().decode())
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """The ``kvengine*`` samples of a Prometheus text exposition, keyed as exposed."""
     samples = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kvengine"))
     return {name: float(value) for name, value in samples}
 
 
 class TierStatsCollector(Collector):
-    """Exports the counters that lower tiers keep themselves (faults they absorb as misses)."""
+    """Exports what the tiers report themselves (their size, and faults they absorb as misses), merged
+    with what the engine counts of them: one family per concept, labelled by tier."""
 
-    def __init__(self, transports: Sequence[ChunkTransport]) -> None:
-        self._transports = [t for t in transports if isinstance(t, ReportsStats)]
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self.memory: MemoryGauges | None = None
+        self.transports: list[tuple[str, ReportsStats]] = []
+        self.tiers: list[str] = []  # every lower tier's name, reporting stats or not
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         chunks = GaugeMetricFamily("kvengine_tier_chunks", "Chunks held per tier", labels=["tier"])
         used = GaugeMetricFamily("kvengine_tier_used_bytes", "Bytes used per tier", labels=["tier"])
-        evictions = CounterMetricFamily("kvengine_tier_evictions", "Chunks evicted by a tier", labels=["tier"])
-        integrity = CounterMetricFamily("kvengine_tier_integrity_failures",
-                                        "Records a tier found corrupt and dropped", labels=["tier", "reason"])
-        puts = CounterMetricFamily("kvengine_tier_put_failures", "Writes a tier refused", labels=["tier", "reason"])
-        for transport in self._transports:
+        capacity = GaugeMetricFamily("kvengine_tier_capacity_bytes", "Capacity per tier (where the tier has one)",
+                                     labels=["tier"])
+        puts = CounterMetricFamily("kvengine_tier_put_failures", "Writes a tier refused (reason \"\": none yet)",
+                                   labels=["tier", "reason"])
+        evicted: dict[str, float] = {labels["tier"]: v for labels, v in self.metrics.own_samples("kvengine_evictions")}
+        corrupt: dict[tuple[str, str], float] = {(tier, reason): 0.0 for tier in self.tiers
+                                                 for reason in sorted(INTEGRITY_REASONS)}
+        for labels, v in self.metrics.own_samples("kvengine_integrity_failures"):
+            key = (labels["tier"], labels["reason"])
+            corrupt[key] = corrupt.get(key, 0.0) + v
+        if self.memory is not None:
+            chunks.add_metric(["memory"], len(self.memory))
+            used.add_metric(["memory"], self.memory.used_bytes)
+            capacity.add_metric(["memory"], self.memory.capacity_bytes)
+        for tier, transport in self.transports:
             stats = transport.stats()
-            tier = transport.name
             chunks.add_metric([tier], stats.chunks)
             used.add_metric([tier], stats.used_bytes)
-            evictions.add_metric([tier], stats.evictions)
+            tier_capacity = getattr(stats, "capacity_bytes", None)
+            if tier_capacity is not None:
+                capacity.add_metric([tier], tier_capacity)
+            evicted[tier] = evicted.get(tier, 0.0) + stats.evictions
             for reason, n in stats.integrity_reasons.items():
-                integrity.add_metric([tier, reason], n)
-            for reason, n in stats.put_failures.items():
-                puts.add_metric([tier, reason], n)
-        yield from (chunks, used, evictions, integrity, puts)
+                corrupt[(tier, reason)] = corrupt.get((tier, reason), 0.0) + n
+            for reason, refused in (stats.put_failures or {"": 0}).items():
+                puts.add_metric([tier, reason], refused)
+        evictions = CounterMetricFamily("kvengine_evictions", "Chunks evicted per tier", labels=["tier"])
+        for tier, count in evicted.items():
+            evictions.add_metric([tier], count)
+        integrity = CounterMetricFamily("kvengine_integrity_failures", "Records that failed verification (found "
+                                        "by the engine or by the tier itself), served as misses",
+                                        labels=["tier", "reason"])
+        for (tier, reason), count in sorted(corrupt.items()):
+            integrity.add_metric([tier, reason], count)
+        yield from (chunks, used, capacity, evictions, integrity, puts)

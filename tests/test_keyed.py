@@ -208,7 +208,7 @@ def test_verified_exists_reads_below_memory_before_it_promises(tmp_path: Path) -
     try:
         assert store.exists(keys(3)) == [True] * 3
         assert store.exists(keys(3), verify=True) == [True, False, True]
-        assert kv.metrics.value("kvengine_tier_integrity_failures_total", tier="local_disk",
+        assert kv.metrics.value("kvengine_integrity_failures_total", tier="local_disk",
                                 reason="payload_checksum") == 1
         assert not victim.exists()
         memory = kv.core.memory

@@ -56,6 +56,8 @@ _DELEGATED = {
     "serve": ("kvengine.cli.serve", "main", "run a standalone peer server with a store of its own (memory or --disk)"),
     "quarantine": ("kvengine.cli.quarantine", "main",
                    "list or purge a disk tier's namespaces that failed a provenance check"),
+    "stats": ("kvengine.cli.stats", "main", "show a running engine's hit rate, tiers and faults (its metrics endpoint)"),
+    "top": ("kvengine.cli.top", "main", "watch a running engine's statistics live, with rates per second"),
 }
 
 
@@ -67,6 +69,8 @@ examples:
   kvengine serve --bind 127.0.0.1:7400 --disk /var/kv
                                              a peer server over a disk store
   kvengine quarantine list --disk /var/kv    namespaces that failed a provenance check
+  kvengine stats --port 9400                 a running engine's statistics (its metrics_port)
+  kvengine top --port 9400 --interval 1      the same, live, with rates per second
 
 'kvengine COMMAND --help' describes a command's options.
 """

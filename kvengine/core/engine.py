@@ -103,6 +103,7 @@ class CacheEngine:
             prefault=config.memory.prefault,
         )
         self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
+        self.metrics.watch_memory(self.memory)
         #: Page-aligned record buffers, recycled: records written to tiers, encoded payloads read in place.
         record_buffers = BufferPool(min(_RECORD_POOL_BYTES, int(config.memory.capacity_bytes) // 4))
         self.promoter = Promoter(self.memory, self.tiers, self.codecs, self.metrics, record_buffers)
@@ -193,6 +194,7 @@ class CacheEngine:
         Idempotent per ``request_id``: the same question returns the same
         reservation with a renewed lease, pinning and counting nothing again.
         """
+        started = time.perf_counter()
         question = self._question(binding, request_id, tokens, max_tokens)
         if isinstance(question, Reservation):
             return question
@@ -201,7 +203,7 @@ class CacheEngine:
             with read_scope():  # one deadline for all of this lookup's reads from lower tiers
                 entries += await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
                                                        question.asked)
-        return self._reserve(binding, request_id, question, entries)
+        return self._reserve(binding, request_id, question, entries, started)
 
     def lookup_resident(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
@@ -215,6 +217,7 @@ class CacheEngine:
         """
         if self._closed:
             return None
+        started = time.perf_counter()
         question = self._question(binding, request_id, tokens, max_tokens)
         if isinstance(question, Reservation):
             return question
@@ -222,7 +225,7 @@ class CacheEngine:
         if len(entries) < len(question.keys) and self.transports:
             self.memory.unpin(entries)
             return None
-        return self._reserve(binding, request_id, question, entries)
+        return self._reserve(binding, request_id, question, entries, started)
 
     def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
                   max_tokens: int | None) -> Reservation | _Question:
@@ -249,7 +252,7 @@ class CacheEngine:
         return _Question(query, [ChunkKey(binding.digest, h) for h in hashes], asked, now)
 
     def _reserve(self, binding: ModelBinding, request_id: str, question: _Question,
-                 entries: list[MemoryEntry]) -> Reservation:
+                 entries: list[MemoryEntry], started: float) -> Reservation:
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
@@ -267,6 +270,7 @@ class CacheEngine:
         self.metrics.lookup_tokens.inc(question.asked)
         self.metrics.hit_tokens.inc(res.matched_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
+        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
         return res
 
     # -- load / release ------------------------------------------------------------
@@ -299,6 +303,7 @@ class CacheEngine:
             self.metrics.load_failed_tokens.inc(res.matched_tokens)
             return ()
         res.expires_at = now + self.config.lease_seconds * ABANDON_AFTER_LEASES
+        res.load_started = time.perf_counter()
         return tuple(ChunkView(i, e.key, e.token_range, self.memory.tensors(e), e.layout)
                      for i, e in enumerate(res.entries))
 
@@ -316,6 +321,7 @@ class CacheEngine:
             self.metrics.loaded_tokens.inc(tokens)
             self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
             self._memory_loaded_bytes.inc(sum(e.nbytes for e in res.entries[:loaded_chunks]))
+            self.metrics.load_seconds.observe(time.perf_counter() - res.load_started)
         return LoadResult(res.matched_tokens, tokens, tuple(range(loaded_chunks, res.num_chunks)))
 
     def _run_sink(self, views: Sequence[ChunkView], sink: ChunkSink) -> int:
@@ -395,6 +401,14 @@ class CacheEngine:
         write mode, also when ``source`` raises (the error then reaches the
         caller once the copied chunks are handed on).
         """
+        started = time.perf_counter()
+        try:
+            return await self._store(binding, tokens, source)
+        finally:
+            self.metrics.store_seconds.observe(time.perf_counter() - started)
+
+    async def _store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
+        """:meth:`store`, unmeasured."""
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
         if not (self.transports and self.config.write_mode == "write_through"):
             # Write-behind: tier writes start after the copies. Overlapping them was measured to make the

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -135,45 +136,57 @@ class Promoter:
             want = keys[len(promoted) :]
             if not want:
                 break
-            present = await self.tiers.guarded(transport, "exists", transport.exists(want), [False] * len(want))
-            run = next((i for i, ok in enumerate(present) if not ok), len(want))
-            if run == 0:
-                continue
-            if reads_in_place(transport):
-                got = await self._promote_placed(binding, transport, want[:run], first_chunk + len(promoted),
-                                                 total_tokens)
-                promoted += got
-                if len(got) < run:
-                    return promoted
-                continue
-            # A few records at a time, the next window read while this one is admitted: read
-            # buffers are recycled (no page faults) and at most 2 windows of records exist at once.
-            windows = [want[i : min(i + _READ_WINDOW, run)] for i in range(0, run, _READ_WINDOW)]
-            pending: asyncio.Future[list[Buffer | None]] | None = asyncio.ensure_future(transport.get(windows[0]))
+            started = time.perf_counter()
             try:
-                for k, window in enumerate(windows):
-                    assert pending is not None
-                    try:
-                        blobs = await pending
-                    except Exception as exc:  # a tier that fails a read is a miss from there on
-                        pending = None
-                        self.tiers.fault(transport, "get", exc)
-                        return promoted
-                    pending = asyncio.ensure_future(transport.get(windows[k + 1])) if k + 1 < len(windows) else None
-                    for key, blob in zip(window, blobs):
-                        if blob is None:
-                            return promoted
-                        start = (first_chunk + len(promoted)) * binding.chunk_size
-                        entry = await self.admit(binding, transport, key, blob, start)
-                        if not isinstance(entry, MemoryEntry):
-                            return promoted
-                        promoted.append(entry)
-                    del blobs  # this window's read buffers go back to the transport's pool
+                complete = await self._promote_from(binding, transport, want, first_chunk + len(promoted),
+                                                    total_tokens, promoted)
             finally:
-                if pending is not None:  # stopped early: let the read in flight finish, drop it
-                    with contextlib.suppress(Exception):
-                        await pending
+                self.metrics.tier_read_seconds.labels(tier=transport.name).observe(time.perf_counter() - started)
+            if not complete:
+                break
         return promoted
+
+    async def _promote_from(self, binding: ModelBinding, transport: ChunkTransport, want: list[ChunkKey],
+                            first_chunk: int, total_tokens: int, promoted: list[MemoryEntry]) -> bool:
+        """Append to ``promoted`` the longest prefix of ``want`` that ``transport`` holds (pinned); whether the
+        next tier may be asked for the rest (False: this one held some of it but failed to deliver)."""
+        present = await self.tiers.guarded(transport, "exists", transport.exists(want), [False] * len(want))
+        run = next((i for i, ok in enumerate(present) if not ok), len(want))
+        if run == 0:
+            return True
+        if reads_in_place(transport):
+            got = await self._promote_placed(binding, transport, want[:run], first_chunk, total_tokens)
+            promoted += got
+            return len(got) == run
+        # A few records at a time, the next window read while this one is admitted: read
+        # buffers are recycled (no page faults) and at most 2 windows of records exist at once.
+        windows = [want[i : min(i + _READ_WINDOW, run)] for i in range(0, run, _READ_WINDOW)]
+        pending: asyncio.Future[list[Buffer | None]] | None = asyncio.ensure_future(transport.get(windows[0]))
+        first = len(promoted)
+        try:
+            for k, window in enumerate(windows):
+                assert pending is not None
+                try:
+                    blobs = await pending
+                except Exception as exc:  # a tier that fails a read is a miss from there on
+                    pending = None
+                    self.tiers.fault(transport, "get", exc)
+                    return False
+                pending = asyncio.ensure_future(transport.get(windows[k + 1])) if k + 1 < len(windows) else None
+                for key, blob in zip(window, blobs):
+                    if blob is None:
+                        return False
+                    start = (first_chunk + len(promoted) - first) * binding.chunk_size
+                    entry = await self.admit(binding, transport, key, blob, start)
+                    if not isinstance(entry, MemoryEntry):
+                        return False
+                    promoted.append(entry)
+                del blobs  # this window's read buffers go back to the transport's pool
+        finally:
+            if pending is not None:  # stopped early: let the read in flight finish, drop it
+                with contextlib.suppress(Exception):
+                    await pending
+        return True
 
     async def admit(self, binding: ModelBinding, transport: ChunkTransport, key: ChunkKey, blob: object,
                     start: int) -> MemoryEntry | AdmitRejected:
@@ -214,10 +227,10 @@ class Promoter:
             header, payload = unpack_record(blob, expect_key=key)  # type: ignore[arg-type]
             check_position(binding, header, start)
         except IntegrityError as exc:
-            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}")
+            self.metrics.integrity_failure(exc.reason, f"{tier}: {exc}", tier=tier)
             return AdmitRejected.CORRUPT
         except Exception as exc:
-            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}")
+            self.metrics.integrity_failure("decode_error", f"{tier}: {type(exc).__name__}: {exc}", tier=tier)
             return AdmitRejected.CORRUPT
         return self.admit_payload(binding, key, header, payload, tier)
 
@@ -235,7 +248,7 @@ class Promoter:
             if slot is not None:
                 self.memory.abort(slot)
             reason = exc.reason if isinstance(exc, IntegrityError) else "decode_error"
-            self.metrics.integrity_failure(reason, f"{tier}: {type(exc).__name__}: {exc}")
+            self.metrics.integrity_failure(reason, f"{tier}: {type(exc).__name__}: {exc}", tier=tier)
             return AdmitRejected.CORRUPT
         if slot is None:
             prepared = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
@@ -392,7 +405,8 @@ class _PlacedRead:
         if header is None:
             self.discard()
             if isinstance(self.outcome, IntegrityError):
-                promoter.metrics.integrity_failure(self.outcome.reason, f"{self.tier}: {self.outcome}")
+                promoter.metrics.integrity_failure(self.outcome.reason, f"{self.tier}: {self.outcome}",
+                                                   tier=self.tier)
                 return AdmitRejected.CORRUPT
             if isinstance(self.outcome, Prepared):  # present already (a concurrent promotion) or no room
                 return promoter.memory.pin(self.key) or AdmitRejected.NO_ROOM

@@ -40,6 +40,8 @@ class Reservation:
     entries: list[MemoryEntry] = field(default_factory=list, repr=False)
     #: The table (of one engine) that made it: only that engine may load or release it.
     owner: object = field(default=None, repr=False, compare=False)
+    #: ``time.perf_counter()`` at ``begin_load`` (the load's latency is measured from there).
+    load_started: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def num_chunks(self) -> int:

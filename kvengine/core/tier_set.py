@@ -15,7 +15,7 @@ from kvengine.chunks.codecs import Codec, CodecRegistry
 from kvengine.chunks.keys import Namespace
 from kvengine.compression import codec_family
 from kvengine.errors import ConfigError, InvalidRequestError
-from kvengine.metrics import EngineMetrics, TierStatsCollector
+from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
 from kvengine.transport import ChunkTransport, writes_gathered
 
@@ -57,8 +57,7 @@ class TierSet:
         self.by_codec: dict[Codec, list[tuple[ChunkTransport, bool]]] = {}
         for transport, codec in pairs:
             self.by_codec.setdefault(codec, []).append((transport, writes_gathered(transport)))
-        if self.transports:
-            metrics.registry.register(TierStatsCollector(self.transports))
+        metrics.watch_tiers(self.transports)
 
     def __bool__(self) -> bool:
         return bool(self.transports)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, cast
+from typing import Literal, TypeVar, cast
 
 from kvengine.chunks.codecs import Codec, RawCodec
 from kvengine.chunks.keys import ChunkKey
@@ -30,6 +32,8 @@ from kvengine.errors import InvalidRequestError
 from kvengine.metrics import EngineMetrics
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
+
+_T = TypeVar("_T")
 
 #: Tier writes in flight at once (each encoded just before its put; at most this many record buffers).
 _WRITES_IN_FLIGHT = 8
@@ -155,9 +159,10 @@ class TierWriter:
                                           "(%s: %s)", codec.name, type(exc).__name__, exc)
                     continue
                 parts = (record.header, record.payload)
-                results = await asyncio.gather(*(
+                results = await asyncio.gather(*(self._timed(
+                    t.name,
                     t.put_parts([(record.key, parts)]) if gathers  # type: ignore[attr-defined]
-                    else t.put([(record.key, cast(Buffer, record.joined))])  # joined: some tier needs it
+                    else t.put([(record.key, cast(Buffer, record.joined))]))  # joined: some tier needs it
                     for t, gathers in tiers), return_exceptions=True)  # none still reads the slot
                 for (transport, _), result in zip(tiers, results):
                     if isinstance(result, BaseException):  # a transport bug: counted as a failed put
@@ -173,6 +178,14 @@ class TierWriter:
         finally:
             self.memory.unpin([entry])
         return complete
+
+    async def _timed(self, tier: str, put: Awaitable[_T]) -> _T:
+        """``await put``, its duration observed in ``kvengine_tier_write_seconds{tier}``."""
+        started = time.perf_counter()
+        try:
+            return await put
+        finally:
+            self.metrics.tier_write_seconds.labels(tier=tier).observe(time.perf_counter() - started)
 
     def _encode(self, binding: ModelBinding, entry: MemoryEntry, codec: Codec, *, joined: bool) -> _EncodedRecord:
         """A pinned entry's record as header + payload, the payload where it lies for the raw codec (blocking).

@@ -23,7 +23,7 @@ def test_help_lists_commands_and_examples_without_importing_torch():
              "print('LOADED', sorted(m for m in ('torch', 'kvengine.facade', 'kvengine.core.engine') if m in sys.modules))")
     out = _run("-c", probe)
     assert out.returncode == 0, out.stderr
-    for command in ("demo", "inspect", "serve", "quarantine", "quickstart", "examples:"):
+    for command in ("demo", "inspect", "serve", "quarantine", "stats", "top", "quickstart", "examples:"):
         assert command in out.stdout
     assert "LOADED []" in out.stdout
 

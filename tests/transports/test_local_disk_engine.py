@@ -100,7 +100,7 @@ def test_corrupt_file_on_disk_is_a_miss_not_data(tmp_path):
     with engine_with_disk(tmp_path) as eng:
         matched, result, _ = load_all(eng, eng.bind(Namespace(model="m"), layout), toks, kv)
         assert matched == 0 and result.loaded_tokens == 0
-        assert eng.metrics.value("kvengine_tier_integrity_failures_total", tier="local_disk",
+        assert eng.metrics.value("kvengine_integrity_failures_total", tier="local_disk",
                                  reason="payload_checksum") >= 1
     assert not list(tmp_path.rglob("*.kvc"))  # corrupt files are deleted, never served later
 

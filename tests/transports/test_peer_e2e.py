@@ -158,7 +158,7 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
         reply["seconds"] = time.monotonic() - t0
         reply["integrity_failures"] = sum(  # found by the engine, or by the peer tier before it
             s.value for m in engine.metrics.registry.collect() for s in m.samples
-            if s.name in ("kvengine_integrity_failures_total", "kvengine_tier_integrity_failures_total"))
+            if s.name == "kvengine_integrity_failures_total")
         reply["transport"] = dict(transport.counts)
         print(json.dumps(reply), flush=True)
     server.stop()
