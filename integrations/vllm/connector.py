@@ -15,6 +15,23 @@ the :class:`~kvengine.KVEngine`. They talk over :mod:`.channel`. Every
 refusal happens in the constructor or in ``register_kv_caches``, before the
 first request, as :class:`~kvengine.errors.UnsupportedModelError` or
 :class:`~kvengine.errors.ConfigError`.
+
+Where refusals surface: vLLM 0.32 calls no connector hook with the engine
+configuration in the calling (main) process before it starts the engine
+core; it only imports this module there (``VllmConfig.__post_init__`` asks
+whether the class supports the hybrid allocator). So :func:`check_config`,
+every refusal decidable from the configuration alone, runs first in both
+halves' constructors, and also in the main process wherever vLLM gives a
+hook: ``requires_piecewise_for_cudagraph`` (options only; vLLM calls it when
+CUDA graphs are on) and ``build_prom_metrics`` (stat loggers). With
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the exception reaches the caller as it
+is; in the default topology vLLM replaces it by "Engine core initialization
+failed" and the reason is only in the engine core's log above it: call
+:func:`preflight` first to get it in your process (docs/vllm.md).
+
+Stats: ``get_kv_connector_stats`` / ``build_kv_connector_stats`` /
+``build_prom_metrics`` put kvengine's counters into vLLM's own stats path
+(:mod:`.stats`).
 """
 
 from __future__ import annotations
@@ -37,11 +54,13 @@ from .layout import AUTO_CHUNK_TARGET, GroupKind, plan_groups, resolve_chunk_siz
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
+from .stats import KVEnginePromMetrics, KVEngineStats, SchedulerStatsSource, WorkerStatsSource
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -76,6 +95,39 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kvengine vLLM connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
                                     "(quantized KV) has not been validated; use 'auto'")
+    mc = vllm_config.model_config
+    if getattr(mc, "use_mla", False):
+        raise UnsupportedModelError(
+            f"kvengine vLLM connector: model {mc.model!r} ({getattr(mc.hf_config, 'model_type', '?')}) uses "
+            "multi-head latent attention (MLA), whose KV cache (MLAAttentionSpec) has not been validated for "
+            "reuse; refusing to start (see docs/vllm.md, 'What is reused, and what is refused')")
+
+
+def check_config(vllm_config: VllmConfig) -> ConnectorOptions:
+    """Every refusal decidable from the configuration alone, before any engine exists: the settings
+    (:func:`check_vllm_config`: parallelism, speculative decoding, roles, kv_cache_dtype, MLA models)
+    and the connector options (unknown keys, ill-typed values, a chunk_size that is no positive integer,
+    unknown or lossy codecs). Returns the parsed options (their chunk size is resolved later, against the
+    block sizes vLLM picks at start-up)."""
+    check_vllm_config(vllm_config)
+    return ConnectorOptions.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+
+
+def preflight(config: Any) -> VllmConfig:
+    """Refuse, in the calling process, a configuration the connector would refuse at start-up.
+
+    ``config``: vLLM ``EngineArgs`` (its engine configuration is built, as ``LLM``/``LLMEngine`` would)
+    or a ``VllmConfig``. vLLM 0.32's default (multiprocess) topology replaces a refusal raised in the
+    engine core by a generic "Engine core initialization failed"; this raises kvengine's own
+    :class:`~kvengine.errors.ConfigError` or :class:`~kvengine.errors.UnsupportedModelError` instead.
+    Returns the ``VllmConfig``.
+    """
+    vllm_config = config.create_engine_config() if hasattr(config, "create_engine_config") else config
+    if vllm_config.kv_transfer_config is None or vllm_config.kv_transfer_config.kv_connector != \
+            KVEngineConnector.__name__:
+        raise ConfigError(f"kvengine vLLM connector: kv_transfer_config does not select {KVEngineConnector.__name__}")
+    check_config(vllm_config)
+    return vllm_config
 
 
 class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
@@ -85,8 +137,7 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        check_vllm_config(vllm_config)
-        options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        options = check_config(vllm_config)
         plans = plan_groups(kv_cache_config)
         requested = options.chunk_size
         options = options.with_chunk_size(resolve_chunk_size(plans, requested))
@@ -109,8 +160,40 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide(vllm_config=vllm_config, kv_cache_config=kv_cache_config, options=options,
                                       plans=plans, asynchronous=asynchronous)
+        self._worker_stats: WorkerStatsSource | None = None
+        self._scheduler_stats = SchedulerStatsSource(self._scheduler.stats) if self._scheduler is not None else None
         logger.info("kvengine: %s half ready (groups %s, %s loads)", role.name.lower(),
                     [p.kind.value for p in plans], "async" if asynchronous else "sync")
+
+    # ============================== configuration hooks (main process) ==============================
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM calls this in the main process while it builds the configuration, when CUDA graphs are
+        on: the options are checked there, so their refusals reach the caller. Loads and saves run
+        layer by layer, outside any captured graph."""
+        ConnectorOptions.from_extra_config(extra_config)
+        return True
+
+    # ============================== stats (vLLM's stat loggers and /metrics) ==============================
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVEngineStats(data) if data is not None else KVEngineStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        check_config(vllm_config)
+        return KVEnginePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler_stats is not None:
+            return self._scheduler_stats.take()
+        if self._worker_stats is None:
+            if self._worker is None or self._worker.engine is None:
+                return None
+            self._worker_stats = WorkerStatsSource(self._worker.engine.metrics.registry)
+            self._worker_stats.dirty = True
+        return self._worker_stats.take()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -129,6 +212,8 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMetadata)
         self._worker.load(meta)
+        if meta.loads and self._worker_stats is not None:
+            self._worker_stats.dirty = True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         assert self._worker is not None
@@ -146,11 +231,15 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMetadata)
         self._worker.save(meta)
+        if (meta.saves or meta.loads) and self._worker_stats is not None:
+            self._worker_stats.dirty = True
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
         finished, failed = self._worker.take_finished()
+        if finished and self._worker_stats is not None:
+            self._worker_stats.dirty = True
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

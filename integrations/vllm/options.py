@@ -17,6 +17,11 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
   promote from disk or peers) before it tells vLLM "not known yet" (``None``:
   vLLM asks again next step, and that ask does not wait). Default 2: a bound
   for a worker slow to answer at all; a healthy one answers in one round trip.
+
+Every tier codec must be known to this process and lossless: vLLM loads the
+stored pages as they are, so a lossy codec would serve other KV than vLLM
+computed (refused here, before any engine starts, rather than when the worker
+binds its namespace).
 """
 
 from __future__ import annotations
@@ -66,9 +71,28 @@ class ConnectorOptions:
         if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
             raise ConfigError(f"model_fingerprint must be a non-empty string, got {fingerprint!r}")
         engine, chunk_size = load_config_auto_chunk(source)
+        check_codecs(engine)
         return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s, model_fingerprint=fingerprint)
 
     def with_chunk_size(self, chunk_size: int) -> ConnectorOptions:
         """These options with the chunk size resolved against vLLM's block sizes."""
         engine = EngineConfig.model_validate({**self.engine.model_dump(), "chunk_size": chunk_size})
         return replace(self, engine=engine, chunk_size=chunk_size)
+
+
+def check_codecs(engine: EngineConfig) -> None:
+    """Refuse a tier codec this process does not know, or a lossy one (the connector serves exact KV only)."""
+    from kvengine.compression import default_codecs
+
+    named = [("disk.codec", engine.disk.codec), ("peers.codec", engine.peers.codec)]
+    named += [(f"tiers[{i}].codec", tier.codec) for i, tier in enumerate(engine.tiers)]
+    registry = default_codecs(threads=1)
+    for where, name in named:
+        try:
+            codec = registry.by_name(name)
+        except ValueError as exc:
+            raise ConfigError(f"kvengine vLLM connector: kvengine.{where}: {exc}") from None
+        if not codec.lossless:
+            raise ConfigError(f"kvengine vLLM connector: kvengine.{where}={name!r} is lossy: vLLM loads stored pages "
+                              "as they are, so the connector serves exact KV only; use a lossless codec "
+                              "(raw, lz4-*, zstd-*)")

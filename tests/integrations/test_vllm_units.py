@@ -340,6 +340,9 @@ def test_the_worker_engine_builds_every_configured_tier(tmp_path):
     ({"kvengine": {"store_partial_chunks": True}}, "store_partial_chunks"),
     ({"lookup_wait_ms": "soon"}, "lookup_wait_ms"),
     ({"kvengine": 7}, "mapping or a YAML path"),
+    ({"kvengine": {"disk": {"path": "/nonexistent", "codec": "int8-token"}}}, "is lossy"),
+    ({"kvengine": {"disk": {"path": "/nonexistent", "codec": "nope"}}}, "unknown codec 'nope'"),
+    ({"kvengine": {"chunk_size": 0}}, "chunk_size"),
 ])
 def test_options_refuse_mistakes(extra, match):
     """Unknown keys, a misspelt engine key, unsupported settings or ill-typed values are a ConfigError naming them."""
