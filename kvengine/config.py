@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvengine.errors import ConfigError
 
@@ -158,6 +158,14 @@ class EngineConfig(_Section):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     #: Address the metrics exporter binds (loopback by default: metrics name models and tenants).
     metrics_host: str = "127.0.0.1"
+    #: Level of kvengine's loggers ("kvengine" and below; debug adds a line per lookup and load). Unset:
+    #: as the application configured logging. ``KVENGINE_LOG_LEVEL`` sets it from the environment.
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:

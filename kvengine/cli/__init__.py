@@ -12,7 +12,7 @@ def _quickstart(args: argparse.Namespace) -> int:
     """Store a prompt's KV, look it up as a new request, load it back, verify."""
     import torch
 
-    from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+    from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec, load_config
 
     layers, heads, head_dim, chunk = 4, 2, 64, args.chunk_size
     layout = ChunkLayout(chunk, tuple(
@@ -22,7 +22,8 @@ def _quickstart(args: argparse.Namespace) -> int:
     ))
     tokens = torch.randint(0, 32000, (args.tokens,))
     kv = [torch.randn(2, args.tokens, heads, head_dim).to(torch.bfloat16) for _ in range(layers)]
-    with KVEngine({"chunk_size": chunk, "memory": {"capacity_bytes": "64MiB"}}) as engine:
+    # --chunk-size is what the layout above was built for: the environment must not change it.
+    with KVEngine(load_config({"memory": {"capacity_bytes": "64MiB"}}, overrides={"chunk_size": chunk})) as engine:
         binding = engine.bind(Namespace(model="quickstart-random"), layout)
         t0 = time.perf_counter()
         stored = engine.store(binding, tokens, lambda i, s, e: [t[:, s:e] for t in kv])
@@ -95,14 +96,46 @@ def _version() -> str:
         return "unknown"
 
 
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level(argv: list[str]) -> tuple[str | None, list[str]]:
+    """``--log-level LEVEL`` (or ``--log-level=LEVEL``) before the command, and the arguments after it."""
+    if argv and argv[0].startswith("--log-level="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    if argv and argv[0] == "--log-level":
+        return (argv[1] if len(argv) > 1 else ""), argv[2:]
+    return None, argv
+
+
+def _configure_logging(level: str | None) -> None:
+    """The command's own logging: lines on stderr (a no-op where the process has handlers already);
+    kvengine's loggers at ``level``, else ``KVENGINE_LOG_LEVEL``, else left as they are (warnings)."""
+    import logging
+    import os
+
+    chosen = level if level is not None else os.environ.get("KVENGINE_LOG_LEVEL")
+    if chosen is not None and chosen.lower() not in _LOG_LEVELS:
+        print(f"kvengine: --log-level must be one of {', '.join(_LOG_LEVELS)}, got {chosen!r}", file=sys.stderr)
+        raise SystemExit(2)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    if chosen is not None:
+        logging.getLogger("kvengine").setLevel(chosen.upper())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    level, argv = _log_level(argv)
+    _configure_logging(level)
     if argv and argv[0] in _DELEGATED:
         module, func, _ = _DELEGATED[argv[0]]
         return int(getattr(importlib.import_module(module), func)(argv[1:]))
     parser = argparse.ArgumentParser(prog="kvengine", description="KV-cache offload engine for LLM inference.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", choices=_LOG_LEVELS, metavar="LEVEL",
+                        help=f"level of kvengine's log lines on stderr, before the command: {', '.join(_LOG_LEVELS)} "
+                             "(default: KVENGINE_LOG_LEVEL, else warning)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, _, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)

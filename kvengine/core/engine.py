@@ -90,6 +90,8 @@ class CacheEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        if config.log_level is not None:  # kvengine's loggers only; handlers are the application's
+            logging.getLogger("kvengine").setLevel(config.log_level.upper())
         self.metrics = metrics or EngineMetrics()
         self.codecs = codecs or default_codecs()
         self.tiers = TierSet(transports, self.codecs, default_codec=config.disk.codec, metrics=self.metrics)
@@ -130,6 +132,15 @@ class CacheEngine:
         """Start background tasks (lease reaper, tier writer) on the running loop."""
         self.writer.start()
         self._tasks.append(asyncio.create_task(self._reaper(), name="kvengine-reaper"))
+        logger.info("kvengine: started: %s", self.describe())
+
+    def describe(self) -> str:
+        """The effective settings in one line (the start-up log line)."""
+        cfg = self.config
+        metrics = f"{cfg.metrics_host}:{cfg.metrics_port}" if cfg.metrics_port is not None else "off"
+        return (f"chunk {cfg.chunk_size} tokens; memory {cfg.memory.capacity_bytes.human_readable()} "
+                f"({cfg.memory.eviction}); lower tiers: {self.tiers.describe()}; {cfg.write_mode}; lease {cfg.lease_seconds:g} s; "
+                f"shadow checks {'on' if cfg.shadow.enabled else 'off'}; metrics {metrics}")
 
     async def flush(self) -> None:
         """Wait until every queued tier write has been attempted."""
@@ -199,11 +210,12 @@ class CacheEngine:
         if isinstance(question, Reservation):
             return question
         entries = self.memory.pin_prefix(question.keys)
+        sources = {"memory": len(entries)}
         if len(entries) < len(question.keys) and self.transports:
             with read_scope():  # one deadline for all of this lookup's reads from lower tiers
                 entries += await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
-                                                       question.asked)
-        return self._reserve(binding, request_id, question, entries, started)
+                                                       question.asked, sources)
+        return self._reserve(binding, request_id, question, entries, started, sources)
 
     def lookup_resident(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
@@ -225,7 +237,7 @@ class CacheEngine:
         if len(entries) < len(question.keys) and self.transports:
             self.memory.unpin(entries)
             return None
-        return self._reserve(binding, request_id, question, entries, started)
+        return self._reserve(binding, request_id, question, entries, started, {"memory": len(entries)})
 
     def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
                   max_tokens: int | None) -> Reservation | _Question:
@@ -252,7 +264,7 @@ class CacheEngine:
         return _Question(query, [ChunkKey(binding.digest, h) for h in hashes], asked, now)
 
     def _reserve(self, binding: ModelBinding, request_id: str, question: _Question,
-                 entries: list[MemoryEntry], started: float) -> Reservation:
+                 entries: list[MemoryEntry], started: float, sources: dict[str, int]) -> Reservation:
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
@@ -271,6 +283,9 @@ class CacheEngine:
         self.metrics.hit_tokens.inc(res.matched_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
         self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kvengine: lookup %s: %d of %d tokens hit, chunks by tier %s", request_id,
+                         res.matched_tokens, question.asked, {k: v for k, v in sources.items() if v} or "{}")
         return res
 
     # -- load / release ------------------------------------------------------------
@@ -322,6 +337,7 @@ class CacheEngine:
             self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
             self._memory_loaded_bytes.inc(sum(e.nbytes for e in res.entries[:loaded_chunks]))
             self.metrics.load_seconds.observe(time.perf_counter() - res.load_started)
+            logger.debug("kvengine: load %s: %d of %d tokens loaded", res.request_id, tokens, res.matched_tokens)
         return LoadResult(res.matched_tokens, tokens, tuple(range(loaded_chunks, res.num_chunks)))
 
     def _run_sink(self, views: Sequence[ChunkView], sink: ChunkSink) -> int:

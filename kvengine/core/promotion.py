@@ -125,23 +125,26 @@ class Promoter:
         self._inflight = _InFlight()
 
     async def promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int,
-                      total_tokens: int) -> list[MemoryEntry]:
+                      total_tokens: int, sources: dict[str, int] | None = None) -> list[MemoryEntry]:
         """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned.
 
         ``keys[0]`` is chunk number ``first_chunk`` of a request of ``total_tokens``
         tokens; each record must cover exactly that chunk's token positions.
+        ``sources``, when given, receives the number of chunks each tier delivered.
         """
         promoted: list[MemoryEntry] = []
         for transport in self.tiers.transports:
             want = keys[len(promoted) :]
             if not want:
                 break
-            started = time.perf_counter()
+            started, before = time.perf_counter(), len(promoted)
             try:
                 complete = await self._promote_from(binding, transport, want, first_chunk + len(promoted),
                                                     total_tokens, promoted)
             finally:
                 self.metrics.tier_read_seconds.labels(tier=transport.name).observe(time.perf_counter() - started)
+                if sources is not None and len(promoted) > before:
+                    sources[transport.name] = sources.get(transport.name, 0) + len(promoted) - before
             if not complete:
                 break
         return promoted

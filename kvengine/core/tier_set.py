@@ -52,6 +52,7 @@ class TierSet:
         #: None when the tiers are lossless or absent.
         self.lossy_codec: Codec | None = next((c for _, c in pairs if not c.lossless), None)
         self._names = sorted({c.name for _, c in pairs})
+        self._described = ", ".join(f"{t.name} ({c.name})" for t, c in pairs) or "none"
         #: codec -> its tiers, each with whether it takes records as parts (:class:`WritesGathered`);
         #: a record is encoded once per codec, not once per tier.
         self.by_codec: dict[Codec, list[tuple[ChunkTransport, bool]]] = {}
@@ -61,6 +62,10 @@ class TierSet:
 
     def __bool__(self) -> bool:
         return bool(self.transports)
+
+    def describe(self) -> str:
+        """The tiers in lookup order with their codecs, e.g. ``local_disk (raw), peers_zmq (raw)``."""
+        return self._described
 
     def check_namespace(self, namespace: Namespace) -> None:
         """Refuse a namespace that asks for other KV than the tiers' codecs give (a lossy tier must

@@ -49,3 +49,20 @@ def test_user_errors_are_one_line_and_exit_2(capsys, args, message):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_log_level_shows_the_start_up_line_and_a_line_per_lookup_and_load():
+    """``kvengine --log-level debug quickstart``: one start-up line with the effective settings (chunk size,
+    memory, tiers), then a debug line per lookup (hit tokens, chunks by tier) and per load; the chunk size
+    typed on the command line wins over KVENGINE_CHUNK_SIZE. A level that does not exist is exit 2."""
+    import os
+
+    env = dict(os.environ, KVENGINE_CHUNK_SIZE="128")
+    out = subprocess.run([sys.executable, "-m", "kvengine", "--log-level", "debug", "quickstart", "--tokens", "600",
+                          "--chunk-size", "64"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "INFO kvengine: started: chunk 64 tokens; memory 64.0MiB (lru); lower tiers: none" in out.stderr
+    assert "DEBUG kvengine: lookup request-2: 576 of 599 tokens hit, chunks by tier {'memory': 9}" in out.stderr
+    assert "DEBUG kvengine: load request-2: 576 of 576 tokens loaded" in out.stderr
+    bad = _run("-m", "kvengine", "--log-level", "loud", "quickstart")
+    assert bad.returncode == 2 and "--log-level must be one of debug, info, warning, error" in bad.stderr

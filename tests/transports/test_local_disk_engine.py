@@ -328,3 +328,27 @@ def test_placed_promotion_of_a_partial_last_chunk(tmp_path):
         assert matched == n and result.ok and exact
         assert eng.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") == \
             3 * layout.nbytes() + layout.nbytes(5)
+
+
+def test_log_level_setting_logs_start_up_and_where_each_lookup_was_served_from(tmp_path, caplog):
+    """``log_level: debug`` (KVENGINE_LOG_LEVEL) sets kvengine's loggers: the start-up line names the disk tier
+    and its codec; a restarted engine's lookup says its chunks came from local_disk, then the load line."""
+    import logging
+
+    layout = make_layout()
+    kv = FakeKV(2 * CHUNK, seed=7)
+    toks = list(range(2 * CHUNK))
+    with engine_with_disk(tmp_path) as eng:
+        eng.store(eng.bind(Namespace(model="m"), layout), toks, kv.source)
+    before = logging.getLogger("kvengine").level
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kvengine"), engine_with_disk(tmp_path, log_level="DEBUG") as eng:
+            assert logging.getLogger("kvengine").level == logging.DEBUG
+            matched, result, exact = load_all(eng, eng.bind(Namespace(model="m"), layout), toks, kv, request="r7")
+    finally:
+        logging.getLogger("kvengine").setLevel(before)
+    assert matched == 2 * CHUNK and result.ok and exact
+    text = caplog.text
+    assert "kvengine: started: chunk" in text and "lower tiers: local_disk (raw)" in text
+    assert f"kvengine: lookup r7: {2 * CHUNK} of {2 * CHUNK} tokens hit, chunks by tier {{'local_disk': 2}}" in text
+    assert f"kvengine: load r7: {2 * CHUNK} of {2 * CHUNK} tokens loaded" in text
