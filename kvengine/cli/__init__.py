@@ -7,6 +7,8 @@ import importlib
 import sys
 import time
 
+from kvengine.errors import ConfigError, InvalidRequestError, KVEngineError, UnsupportedModelError
+
 
 def _quickstart(args: argparse.Namespace) -> int:
     """Store a prompt's KV, look it up as a new request, load it back, verify."""
@@ -127,6 +129,29 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     level, argv = _log_level(argv)
     _configure_logging(level)
+    try:
+        return _dispatch(argv)
+    except (ConfigError, InvalidRequestError, UnsupportedModelError) as exc:  # the user's input: a usage error
+        print(f"kvengine {argv[0] if argv else ''}: {exc}", file=sys.stderr)
+        return 2
+    except KVEngineError as exc:  # refused or failed, said in one line (a traceback helps nobody here)
+        print(f"kvengine {argv[0] if argv else ''}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:  # an optional dependency of this command
+        extra = _EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"kvengine {argv[0] if argv else ''}: {exc.name} is not installed; pip install 'kvengine[{extra}]'",
+              file=sys.stderr)
+        return 2
+
+
+#: Optional packages the commands import, and the extra that brings each.
+_EXTRAS = {"transformers": "hf", "tqdm": "hf", "gguf": "hf", "accelerate": "hf", "zmq": "zmq", "ucxx": "ucx",
+           "blosc2": "compression"}
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in _DELEGATED:
         module, func, _ = _DELEGATED[argv[0]]
         return int(getattr(importlib.import_module(module), func)(argv[1:]))

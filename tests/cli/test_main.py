@@ -66,3 +66,20 @@ def test_log_level_shows_the_start_up_line_and_a_line_per_lookup_and_load():
     assert "DEBUG kvengine: load request-2: 576 of 576 tokens loaded" in out.stderr
     bad = _run("-m", "kvengine", "--log-level", "loud", "quickstart")
     assert bad.returncode == 2 and "--log-level must be one of debug, info, warning, error" in bad.stderr
+
+
+def test_missing_optional_dependency_or_bad_configuration_is_one_line():
+    """``kvengine serve`` (zmq by default) without pyzmq names the extra to install (exit 2); a configuration
+    error reaching a command is one line (exit 2), never a traceback."""
+    probe = ("import sys; sys.modules['zmq'] = None\n"
+             "from kvengine.cli import main\n"
+             "sys.exit(main(['serve', '--bind', '127.0.0.1:0']))")
+    out = _run("-c", probe)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "zmq is not installed; pip install 'kvengine[zmq]'" in out.stderr
+    import os
+
+    bad = subprocess.run([sys.executable, "-m", "kvengine", "quickstart", "--tokens", "300"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, KVENGINE_MEMORY__EVICTION="arc"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "memory.eviction" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
