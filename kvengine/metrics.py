@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -39,15 +40,26 @@ class MemoryGauges(Protocol):
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+        self._tiers: list[str] = ["memory"]  # every tier named so far (per-model store series per tier)
+        self._models: set[str] = set()  # every model seeded so far
         r = self.registry
-        self.lookups = Counter("kvengine_lookups", "Distinct lookups (repeats of a live reservation excluded)", registry=r)
-        self.lookup_tokens = Counter("kvengine_lookup_tokens", "Tokens asked for by distinct lookups", registry=r)
-        self.hit_tokens = Counter("kvengine_hit_tokens", "Tokens promised by distinct lookups", registry=r)
-        self.loaded_tokens = Counter("kvengine_loaded_tokens", "Tokens delivered by loads", registry=r)
-        self.load_failed_tokens = Counter("kvengine_load_failed_tokens", "Promised tokens a load could not deliver", registry=r)
-        self.stored_bytes = Counter("kvengine_stored_bytes", "Bytes written per tier", ["tier"], registry=r)
+        # Per-request families carry the bound model's name (``Namespace.model``); their series are created
+        # at 0 when a model is bound (:meth:`seed_model`). Totals: sum over ``model``.
+        m = ["model"]
+        self.lookups = Counter("kvengine_lookups", "Distinct lookups (repeats of a live reservation excluded)", m,
+                               registry=r)
+        self.lookup_tokens = Counter("kvengine_lookup_tokens", "Tokens asked for by distinct lookups", m, registry=r)
+        self.hit_tokens = Counter("kvengine_hit_tokens", "Tokens promised by distinct lookups", m, registry=r)
+        self.loaded_tokens = Counter("kvengine_loaded_tokens", "Tokens delivered by loads", m, registry=r)
+        self.load_failed_tokens = Counter("kvengine_load_failed_tokens", "Promised tokens a load could not deliver",
+                                          m, registry=r)
+        self.stored_bytes = Counter("kvengine_stored_bytes", "Bytes written per tier and model", ["tier", "model"],
+                                    registry=r)
         self.loaded_bytes = Counter("kvengine_loaded_bytes", "Bytes read per tier", ["tier"], registry=r)
-        self.stored_chunks = Counter("kvengine_stored_chunks", "Chunks written per tier", ["tier"], registry=r)
+        self.stored_chunks = Counter("kvengine_stored_chunks", "Chunks written per tier and model", ["tier", "model"],
+                                     registry=r)
         self.store_rejected = Counter("kvengine_store_rejected", "Chunks not stored", ["reason"], registry=r)
         self.reservations_active = Gauge("kvengine_reservations_active", "Live reservations", registry=r)
         self.reservations_reclaimed = Counter("kvengine_reservations_reclaimed", "Reservations reclaimed after their lease", registry=r)
@@ -78,12 +90,12 @@ class EngineMetrics:
                 self.provenance_checks.labels(check=check, outcome=outcome)
         # Latency of the engine's operations, and of each lower tier's share of them.
         self.lookup_seconds = Histogram("kvengine_lookup_seconds", "Lookup latency (memory, and any promotion "
-                                        "from lower tiers)", buckets=LATENCY_BUCKETS, registry=r)
+                                        "from lower tiers)", m, buckets=LATENCY_BUCKETS, registry=r)
         self.load_seconds = Histogram("kvengine_load_seconds", "Load latency, begin_load to finish_load (the "
-                                      "caller's copies included)", buckets=LATENCY_BUCKETS, registry=r)
+                                      "caller's copies included)", m, buckets=LATENCY_BUCKETS, registry=r)
         self.store_seconds = Histogram("kvengine_store_seconds", "Store latency, until the call returns (in "
                                        "memory and queued for the tiers, or written through)",
-                                       buckets=LATENCY_BUCKETS, registry=r)
+                                       m, buckets=LATENCY_BUCKETS, registry=r)
         self.tier_read_seconds = Histogram("kvengine_tier_read_seconds", "Promotions from a lower tier within a "
                                            "lookup (exists, reads, verification, copy into memory)", ["tier"],
                                            buckets=LATENCY_BUCKETS, registry=r)
@@ -106,12 +118,28 @@ class EngineMetrics:
             self.quarantine_refusals.labels(op=op)
         self._tier_stats = TierStatsCollector(self)
         r.register(self._tier_stats)
-        self._logged: set[str] = set()
-        self._lock = threading.Lock()
+
+    def seed_model(self, model: str) -> None:
+        """Create ``model``'s series of the per-request families at 0 (called when a model is bound)."""
+        with self._lock:
+            self._models.add(model)
+            tiers = list(self._tiers)
+        for family in (self.lookups, self.lookup_tokens, self.hit_tokens, self.loaded_tokens,
+                       self.load_failed_tokens, self.lookup_seconds, self.load_seconds, self.store_seconds):
+            family.labels(model=model)
+        for tier in tiers:
+            self.stored_bytes.labels(tier=tier, model=model)
+            self.stored_chunks.labels(tier=tier, model=model)
 
     def _seed_tier(self, tier: str) -> None:
-        for family in (self.stored_bytes, self.loaded_bytes, self.stored_chunks):
-            family.labels(tier=tier)
+        with self._lock:
+            if tier not in self._tiers:
+                self._tiers.append(tier)
+            models = sorted(self._models)
+        for model in models:
+            self.stored_bytes.labels(tier=tier, model=model)
+            self.stored_chunks.labels(tier=tier, model=model)
+        self.loaded_bytes.labels(tier=tier)
         if tier == "memory":
             self.evictions.labels(tier=tier)
             return
@@ -195,10 +223,59 @@ def scrape_url(url: str, *, timeout: float = 10.0) -> dict[str, float]:
         return parse_samples(reply.read().decode())
 
 
+#: Labels that split a per-request family into series whose sum is the family's total (see :func:`parse_samples`).
+SUMMED_LABELS = ("model",)
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+#: Samples each family type exposes unlabelled when summed over nothing (a family with no series yet).
+_EMPTY_SAMPLES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_count", "_sum")}
+
+
 def parse_samples(text: str) -> dict[str, float]:
-    """The ``kvengine*`` samples of a Prometheus text exposition, keyed as exposed."""
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kvengine"))
-    return {name: float(value) for name, value in samples}
+    """The ``kvengine*`` samples of a Prometheus text exposition, keyed as exposed
+    (``'kvengine_loaded_bytes_total{tier="local_disk"}'``), and totals keyed as before labels split them:
+
+    * the bare sample name (``kvengine_hit_tokens_total``, ``kvengine_lookup_seconds_count``) of every
+      labelled sample, mapped to the sum over that name's samples (not for ``_bucket`` / ``_created``);
+    * each labelled key with the ``model`` label dropped (``'kvengine_stored_chunks_total{tier="memory"}'``,
+      ``'kvengine_lookup_seconds_bucket{le="0.001"}'``), mapped to the sum over models;
+    * a declared family with no series yet (a per-model family before any model is bound): its
+      unlabelled samples at 0.
+
+    A key the exposition itself has is never replaced.
+    """
+    samples: dict[str, float] = {}
+    declared: dict[str, str] = {}  # family -> type, of families with no sample (yet)
+    family = ""
+    for line in text.splitlines():
+        if line.startswith("# TYPE kvengine"):
+            parts = line.split()
+            family = parts[2]
+            declared[family] = parts[3] if len(parts) > 3 else ""
+        elif line.startswith("kvengine"):
+            key, raw = line.rsplit(" ", 1)
+            samples[key] = float(raw)
+            declared.pop(family, None)
+    derived: dict[str, float] = {}
+    for key, value in samples.items():
+        name, brace, rest = key.partition("{")
+        if not brace or name.endswith("_created"):
+            continue
+        if not name.endswith("_bucket"):
+            derived[name] = derived.get(name, 0.0) + value
+        labels = _LABEL.findall(rest)
+        kept = [(k, v) for k, v in labels if k not in SUMMED_LABELS]
+        if kept and len(kept) < len(labels):
+            total = name + "{" + ",".join(f'{k}="{v}"' for k, v in kept) + "}"
+            derived[total] = derived.get(total, 0.0) + value
+    for family, kind in declared.items():
+        base = family.removesuffix("_total") if kind == "counter" else family  # TYPE names either spelling
+        for suffix in _EMPTY_SAMPLES.get(kind, ()):
+            derived.setdefault(base + suffix, 0.0)
+    for key, value in derived.items():
+        samples.setdefault(key, value)
+    return samples
 
 
 class TierStatsCollector(Collector):

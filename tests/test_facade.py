@@ -63,7 +63,8 @@ def test_close_is_idempotent_and_releases_reservations():
 
 
 def test_metrics_http_exporter(unused_tcp_port):
-    """The metrics port serves hit tokens and stored bytes over HTTP, and stops serving at close."""
+    """The metrics port serves hit tokens (labelled by model) and stored bytes over HTTP, and stops serving at
+    close."""
     layout = make_layout()
     with KVEngine({"chunk_size": CHUNK, "metrics_port": unused_tcp_port,
                    "memory": {"capacity_bytes": 8 * layout.nbytes()}}) as eng:
@@ -72,7 +73,7 @@ def test_metrics_http_exporter(unused_tcp_port):
         eng.release(eng.lookup(b, "r", list(range(CHUNK))))
         body = urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}/metrics", timeout=5).read().decode()
         samples = scrape(unused_tcp_port)
-    assert "kvengine_hit_tokens_total 16.0" in body
+    assert 'kvengine_hit_tokens_total{model="m"} 16.0' in body  # per model; scrape also gives the total
     assert samples["kvengine_hit_tokens_total"] == 16
     assert samples['kvengine_stored_bytes_total{tier="memory"}'] == layout.nbytes()
     with pytest.raises(OSError):  # stopped at close: the port is free again

@@ -32,11 +32,16 @@ def _families(samples: dict[str, float]) -> set[str]:
 
 
 def test_every_counter_family_is_present_at_zero_from_start(tmp_path):
-    """Right after start (nothing stored or looked up) every counter and histogram family has samples, all 0,
-    labelled per tier (memory and local_disk) where it is per tier: a dashboard never shows "no data". The
-    memory tier's capacity is exported from the start, its used bytes at 0."""
+    """Right after start and a model's bind (nothing stored or looked up) every counter and histogram family
+    has samples, all 0, labelled per tier (memory and local_disk) where it is per tier: a dashboard never shows
+    "no data". Before any bind, the per-model families have no series yet, but parse_samples still gives their
+    totals (bare names) at 0. The memory tier's capacity is exported from the start, its used bytes at 0."""
     layout = make_layout()
     with KVEngine(_config(tmp_path, layout.nbytes())) as eng:
+        unbound = _exported(eng)
+        assert unbound["kvengine_lookups_total"] == unbound["kvengine_hit_tokens_total"] == 0
+        assert unbound["kvengine_load_seconds_count"] == unbound["kvengine_stored_chunks_total"] == 0
+        eng.bind(Namespace(model="zero"), layout)
         samples = _exported(eng)
         counters = [m for m in eng.metrics.registry.collect() if m.type in ("counter", "histogram")]
         assert len(counters) >= 20
@@ -71,8 +76,8 @@ def test_one_family_per_concept_with_a_tier_label(tmp_path):
     assert "kvengine_tier_integrity_failures_total" not in families
     assert samples['kvengine_evictions_total{tier="memory"}'] == 2
     assert samples['kvengine_evictions_total{tier="local_disk"}'] == 0
-    assert {tuple(sorted(re.findall(r'(\w+)="', k))) for k in samples
-            if k.startswith("kvengine_integrity_failures_total")} == {("reason", "tier")}
+    assert {tuple(sorted(re.findall(r'(\w+)="', k))) for k in samples  # the bare name is parse_samples' sum
+            if k.startswith("kvengine_integrity_failures_total{")} == {("reason", "tier")}
 
 
 def test_latency_histograms_observe_lookup_load_store_and_tier_traffic(tmp_path):
@@ -133,3 +138,113 @@ def test_dashboard_refers_only_to_families_a_real_engine_exports(tmp_path):
         assert needed in text, needed
     for op in ("lookup", "load", "store", "tier_read", "tier_write"):
         assert re.search(rf"histogram_quantile\(0\.99, .*kvengine_{op}_seconds_bucket", text), op
+
+
+def _two_models(eng: KVEngine) -> None:
+    """Model a: 4 chunks stored, one lookup of 3 (capped) loaded whole. Model b: 2 chunks stored, one lookup of
+    4 chunks finding 2, whose load fails on the second; and one lookup of 1 chunk (a hit) released unloaded."""
+    layout = make_layout()
+    a = eng.bind(Namespace(model="a"), layout)
+    b = eng.bind(Namespace(model="b"), layout)
+    eng.store(a, TOKENS, FakeKV(len(TOKENS)).source)
+    eng.store(b, TOKENS[: 2 * CHUNK], FakeKV(2 * CHUNK, seed=1).source)
+    assert eng.load(eng.lookup(a, "ra", TOKENS, max_tokens=len(TOKENS) - 1), lambda view: None).loaded_tokens \
+        == 3 * CHUNK
+
+    def fail_second(view) -> None:
+        if view.index == 1:
+            raise RuntimeError("sink full")
+
+    assert eng.load(eng.lookup(b, "rb", TOKENS), fail_second).loaded_tokens == CHUNK
+    eng.release(eng.lookup(b, "rb2", TOKENS[: CHUNK]))
+
+
+def test_per_request_families_are_labelled_by_model_and_sum_to_the_totals(tmp_path):
+    """Two models bound in one engine: lookups, asked/hit/loaded/load-failed tokens, stored chunks and bytes
+    and the lookup/load/store latency histograms carry each model's own values under ``model`` (its
+    Namespace.model); the per-model series sum to the totals, which EngineMetrics.value and parse_samples'
+    bare names (and keys without the model label) give as before."""
+    layout = make_layout()
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 16 * layout.nbytes()}}) as eng:
+        _two_models(eng)
+        samples = _exported(eng)
+        value = eng.metrics.value
+        assert value("kvengine_hit_tokens_total") == 6 * CHUNK  # the total over models, as before
+        assert value("kvengine_hit_tokens_total", model="b") == 3 * CHUNK
+    expected = {"kvengine_lookups_total": (1, 2),
+                "kvengine_lookup_tokens_total": (len(TOKENS) - 1, len(TOKENS) + CHUNK),
+                "kvengine_hit_tokens_total": (3 * CHUNK, 3 * CHUNK), "kvengine_loaded_tokens_total": (3 * CHUNK, CHUNK),
+                "kvengine_load_failed_tokens_total": (0, CHUNK), "kvengine_lookup_seconds_count": (1, 2),
+                "kvengine_load_seconds_count": (1, 1), "kvengine_store_seconds_count": (1, 1)}
+    for name, (a, b) in expected.items():
+        assert samples[f'{name}{{model="a"}}'] == a, name
+        assert samples[f'{name}{{model="b"}}'] == b, name
+        assert samples[name] == a + b, name
+    assert samples['kvengine_stored_chunks_total{model="a",tier="memory"}'] == 4
+    assert samples['kvengine_stored_chunks_total{model="b",tier="memory"}'] == 2
+    assert samples['kvengine_stored_chunks_total{tier="memory"}'] == samples["kvengine_stored_chunks_total"] == 6
+    assert samples['kvengine_stored_bytes_total{tier="memory"}'] == 6 * layout.nbytes()
+    assert samples['kvengine_lookup_seconds_bucket{le="+Inf"}'] == 3
+    assert sum(v for k, v in samples.items() if k.startswith("kvengine_lookups_total{")) == 3
+
+
+def test_a_bound_models_series_exist_at_zero_before_any_lookup(tmp_path):
+    """Binding a model creates its series of every per-model family at 0 (per tier for the store counters,
+    the lower tiers included) before it is looked up or stored; another model's traffic leaves them at 0."""
+    layout = make_layout()
+    with KVEngine(_config(tmp_path, layout.nbytes())) as eng:
+        busy = eng.bind(Namespace(model="busy"), layout)
+        eng.bind(Namespace(model="idle"), layout)
+        eng.load(eng.lookup(busy, "r", TOKENS), lambda view: None)
+        samples = _exported(eng)
+    for name in ("kvengine_lookups_total", "kvengine_lookup_tokens_total", "kvengine_hit_tokens_total",
+                 "kvengine_loaded_tokens_total", "kvengine_load_failed_tokens_total", "kvengine_lookup_seconds_count",
+                 "kvengine_load_seconds_count", "kvengine_store_seconds_count"):
+        assert samples[f'{name}{{model="idle"}}'] == 0, name
+    for tier in ("memory", "local_disk"):
+        assert samples[f'kvengine_stored_chunks_total{{model="idle",tier="{tier}"}}'] == 0
+        assert samples[f'kvengine_stored_bytes_total{{model="idle",tier="{tier}"}}'] == 0
+    assert samples['kvengine_lookups_total{model="busy"}'] == 1
+    assert samples['kvengine_lookup_tokens_total{model="busy"}'] == len(TOKENS)
+
+
+def test_parse_samples_adds_bare_name_totals_without_replacing_exposed_samples():
+    """parse_samples keeps every sample as exposed and adds, for labelled samples, the bare name mapped to the
+    sum over them (not for _bucket / _created), each key with the model label dropped mapped to the sum over
+    models, and 0 for a declared family with no series yet; an exposed key is never replaced."""
+    text = "\n".join([
+        "# TYPE kvengine_hit_tokens_total counter",
+        'kvengine_hit_tokens_total{model="a"} 3.0',
+        'kvengine_hit_tokens_total{model="b\\"x"} 4.0',
+        'kvengine_hit_tokens_created{model="a"} 1.7e9',
+        "# TYPE kvengine_stored_chunks_total counter",
+        'kvengine_stored_chunks_total{model="a",tier="memory"} 2.0',
+        'kvengine_stored_chunks_total{model="b",tier="memory"} 5.0',
+        'kvengine_stored_chunks_total{model="a",tier="local_disk"} 1.0',
+        "# TYPE kvengine_lookup_seconds histogram",
+        'kvengine_lookup_seconds_bucket{le="0.1",model="a"} 1.0',
+        'kvengine_lookup_seconds_bucket{le="0.1",model="b"} 2.0',
+        'kvengine_lookup_seconds_count{model="a"} 1.0',
+        'kvengine_lookup_seconds_count{model="b"} 2.0',
+        "# TYPE kvengine_reservations_active gauge",
+        "kvengine_reservations_active 9.0",
+        "# TYPE kvengine_vllm_pinned_chunks gauge",
+        'kvengine_vllm_pinned_chunks{worker="0"} 6.0',
+        "kvengine_vllm_pinned_chunks 1.0",
+        "# TYPE kvengine_lookups counter",
+        "# TYPE kvengine_load_seconds histogram",
+        "vllm:other 5.0",
+    ])
+    m = parse_samples(text)
+    assert m['kvengine_hit_tokens_total{model="a"}'] == 3 and m["kvengine_hit_tokens_total"] == 7
+    assert "kvengine_hit_tokens_created" not in m
+    assert m["kvengine_stored_chunks_total"] == 8
+    assert m['kvengine_stored_chunks_total{tier="memory"}'] == 7
+    assert m['kvengine_stored_chunks_total{tier="local_disk"}'] == 1
+    assert m['kvengine_lookup_seconds_bucket{le="0.1"}'] == 3 and "kvengine_lookup_seconds_bucket" not in m
+    assert m["kvengine_lookup_seconds_count"] == 3
+    assert m["kvengine_reservations_active"] == 9
+    assert m["kvengine_vllm_pinned_chunks"] == 1  # exposed unlabelled: kept as exposed
+    assert m["kvengine_lookups_total"] == 0  # declared, no series yet
+    assert m["kvengine_load_seconds_count"] == m["kvengine_load_seconds_sum"] == 0
+    assert not any(k.startswith("vllm") for k in m)

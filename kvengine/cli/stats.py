@@ -58,6 +58,9 @@ class Snapshot:
     evictions: dict[str, float] = field(default_factory=dict)
     integrity_failures: dict[str, float] = field(default_factory=dict)  # all reasons together
     tier_errors: dict[str, float] = field(default_factory=dict)  # all ops together
+    #: Per bound model (the ``model`` label): lookups, lookup_tokens, hit_tokens, loaded_tokens,
+    #: load_failed_tokens. The fields above are the totals over models.
+    models: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float | None:
@@ -98,14 +101,23 @@ class Snapshot:
                  "kvengine_reservations_active": "reservations_active",
                  "kvengine_quarantined_namespaces": "quarantined_namespaces",
                  "kvengine_quarantine_refusals_total": "quarantine_refusals"}
+        models: dict[str, dict[str, float]] = {}
         for key, value in samples.items():
             name, labels = parse_key(key)
+            if "model" in labels:  # a per-model series: its total has a key of its own (parse_samples)
+                if name in plain:
+                    per_model = models.setdefault(labels["model"], {})
+                    per_model[plain[name]] = per_model.get(plain[name], 0.0) + value
+                continue
             if name in plain:
+                if labels and name in samples:  # the bare name already holds the sum over labels
+                    continue
                 scalars[plain[name]] = scalars.get(plain[name], 0.0) + value
             elif name in by_tier and "tier" in labels:
                 tiers = per_tier.setdefault(by_tier[name], {})
                 tiers[labels["tier"]] = tiers.get(labels["tier"], 0.0) + value
-        return cls(taken_at=time.monotonic() if taken_at is None else taken_at, **scalars, **per_tier)  # type: ignore[arg-type]
+        return cls(taken_at=time.monotonic() if taken_at is None else taken_at, **scalars, **per_tier,  # type: ignore[arg-type]
+                   models=dict(sorted(models.items())))
 
     def as_dict(self) -> dict[str, object]:
         out = dataclasses.asdict(self)
@@ -147,6 +159,11 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, url: str = "") -
                  f"{_count(snap.lookup_tokens)} asked, {_count(snap.lookups)} lookups)")
     lines.append(f"tokens saved    {_count(snap.tokens_saved)}  (loaded instead of recomputed; "
                  f"{_count(snap.load_failed_tokens)} promised but not delivered)")
+    for model, m in snap.models.items():
+        asked, hit = m.get("lookup_tokens", 0.0), m.get("hit_tokens", 0.0)
+        lines.append(f"  model {model}: {_percent(hit / asked if asked else None)} hit  ({_count(hit)} of "
+                     f"{_count(asked)} asked tokens, {_count(m.get('lookups', 0.0))} lookups, "
+                     f"{_count(m.get('loaded_tokens', 0.0))} tokens saved)")
     if "memory" in snap.capacity_bytes:
         lines.append(f"memory fill     {_percent(snap.fill('memory'))}  ({_bytes(snap.used_bytes.get('memory', 0))} "
                      f"of {_bytes(snap.capacity_bytes['memory'])})")

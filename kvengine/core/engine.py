@@ -180,6 +180,7 @@ class CacheEngine:
             )
         binding = ModelBinding.create(namespace, layout)
         self._roots[binding.digest] = binding.root
+        self.metrics.seed_model(namespace.model)  # its per-model series, at 0 from now on
         self.quarantine.note_binding(namespace, binding.digest)
         if self.is_quarantined(binding):
             logger.error("kvengine: model %r is bound to a QUARANTINED namespace (root %s): nothing is served or "
@@ -274,15 +275,17 @@ class CacheEngine:
             expires_at=question.asked_at + self.config.lease_seconds,
             query=question.query,
             entries=entries,
+            model=binding.namespace.model,
         )
         replaced = self.reservations.put(res)
         if replaced is not None:  # a concurrent lookup of the same request won the race
             self._end(replaced)
-        self.metrics.lookups.inc()
-        self.metrics.lookup_tokens.inc(question.asked)
-        self.metrics.hit_tokens.inc(res.matched_tokens)
+        model = res.model
+        self.metrics.lookups.labels(model=model).inc()
+        self.metrics.lookup_tokens.labels(model=model).inc(question.asked)
+        self.metrics.hit_tokens.labels(model=model).inc(res.matched_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
-        self.metrics.lookup_seconds.observe(time.perf_counter() - started)
+        self.metrics.lookup_seconds.labels(model=model).observe(time.perf_counter() - started)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("kvengine: lookup %s: %d of %d tokens hit, chunks by tier %s", request_id,
                          res.matched_tokens, question.asked, {k: v for k, v in sources.items() if v} or "{}")
@@ -315,7 +318,7 @@ class CacheEngine:
         self._check_owner(res)
         now = self._clock()
         if not self.reservations.begin_load(res, now):
-            self.metrics.load_failed_tokens.inc(res.matched_tokens)
+            self.metrics.load_failed_tokens.labels(model=res.model).inc(res.matched_tokens)
             return ()
         res.expires_at = now + self.config.lease_seconds * ABANDON_AFTER_LEASES
         res.load_started = time.perf_counter()
@@ -333,10 +336,10 @@ class CacheEngine:
         loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
         tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else 0
         if loading and self._end(res):
-            self.metrics.loaded_tokens.inc(tokens)
-            self.metrics.load_failed_tokens.inc(res.matched_tokens - tokens)
+            self.metrics.loaded_tokens.labels(model=res.model).inc(tokens)
+            self.metrics.load_failed_tokens.labels(model=res.model).inc(res.matched_tokens - tokens)
             self._memory_loaded_bytes.inc(sum(e.nbytes for e in res.entries[:loaded_chunks]))
-            self.metrics.load_seconds.observe(time.perf_counter() - res.load_started)
+            self.metrics.load_seconds.labels(model=res.model).observe(time.perf_counter() - res.load_started)
             logger.debug("kvengine: load %s: %d of %d tokens loaded", res.request_id, tokens, res.matched_tokens)
         return LoadResult(res.matched_tokens, tokens, tuple(range(loaded_chunks, res.num_chunks)))
 
@@ -421,7 +424,7 @@ class CacheEngine:
         try:
             return await self._store(binding, tokens, source)
         finally:
-            self.metrics.store_seconds.observe(time.perf_counter() - started)
+            self.metrics.store_seconds.labels(model=binding.namespace.model).observe(time.perf_counter() - started)
 
     async def _store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         """:meth:`store`, unmeasured."""

@@ -42,6 +42,8 @@ class Reservation:
     owner: object = field(default=None, repr=False, compare=False)
     #: ``time.perf_counter()`` at ``begin_load`` (the load's latency is measured from there).
     load_started: float = field(default=0.0, repr=False, compare=False)
+    #: The bound model's name (``Namespace.model``): the ``model`` label of the load's metrics.
+    model: str = field(default="", repr=False, compare=False)
 
     @property
     def num_chunks(self) -> int:

@@ -37,8 +37,6 @@ class Stager:
         self.metrics = metrics
         #: Whether committed chunks go on to lower tiers (they then stay pinned for the tier writer).
         self.hands_on = hands_on
-        self._stored_bytes = metrics.stored_bytes.labels(tier="memory")
-        self._stored_chunks = metrics.stored_chunks.labels(tier="memory")
         #: Staged stores not committed yet, to the time after which they count as abandoned.
         self._open: dict[StagedStore, float] = {}
 
@@ -100,8 +98,9 @@ class Stager:
             self.memory.commit(entry, keep_pin=True)
         for entry in staged.entries[filled:]:
             self.memory.abort(entry)
-        self._stored_bytes.inc(sum(e.nbytes for e in staged.entries[:filled]))
-        self._stored_chunks.inc(filled)
+        model = staged.binding.namespace.model
+        self.metrics.stored_bytes.labels(tier="memory", model=model).inc(sum(e.nbytes for e in staged.entries[:filled]))
+        self.metrics.stored_chunks.labels(tier="memory", model=model).inc(filled)
         unused = len(staged.entries) - filled
         result = StoreResult(filled, staged.present_chunks, staged.rejected_chunks + unused)
         if not self.hands_on:

@@ -169,8 +169,9 @@ class TierWriter:
                         self.metrics.log_once(f"put:{transport.name}", "kvengine: %s put raised %s: %s",
                                               transport.name, type(result).__name__, result)
                     elif result[0]:
-                        self.metrics.stored_bytes.labels(tier=transport.name).inc(record.nbytes)
-                        self.metrics.stored_chunks.labels(tier=transport.name).inc()
+                        model = binding.namespace.model
+                        self.metrics.stored_bytes.labels(tier=transport.name, model=model).inc(record.nbytes)
+                        self.metrics.stored_chunks.labels(tier=transport.name, model=model).inc()
                         continue
                     complete = False
                     self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()

@@ -95,3 +95,31 @@ def test_port_is_an_alternative_to_url(engine, capsys):
     with pytest.raises(SystemExit) as info:
         main(["stats"])
     assert info.value.code == 2 and "one of --url or --port is required" in capsys.readouterr().err
+
+
+def test_stats_totals_sum_over_models_with_a_line_per_model(unused_tcp_port, capsys):
+    """With two models bound in one engine, ``kvengine stats`` shows the totals over both (hit and asked
+    tokens, lookups, tokens saved, stored chunks per tier: each counted once, not doubled by the per-model
+    series), then one line per model with its own hit rate; ``--json`` gives the same under ``models``."""
+    layout = make_layout()
+    with KVEngine({"chunk_size": CHUNK, "metrics_port": unused_tcp_port,
+                   "memory": {"capacity_bytes": 8 * layout.nbytes()}}) as eng:
+        a = eng.bind(Namespace(model="alpha"), layout)
+        b = eng.bind(Namespace(model="beta"), layout)
+        tokens = list(range(4 * CHUNK))
+        eng.store(a, tokens, FakeKV(4 * CHUNK).source)
+        eng.load(eng.lookup(a, "ra", tokens, max_tokens=len(tokens) - 1), lambda view: None)
+        eng.load(eng.lookup(b, "rb", tokens), lambda view: None)  # nothing stored for beta: a miss
+        url = f"http://127.0.0.1:{unused_tcp_port}/metrics"
+        assert main(["stats", "--url", url]) == 0
+        text = capsys.readouterr().out
+        assert main(["stats", "--url", url, "--json"]) == 0
+        snap = json.loads(capsys.readouterr().out)
+    assert "hit rate        37.8%  (48 hit tokens of 127 asked, 2 lookups)" in text
+    assert "tokens saved    48" in text
+    assert "  model alpha: 76.2% hit  (48 of 63 asked tokens, 1 lookups, 48 tokens saved)" in text
+    assert "  model beta: 0.0% hit  (0 of 64 asked tokens, 1 lookups, 0 tokens saved)" in text
+    assert re.search(r"^memory\s+4\s.*\s4\s+0\s+0\s+0$", text, re.M)  # 4 chunks held, 4 stored (not 8)
+    assert snap["hit_tokens"] == 48 and snap["lookup_tokens"] == 127 and snap["lookups"] == 2
+    assert snap["stored_chunks"] == {"memory": 4}
+    assert snap["models"]["alpha"]["hit_tokens"] == 48 and snap["models"]["beta"]["lookup_tokens"] == 64
