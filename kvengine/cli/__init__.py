@@ -7,6 +7,7 @@ import importlib
 import sys
 import time
 
+from kvengine.cli.arguments import positive_int
 from kvengine.errors import ConfigError, InvalidRequestError, KVEngineError, UnsupportedModelError
 
 
@@ -77,16 +78,6 @@ examples:
 
 'kvengine COMMAND --help' describes a command's options.
 """
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _version() -> str:
@@ -166,8 +157,8 @@ def _dispatch(argv: list[str]) -> int:
         sub.add_parser(name, help=help_text, add_help=False)
     q = sub.add_parser("quickstart", help="store -> lookup -> load round trip through the Python API",
                        description="Store a random prompt's KV, look it up as a new request, load it back, verify.")
-    q.add_argument("--tokens", type=_positive, default=4000, help="prompt length in tokens (default 4000)")
-    q.add_argument("--chunk-size", type=_positive, default=256, help="tokens per chunk (default 256)")
+    q.add_argument("--tokens", type=positive_int, default=4000, help="prompt length in tokens (default 4000)")
+    q.add_argument("--chunk-size", type=positive_int, default=256, help="tokens per chunk (default 256)")
     q.set_defaults(func=_quickstart)
     args = parser.parse_args(argv)
     return int(args.func(args))

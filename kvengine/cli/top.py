@@ -11,29 +11,10 @@ import argparse
 import sys
 import time
 
+from kvengine.cli.arguments import positive_int, positive_seconds
 from kvengine.cli.stats import Snapshot, add_endpoint_arguments, endpoint, fetch, render, unreachable
 
 _CLEAR = "\x1b[H\x1b[2J"
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,10 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         "metrics endpoint every --interval seconds, with rates per second since the previous refresh. Runs "
         "until Ctrl-C (or --count snapshots). Exit 2 when the endpoint cannot be read.")
     add_endpoint_arguments(parser)
-    parser.add_argument("--interval", type=_positive_float, default=2.0,
+    parser.add_argument("--interval", type=positive_seconds, default=2.0,
                         help="seconds between refreshes (default 2)")
     stop = parser.add_mutually_exclusive_group()
-    stop.add_argument("--count", type=_count, help="stop after this many snapshots (default: until Ctrl-C)")
+    stop.add_argument("--count", type=positive_int, help="stop after this many snapshots (default: until Ctrl-C)")
     stop.add_argument("--once", action="store_const", const=1, dest="count", help="one snapshot (as --count 1)")
     args = parser.parse_args(argv)
     url = endpoint(parser, args)
