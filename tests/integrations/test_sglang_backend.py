@@ -269,6 +269,7 @@ def test_mla_pages_of_another_latent_rope_split_of_the_same_width_are_misses(tmp
     assert _write_then_read(tmp_path, writer_host, reader_host, writer=same, reader=same) == [False, False]
     # control: the same split hits
     _, again = sglang_env.make_mla_host_pool("page_first", lora_rank=16, rope_dim=8)
+    (tmp_path / "b").mkdir()  # a disk tier's parent must exist (a missing one is refused as a missing mount)
     assert _write_then_read(tmp_path / "b", writer_host, again, writer=same, reader=same) == [True, True]
 
 
