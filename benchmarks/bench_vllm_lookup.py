@@ -159,24 +159,32 @@ def main() -> None:
     p.add_argument("--python", default=str(ROOT / ".venv-vllm/bin/python"), help="interpreter of the arms")
     p.add_argument("--arm", nargs=2, metavar=("DISK", "N"), help=argparse.SUPPRESS)
     p.add_argument("--worker", metavar="DISK", help=argparse.SUPPRESS)
+    p.add_argument("--prepare", nargs=2, metavar=("DISK", "N"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker)
+        return
+    if args.prepare:
+        prepare(args.prepare[0], int(args.prepare[1]))
         return
     if args.arm:
         print(json.dumps(arm(args.arm[0], int(args.arm[1]))))
         return
     print_header()
     with tempfile.TemporaryDirectory() as work:
-        disk = os.path.join(work, "disk")
-        prepare(disk, args.requests)
         before = snapshot(args.before_rev, Path(work) / "before")
+        envs = {"before": dict(os.environ, PYTHONPATH=str(before)), "after": dict(os.environ)}
+        # Each arm writes its records with its own code (the record format may differ between them).
+        disks = {name: os.path.join(work, f"disk-{name}") for name in envs}
+        for name, disk in disks.items():
+            subprocess.run([args.python, __file__, "--prepare", disk, str(args.requests)], env=envs[name], cwd=work,
+                           check=True, capture_output=True)
         runs: dict[str, list[dict]] = {"before": [], "after": []}
         for r in range(args.rounds):
             for name in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                disk = disks[name]
                 drop_caches([f for f in Path(disk).rglob("*") if f.is_file()])
-                env = dict(os.environ, PYTHONPATH=str(before)) if name == "before" else dict(os.environ)
-                out = subprocess.run([args.python, __file__, "--arm", disk, str(args.requests)], env=env,
+                out = subprocess.run([args.python, __file__, "--arm", disk, str(args.requests)], env=envs[name],
                                      cwd=work, check=True, capture_output=True, text=True).stdout
                 runs[name].append(json.loads(out.strip().splitlines()[-1]))
     keys = [k for k in runs["after"][0] if k != "lookup_wait_ms"]
