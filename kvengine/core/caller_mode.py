@@ -20,6 +20,8 @@ def in_callers_mode(fn: Callable[P, T]) -> Callable[P, T]:
     (inference tensors) would fail there, and every load would become a miss.
     """
     inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    if not inference and grad:  # torch's defaults, which the engine's threads run in: nothing to carry
+        return fn
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> T:
