@@ -228,6 +228,17 @@ SUMMED_LABELS = ("model",)
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
+
+def parse_key(key: str) -> tuple[str, dict[str, str]]:
+    """A sample's key as exposed, split: ``'kvengine_x_total{tier="memory"}'`` ->
+    ``('kvengine_x_total', {'tier': 'memory'})`` (label values unescaped)."""
+    name, brace, rest = key.partition("{")
+    if not brace:
+        return name, {}
+    labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+              for k, v in _LABEL.findall(rest.rstrip("}"))}
+    return name, labels
+
 #: Samples each family type exposes unlabelled when summed over nothing (a family with no series yet).
 _EMPTY_SAMPLES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_count", "_sum")}
 

@@ -1,8 +1,25 @@
-"""Argument types shared by the ``kvengine`` commands: a bad value is argparse's one-line usage error."""
+"""What the ``kvengine`` commands share about their arguments: argument types (a bad value is a
+usage error), a parser whose errors are one line, and errors said in one line."""
 
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
+
+#: Exit status of a usage error (as argparse's).
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2), not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message with its line breaks and runs of spaces folded (for one stderr line)."""
+    return " ".join(str(exc).split())
 
 
 def positive_int(text: str) -> int:

@@ -13,30 +13,23 @@ one line on stderr and exit status 2. ``--json`` prints the same as JSON;
 
 from __future__ import annotations
 
-import argparse
 import enum
 import json
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
+from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, one_line
 from kvengine.errors import KVEngineError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from kvengine.semantics import ModelKVSpec
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_REFUSED = 0, 1
 
 #: Cache dtypes ``--dtype`` accepts (what the HF models kvengine attaches run their caches in; the vLLM
 #: connector refuses quantized KV, ``kv_cache_dtype`` other than 'auto').
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr (exit status 2), not usage + error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 # -- per-integration verdicts -------------------------------------------------------------------
@@ -211,7 +204,7 @@ def inspect_report(path: str, *, chunk_size: int = 256, dtype: str | None = None
         out["integrations"] = [v.as_dict() for v in refused_verdicts(str(exc))]
         return out
     except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as exc:  # values it cannot hold
-        detail = " ".join(str(exc).split())[:300]
+        detail = one_line(exc)[:300]
         raise ModelConfigError(f"{path}: malformed model config ({type(exc).__name__}: {detail})") from None
     out.update(
         model_type=spec.model_type,
@@ -285,7 +278,7 @@ def _print_text(rep: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvengine inspect``; returns the exit status."""
-    parser = _Parser(prog="kvengine inspect", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="kvengine inspect", description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="model directory (holding config.json) or a config.json file")
     parser.add_argument("--list-refused", action="store_true",
                         help="list the families and features kvengine refuses, with reasons, and exit")
@@ -310,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rep = inspect_report(args.model, chunk_size=args.chunk_size, dtype=args.dtype)
     except KVEngineError as exc:  # ModelConfigError (a refused family is reported, not raised)
-        print(f"kvengine inspect: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"kvengine inspect: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
         print(json.dumps(rep, indent=2))

@@ -17,8 +17,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
+from kvengine.cli.arguments import OneLineParser
 from kvengine.transports.local_disk import delete_namespace_records, records_per_namespace
 from kvengine.trust.quarantine import QuarantineEntry, read_markers, read_namespace_notes, remove_marker
 
@@ -37,16 +37,9 @@ def _describe(entry: QuarantineEntry, disk: Path, counts: dict[str, int]) -> str
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr (exit status 2), not usage + error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="kvengine quarantine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="kvengine quarantine", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
     ls = sub.add_parser("list", help="show the quarantined namespaces of a disk tier")
     ls.add_argument("--disk", type=Path, required=True, help="the disk tier's directory (disk.path)")

@@ -34,25 +34,17 @@ import os
 import signal
 import ssl
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from kvengine.chunks.keys import DIGEST_BYTES, NamespaceDigest
+from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, one_line
 from kvengine.errors import ConfigError, KVEngineError
-
-EXIT_USAGE = 2
 
 
 class FileOptionError(ConfigError):
     """A file or directory an option names is missing or malformed (exit status 2, like an argument error)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr (exit status 2), not usage + error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _size(text: str) -> int:
@@ -74,7 +66,7 @@ def _namespace(text: str) -> NamespaceDigest:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``serve`` options, added to ``parser`` (a CLI subcommand's) or to a parser of their own."""
-    p = parser or _Parser(prog="kvengine serve", description=__doc__.split("\n")[0])
+    p = parser or OneLineParser(prog="kvengine serve", description=__doc__.split("\n")[0])
     p.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on (required; port 0: any free port)")
     p.add_argument("--transport", choices=("zmq", "tcp", "ucx"), default="zmq",
                    help="zmq (CURVE), tcp (own framing, bounded before buffering; TLS) or ucx (default zmq)")
@@ -120,7 +112,6 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
         secret = read_secret(args.secret_file)
     except ConfigError as exc:
         raise FileOptionError(f"--secret-file: {exc}") from None
-    _check_wire_options(args)
     require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert or args.tls_cert), what="--bind")
     gate = _gatekeeper(args)
     options = ServerOptions(namespaces=frozenset(args.namespace) if args.namespace else None,
@@ -137,7 +128,7 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
             try:  # load the files now, so that a bad one is reported as such before anything starts
                 tls.server_context()
             except (ConfigError, ssl.SSLError) as exc:
-                raise FileOptionError(f"--tls-cert/--tls-key/--tls-ca: {_one_line(exc)}") from None
+                raise FileOptionError(f"--tls-cert/--tls-key/--tls-ca: {one_line(exc)}") from None
         return TcpPeerServer(store, args.bind, options, TcpServerOptions(tls=tls, message_timeout=args.message_timeout))
     if args.transport == "ucx":
         os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
@@ -235,19 +226,15 @@ def run(args: argparse.Namespace) -> int:
         _check_files(args)
         return asyncio.run(_serve(args))
     except FileOptionError as exc:  # a missing or malformed file: the caller's to fix
-        print(f"kvengine serve: {_one_line(exc)}", file=sys.stderr)
+        print(f"kvengine serve: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except ssl.SSLError as exc:  # certificate / key files that do not load
         files = ", ".join(f for f in (args.tls_cert, args.tls_key, args.tls_ca) if f)
-        print(f"kvengine serve: TLS files {files} do not load: {_one_line(exc)}", file=sys.stderr)
+        print(f"kvengine serve: TLS files {files} do not load: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except (KVEngineError, OSError) as exc:
-        print(f"kvengine serve: {_one_line(exc)}", file=sys.stderr)
+        print(f"kvengine serve: {one_line(exc)}", file=sys.stderr)
         return 1
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 def _check_files(args: argparse.Namespace) -> None:

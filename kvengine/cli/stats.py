@@ -11,29 +11,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvengine.metrics import scrape_url
+from kvengine.metrics import parse_key, scrape_url
 
 #: Exit status when the endpoint cannot be read (as for a usage error: nothing was shown).
 UNREACHABLE = 2
-
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_key(key: str) -> tuple[str, dict[str, str]]:
-    """``'kvengine_x_total{tier="memory"}'`` -> ``('kvengine_x_total', {'tier': 'memory'})``."""
-    name, brace, rest = key.partition("{")
-    if not brace:
-        return name, {}
-    labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-              for k, v in _LABEL.findall(rest.rstrip("}"))}
-    return name, labels
-
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -176,8 +162,9 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, url: str = "") -
     lines.append(f"integrity       {_count(sum(snap.integrity_failures.values()))} failures, "
                  f"{_count(snap.quarantined_namespaces)} namespaces quarantined "
                  f"({_count(snap.quarantine_refusals)} refusals)")
-    if previous is not None and snap.taken_at > previous.taken_at:
-        dt = snap.taken_at - previous.taken_at
+    # Seconds since the previous snapshot (None: no rates to show).
+    dt = snap.taken_at - previous.taken_at if previous is not None and snap.taken_at > previous.taken_at else None
+    if previous is not None and dt is not None:
 
         def rate(now: float, before: float) -> str:
             return f"{max(0.0, now - before) / dt:,.1f}"
@@ -188,7 +175,7 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, url: str = "") -
                      f"{rate(snap.tokens_saved, previous.tokens_saved)}  (over {dt:.1f} s)")
     header = f"{'tier':<12} {'chunks':>8} {'used':>11} {'stored':>11} {'loaded':>11} {'stored ch':>9} " \
              f"{'evicted':>8} {'corrupt':>8} {'errors':>7}"
-    if previous is not None and snap.taken_at > previous.taken_at:
+    if dt is not None:
         header += f" {'store/s':>11} {'load/s':>11}"
     lines += ["", header]
     for tier in snap.tiers:
@@ -196,8 +183,7 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, url: str = "") -
                f"{_bytes(snap.stored_bytes.get(tier, 0)):>11} {_bytes(snap.loaded_bytes.get(tier, 0)):>11} "
                f"{_count(snap.stored_chunks.get(tier, 0)):>9} {_count(snap.evictions.get(tier, 0)):>8} "
                f"{_count(snap.integrity_failures.get(tier, 0)):>8} {_count(snap.tier_errors.get(tier, 0)):>7}")
-        if previous is not None and snap.taken_at > previous.taken_at:
-            dt = snap.taken_at - previous.taken_at
+        if previous is not None and dt is not None:
             stored = max(0.0, snap.stored_bytes.get(tier, 0) - previous.stored_bytes.get(tier, 0)) / dt
             loaded = max(0.0, snap.loaded_bytes.get(tier, 0) - previous.loaded_bytes.get(tier, 0)) / dt
             row += f" {_bytes(stored) + '/s':>11} {_bytes(loaded) + '/s':>11}"
