@@ -47,6 +47,7 @@ from kvengine import KVEngine, Namespace
 from kvengine.chunks.codecs import Codec
 from kvengine.chunks.record import descriptors_for
 from kvengine.compression import LOSSLESS_FAMILY, codec_family, error_bound
+from kvengine.compression.quality import roundtrip
 from kvengine.errors import InvalidRequestError
 from kvengine.semantics.canary import CanaryReport, LossyProbe, judge
 from kvengine.semantics.families import derive_spec
@@ -151,20 +152,9 @@ def through_codec(codec: Codec, view: ChunkView) -> ChunkView:
     """``view`` as a lower tier would deliver it: its payload encoded and decoded by ``codec``, with the
     descriptors the tier writer records for it (:func:`~kvengine.chunks.record.descriptors_for`), which
     are also those the promoter decodes with."""
-    tensors = view.tensors
     descriptors = descriptors_for(view.layout, view.token_range[1] - view.token_range[0])
-    raw = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
-    decoded = memoryview(codec.decode(memoryview(codec.encode(memoryview(raw), descriptors)), descriptors))
-    out: list[torch.Tensor] = []
-    pos = 0
-    for t, d in zip(tensors, descriptors):
-        back = torch.empty(t.shape, dtype=t.dtype)
-        if d.nbytes:
-            back.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(decoded[pos : pos + d.nbytes]),
-                                                                      dtype=torch.uint8))
-        out.append(back.to(t.device))
-        pos += d.nbytes
-    return dataclasses.replace(view, tensors=tuple(out))
+    decoded, _ = roundtrip(codec, view.tensors, descriptors)
+    return dataclasses.replace(view, tensors=tuple(d.to(t.device) for d, t in zip(decoded, view.tensors)))
 
 
 def _check_real_cache(attached: AttachedModel) -> None:
@@ -222,9 +212,8 @@ def run_canary(attached: AttachedModel) -> CanaryReport:
 
     restored, matched, load_ok = attached.restore(ctx, ids, "kvengine-attach-canary")
     if not load_ok:  # nothing to compare: a restore path that cannot load is refused as it is
-        return CanaryReport(model=attached.namespace.model, probe_tokens=total, matched_tokens=matched,
-                            restored_exact=False, max_logit_error=float("nan"), logit_bound=float("nan"),
-                            failure=f"store -> fresh load failed: {matched} of {prefix} stored tokens usable")
+        return _load_failed(attached, total, matched, f"store -> fresh load failed: {matched} of {prefix} stored "
+                                                      "tokens usable")
     restored_states = codec.comparable(restored)
     in_memory_states = codec.comparable(in_memory)
     lossy: LossyProbe | None = None
@@ -233,11 +222,8 @@ def run_canary(attached: AttachedModel) -> CanaryReport:
         through = functools.partial(through_codec, tier_codec)
         lossy_cache, lossy_matched, lossy_ok = attached.restore(ctx, ids, f"{CANARY_KEY}-lossy", through=through)
         if not lossy_ok:
-            return CanaryReport(model=attached.namespace.model, probe_tokens=total, matched_tokens=lossy_matched,
-                                restored_exact=False, max_logit_error=float("nan"), logit_bound=float("nan"),
-                                codec=tier_codec.name,
-                                failure=f"store -> load through codec {tier_codec.name} failed: {lossy_matched} of "
-                                        f"{prefix} stored tokens usable")
+            return _load_failed(attached, total, lossy_matched, f"store -> load through codec {tier_codec.name} "
+                                f"failed: {lossy_matched} of {prefix} stored tokens usable", codec=tier_codec.name)
         lossy_states = codec.comparable(lossy_cache)
         lossy_logits = runner.forward(ids[lossy_matched:], lossy_cache, lossy_matched,
                                       encoder_outputs=ctx.encoder_outputs, all_logits=True)
@@ -259,3 +245,11 @@ def run_canary(attached: AttachedModel) -> CanaryReport:
         continued_states=codec.comparable(restored),
         lossy=lossy,
     )
+
+
+def _load_failed(attached: AttachedModel, total: int, matched: int, failure: str,
+                 codec: str | None = None) -> CanaryReport:
+    """The canary's report when a restore could not load its probe: nothing was compared."""
+    return CanaryReport(model=attached.namespace.model, probe_tokens=total, matched_tokens=matched,
+                        restored_exact=False, max_logit_error=float("nan"), logit_bound=float("nan"),
+                        codec=codec, failure=failure)

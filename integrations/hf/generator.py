@@ -320,7 +320,6 @@ class AttachedModel:
             load_ok=load_ok, shadow=shadow_outcome,
         )
 
-
     def _restore(self, ctx: RequestContext, ids: torch.Tensor, request_id: str, use_cache: bool) -> _Restored:
         """A fresh cache holding the longest cached prefix of ``ids`` (nothing when ``use_cache`` is False,
         or when the hit is sampled for a shadow check: then the request computes it all, and the check

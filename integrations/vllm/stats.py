@@ -51,10 +51,6 @@ GAUGES: dict[str, tuple[str, str]] = {
 LABELS = {name: label for name, (_, label, _) in COUNTERS.items() if label}
 
 
-def _base(key: str) -> str:
-    return key.split(":", 1)[0]
-
-
 @dataclass
 class KVEngineStats(KVConnectorStats):
     """kvengine's stats over an interval: counter increases are summed, gauges keep the latest value."""

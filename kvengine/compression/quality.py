@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,16 +78,24 @@ def _descriptor(group: int, t: torch.Tensor) -> TensorDescriptor:
                             t.numel() * t.element_size())
 
 
-def roundtrip(codec: Codec, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-    """``tensors`` after encode and decode by ``codec``, and the stored size."""
+def roundtrip(codec: Codec, tensors: Sequence[torch.Tensor],
+              descriptors: Sequence[TensorDescriptor] | None = None) -> tuple[list[torch.Tensor], int]:
+    """``tensors`` (CPU) after encode and decode by ``codec``, and the stored size.
+
+    ``descriptors``: the record descriptors a tier would write for them (a layout's, with its token
+    dimensions); default: one token-first descriptor per tensor.
+    """
     tensors = [t.contiguous() for t in tensors]
-    descs = [_descriptor(i, t) for i, t in enumerate(tensors)]
+    descs = list(descriptors) if descriptors is not None else [_descriptor(i, t) for i, t in enumerate(tensors)]
     raw = b"".join(t.view(torch.uint8).reshape(-1).numpy().tobytes() for t in tensors)
     stored = codec.encode(memoryview(raw), descs)
     decoded = memoryview(bytearray(codec.decode(memoryview(stored), descs)))
     out, pos = [], 0
     for t, d in zip(tensors, descs):
-        out.append(torch.frombuffer(decoded[pos : pos + d.nbytes], dtype=t.dtype).reshape(t.shape).clone())
+        if d.nbytes:
+            out.append(torch.frombuffer(decoded[pos : pos + d.nbytes], dtype=t.dtype).reshape(t.shape).clone())
+        else:  # frombuffer refuses an empty buffer
+            out.append(torch.empty(t.shape, dtype=t.dtype))
         pos += d.nbytes
     return out, len(stored)
 
