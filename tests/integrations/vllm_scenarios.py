@@ -407,8 +407,7 @@ def scenario_real(work: Path) -> dict[str, Any]:
     chat prompts sharing a long system prompt, through the model's own chat template. Reference outputs
     without the connector; then a connector engine in vLLM's default topology: a cold pass, then the same
     prompts plus follow-up turns in a fresh engine process reading the disk tier."""
-    from transformers import AutoTokenizer
-
+    from kvengine.integrations.hf.demo import TemplateConversation
     from kvengine.integrations.hf.real_model import load_smollm2
 
     _, tokenizer, model_dir = load_smollm2(progress=lambda line: print(line, flush=True))
@@ -419,13 +418,9 @@ def scenario_real(work: Path) -> dict[str, Any]:
     questions = ["Shard 17 shows 45 seconds of replication lag. What do I do?",
                  "What is the capital of France?", "Write one sentence about disks."]
 
-    def chat(*turns: str) -> list[int]:
-        messages = [{"role": "system", "content": system}]
-        messages += [{"role": "user", "content": t} for t in turns]
-        ids = AutoTokenizer.from_pretrained(model).apply_chat_template(messages, add_generation_prompt=True,
-                                                                       tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+    def chat(*turns: str) -> list[int]:  # the chat template over the system prompt and user turns
+        conversation = TemplateConversation(tokenizer, system)
+        return [conversation.ask(turn) for turn in turns][-1]
 
     base = [chat(q) for q in questions]
     follow = [chat(questions[0], "And if the lag keeps growing?"), chat(questions[2], questions[1])]
