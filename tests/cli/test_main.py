@@ -83,3 +83,18 @@ def test_missing_optional_dependency_or_bad_configuration_is_one_line():
                          text=True, timeout=120, env=dict(os.environ, KVENGINE_MEMORY__EVICTION="arc"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "memory.eviction" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_every_public_name_resolves_lazily_from_the_module_that_defines_it():
+    """The package's exports load on first use (PEP 562): every name in ``kvengine.__all__`` has a lazy entry
+    and resolves to the object of the module it names, so the list, the lazy table and the type-checking
+    imports cannot drift apart unnoticed."""
+    import importlib
+
+    import kvengine
+
+    assert sorted(kvengine._EXPORTS) == sorted(kvengine.__all__)
+    for name, module in kvengine._EXPORTS.items():
+        assert getattr(kvengine, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        kvengine.NoSuchName  # noqa: B018
