@@ -95,17 +95,11 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kvengine vLLM connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
                                     "(quantized KV) has not been validated; use 'auto'")
-    mc = vllm_config.model_config
-    if getattr(mc, "use_mla", False):
-        raise UnsupportedModelError(
-            f"kvengine vLLM connector: model {mc.model!r} ({getattr(mc.hf_config, 'model_type', '?')}) uses "
-            "multi-head latent attention (MLA), whose KV cache (MLAAttentionSpec) has not been validated for "
-            "reuse; refusing to start (see docs/vllm.md, 'What is reused, and what is refused')")
 
 
 def check_config(vllm_config: VllmConfig) -> ConnectorOptions:
     """Every refusal decidable from the configuration alone, before any engine exists: the settings
-    (:func:`check_vllm_config`: parallelism, speculative decoding, roles, kv_cache_dtype, MLA models)
+    (:func:`check_vllm_config`: parallelism, speculative decoding, roles, kv_cache_dtype)
     and the connector options (unknown keys, ill-typed values, a chunk_size that is no positive integer,
     unknown or lossy codecs). Returns the parsed options (their chunk size is resolved later, against the
     block sizes vLLM picks at start-up)."""

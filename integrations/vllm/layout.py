@@ -39,18 +39,39 @@ from kvengine.errors import UnsupportedModelError
 #: One list of block ids per KV cache group, as vLLM's ``KVCacheBlocks.get_block_ids()``.
 BlockIds = tuple[tuple[int, ...], ...]
 
-#: Attention backends whose page format has been validated (vLLM CPU build).
-ATTENTION_BACKENDS = frozenset({"CPU_ATTN"})
+#: Attention backends whose pages have been validated end to end (vLLM CPU build): the CPU backend, and
+#: the AMX MLA backend (DeepSeek-style latent pages; AMX CPUs, bf16).
+ATTENTION_BACKENDS = frozenset({"CPU_ATTN", "AMX_MLA"})
+#: Backends refused for a known reason (anything else unknown is refused as not validated).
+REFUSED_BACKENDS: Mapping[str, str] = {
+    "CPU_MLA": "vLLM's reference CPU MLA backend has no prefill-with-context path (vLLM turns prefix caching "
+               "and chunked prefill off for it), so the pages of a hit would be ignored and the model would "
+               "answer from a truncated context; vLLM picks AMX_MLA instead on CPUs with AMX and bf16",
+    **{name: "its pages are copied through vLLM's logical [blocks, heads, tokens, content] view like every "
+             "backend's (layout math unit-tested for every KVCacheLayout), but it has not been validated on a "
+             "CUDA GPU yet" for name in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "TRITON_MLA",
+                                        "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")},
+}
+#: The KV cache spec classes :func:`plan_groups` accepts (the others are refused as not validated).
+SUPPORTED_SPECS = "FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode"
 #: Recurrent-state backends whose state blocks have been validated (Qwen3-Next's gated delta net).
 STATE_BACKENDS = frozenset({"GDN_ATTN"})
-#: Physical layouts the validated backends declare.
-KV_LAYOUTS = frozenset({"LBHNC"})
+#: Physical layouts (``vllm.v1.kv_cache_layout.KVCacheLayout``: stride orders of the logical
+#: [layers, blocks, heads, tokens, content] cache). Pages are copied through each layer's logical view, so
+#: any of them works; its name is part of the namespace all the same.
+KV_LAYOUTS = frozenset({"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"})
 
 
 class GroupKind(enum.Enum):
     FULL = "full_attention"  # every block of the prefix is read
+    MLA = "mla_latent"  # as FULL: one latent (+ rope key) page per block, shared by every head
     SLIDING = "sliding_window"  # only the blocks inside the window are read
     STATE = "recurrent_state"  # one state per block boundary vLLM materialized (mamba_cache_mode 'align')
+
+    @property
+    def every_block(self) -> bool:
+        """Whether attention reads every block of the prefix (so a freed page makes a chunk unusable)."""
+        return self in (GroupKind.FULL, GroupKind.MLA)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,8 +92,8 @@ class GroupPlan:
 
     @property
     def category(self) -> KVCategory:
-        return {GroupKind.FULL: KVCategory.FULL_ATTENTION, GroupKind.SLIDING: KVCategory.SLIDING_WINDOW,
-                GroupKind.STATE: KVCategory.LINEAR_STATE}[self.kind]
+        return {GroupKind.FULL: KVCategory.FULL_ATTENTION, GroupKind.MLA: KVCategory.MLA_LATENT,
+                GroupKind.SLIDING: KVCategory.SLIDING_WINDOW, GroupKind.STATE: KVCategory.LINEAR_STATE}[self.kind]
 
 
 #: Why recurrent-state groups (Mamba, GDN linear attention: Qwen3-Next, ...) need mamba_cache_mode 'align'.
@@ -97,6 +118,7 @@ def _plan_one(group_id: int, spec: Any, layer_names: Iterable[str]) -> GroupPlan
         FullAttentionSpec,
         KVQuantMode,
         MambaSpec,
+        MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
@@ -114,6 +136,14 @@ def _plan_one(group_id: int, spec: Any, layer_names: Iterable[str]) -> GroupPlan
         # A sliding window recorded on a FullAttentionSpec keeps every block (hybrid allocator off).
         return GroupPlan(group_id=group_id, kind=GroupKind.FULL, block_size=spec.block_size, layer_names=layers,
                          dtypes=(_dtype_name(spec.dtype),))
+    if type(spec) is MLAAttentionSpec:
+        # DeepSeek V2/V3-style latent attention: one [latent | rope key] vector per token, read by every head.
+        if spec.model_version is not None or spec.alignment is not None or spec.non_causal \
+                or spec.non_causal_multi_token_decode:
+            raise _refuse(where, f"MLA variant (model_version={spec.model_version!r}, sparse/indexed caches, "
+                                 "padded pages or non-causal decode) has not been validated")
+        return GroupPlan(group_id=group_id, kind=GroupKind.MLA, block_size=spec.block_size, layer_names=layers,
+                         dtypes=(_dtype_name(spec.dtype),))
     if type(spec) is SlidingWindowSpec:
         if spec.extra_retained_tokens:
             raise _refuse(where, "extra_retained_tokens (multi-token speculative prefill) is not supported")
@@ -129,8 +159,7 @@ def _plan_one(group_id: int, spec: Any, layer_names: Iterable[str]) -> GroupPlan
                          dtypes=tuple(_dtype_name(d) for d in spec.dtypes),
                          state_shapes=tuple(tuple(int(n) for n in shape) for shape in spec.shapes),
                          state_bytes=spec.state_content_size_bytes)
-    raise _refuse(where, f"spec class {name} has not been validated for reuse "
-                         "(supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode)")
+    raise _refuse(where, f"spec class {name} has not been validated for reuse (supported: {SUPPORTED_SPECS})")
 
 
 def plan_groups(kv_cache_config: object) -> tuple[GroupPlan, ...]:
@@ -291,7 +320,8 @@ def derive_layout(
         for layer in plan.layer_names:
             backend = backends.get(layer)
             if backend not in ATTENTION_BACKENDS:
-                raise _refuse(f"layer {layer}", f"attention backend {backend!r} has not been validated "
+                why = REFUSED_BACKENDS.get(backend or "", "it has not been validated")
+                raise _refuse(f"layer {layer}", f"attention backend {backend!r}: {why} "
                                                 f"(supported: {sorted(ATTENTION_BACKENDS)})")
             used_backends.add(backend)
             cache = kv_caches.get(layer)

@@ -9,7 +9,7 @@ Blocks vLLM replaced by its *null block* (sliding-window groups drop blocks
 that fell out of the window) are never written; when storing, they are
 zero-filled for sliding-window layers (no load can need them: a load that
 reaches past a chunk only reads the window before its own end) and make the
-chunk unstorable for full-attention layers (:class:`MissingPage`).
+chunk unstorable for full-attention and MLA layers (:class:`MissingPage`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from kvengine.types import ChunkView
 
-from .layout import BlockIds, GroupKind, PagedLayout, PagedTensor
+from .layout import BlockIds, PagedLayout, PagedTensor
 
 
 class MissingPage(Exception):
@@ -60,7 +60,7 @@ class PagedCopier:
                 raise MissingPage(f"{t.layer}: no block for position {pos} ({len(blocks)} blocks)")
             block = blocks[index]
             if block == null:
-                if t.kind is GroupKind.FULL:
+                if t.kind.every_block:
                     raise MissingPage(f"{t.layer}: block of position {pos} was freed")
                 continue
             src.append(j)
@@ -86,7 +86,7 @@ class PagedCopier:
 
         Pages of freed sliding-window blocks are zero-filled.
 
-        :raises MissingPage: if a full-attention page is gone (see :meth:`usable_chunks`).
+        :raises MissingPage: if a full-attention or MLA page is gone (see :meth:`usable_chunks`).
         """
         t, cache = self.layout.tensors[i], self._caches[i]
         src, dst = self._pages(t, start, block_ids, null, start, start + self._chunk)

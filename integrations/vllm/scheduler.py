@@ -15,7 +15,8 @@ Per request, a small state machine (:class:`_Phase`):
   reservation is released at once -> IDLE.
 * ``build_connector_meta`` hands committed plans to the worker, which
   consumes the reservation by loading it -> IDLE; and asks the worker to
-  store every prompt chunk the step completes.
+  store every chunk the step completes, prompt or generated (decode chunks:
+  the next turn of a chat hits through the previous reply).
 * ``request_finished`` releases whatever is still reserved.
 
 So a request that was looked up but never scheduled (no blocks, aborted,
@@ -201,7 +202,7 @@ class SchedulerSide:
                 continue
             st = state
             computed = computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0)
-            end = min(computed, st.request.num_prompt_tokens) // self._chunk * self._chunk
+            end = min(computed, self._storable(st.request)) // self._chunk * self._chunk
             if end <= st.stored_until or self._manager is None:
                 continue
             block_ids = self._manager.get_block_ids(request_id)
@@ -239,6 +240,19 @@ class SchedulerSide:
         logger.info("kvengine: scheduler stats %s", self.stats)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _storable(self, request: Request) -> int:
+        """How far the request's chunks may be stored: through its generated tokens (so the next turn of
+        a chat hits through this reply) as far as their ids are known here; a hybrid model's prompt only.
+
+        A token's KV is computed when it is fed, and a fed token's id is in ``all_token_ids`` (with async
+        scheduling the token being sampled is not yet: its chunk is stored a step later). A hybrid model
+        stores no recurrent state at boundaries reached while decoding (vLLM's 'align' mode places them
+        by prefill steps; not validated), and chunks without a state at their end are never a hit there.
+        """
+        if self._has_state:
+            return int(request.num_prompt_tokens)
+        return len(request.all_token_ids)
+
     def _state(self, request: Request) -> _RequestState:
         st = self._states.get(request.request_id)
         if st is None:

@@ -6,7 +6,7 @@ Used by the tests, the example and the benchmark. Each builder writes a
 
 Constraints of the vLLM CPU build respected here: attention head dims in
 {32, 64, 80, 96, 112, 128, ...}; Qwen3-Next linear-attention head dims 128
-(the CPU gated-delta-rule kernel refuses 32).
+(the CPU gated-delta-rule kernel refuses 32); an MLA latent of 512 + 64.
 
 Weights are rescaled to std ``1/sqrt(fan_in)`` so that logits are far from
 uniform: near-ties would make greedy comparisons flaky for reasons that have
@@ -35,6 +35,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                       linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4,
                                       num_experts_per_tok=2, moe_intermediate_size=64,
                                       shared_expert_intermediate_size=64, mlp_only_layers=[])),
+    # MLA (DeepSeek-V2): vLLM's CPU MLA kernels take only a 576-wide latent (kv_lora_rank 512 + rope 64).
+    "deepseek_v2": ("deepseek_v2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
+                                        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                        first_k_dense_replace=1, moe_intermediate_size=64, topk_method="greedy",
+                                        n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
 }
 
 

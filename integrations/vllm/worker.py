@@ -336,7 +336,7 @@ class WorkerSide:
     def _verify(self, spec: SaveSpec, null: int) -> None:
         """A shadow check: compare the stored chunks of ``spec.verify`` with the pages this step computed.
 
-        Full-attention pages only: a sliding-window chunk holds zeros where its writer had already
+        Full-attention and MLA pages only: a sliding-window chunk holds zeros where its writer had already
         dropped blocks, which depends on that writer's steps, and recurrent states are compared as
         the tokens they lead to (vLLM's outputs), not here.
         """
@@ -349,7 +349,7 @@ class WorkerSide:
         results = []
         try:
             views = self.engine.begin_load(res) if res.matched_tokens else ()
-            full = [i for i, t in enumerate(self.layout.tensors) if t.kind is GroupKind.FULL]
+            full = [i for i, t in enumerate(self.layout.tensors) if t.kind.every_block]
             for view in views:
                 start = view.token_range[0]
                 if start < lo or not self._copier.usable_chunks([start], spec.block_ids, null):

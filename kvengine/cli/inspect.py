@@ -77,10 +77,11 @@ def _hf_verdict(spec: ModelKVSpec) -> Verdict:
 
 def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
     """Mirrors integrations/vllm: connector.check_vllm_config (encoder-decoder), layout.plan_groups /
-    layout._plan_one (spec classes: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode; anything
-    else "has not been validated"), and layout.derive_layout (ATTENTION_BACKENDS, STATE_BACKENDS)."""
+    layout._plan_one (spec classes: FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, MambaSpec in
+    'align' mode; anything else "has not been validated"), and layout.derive_layout (ATTENTION_BACKENDS,
+    REFUSED_BACKENDS, STATE_BACKENDS)."""
     from kvengine.chunks.layout import KVCategory
-    from kvengine.integrations.vllm.layout import ATTENTION_BACKENDS, STATE_BACKENDS
+    from kvengine.integrations.vllm.layout import ATTENTION_BACKENDS, STATE_BACKENDS, SUPPORTED_SPECS
 
     v = Integration.VLLM
     if spec.encoder_only:  # layout.plan_groups
@@ -89,14 +90,12 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
         return Verdict(v, Support.REFUSED, "encoder-decoder models are not supported")
     categories = {g.category for g in spec.groups}
     refused = {  # the vLLM spec class each category is declared as, refused by layout._plan_one
-        KVCategory.MLA_LATENT: "MLA layers are declared as MLAAttentionSpec, which has not been validated for "
-                               "reuse",
         KVCategory.CHUNKED_LOCAL: "chunked local attention is declared as ChunkedLocalAttentionSpec, which has "
                                   "not been validated for reuse",
     }
     reasons = [why for cat, why in refused.items() if cat in categories]
     if reasons:
-        reasons[-1] += " (supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode)"
+        reasons[-1] += f" (supported: {SUPPORTED_SPECS})"
     # layout.derive_layout -> _state_tensor: recurrent state only on the validated state backends.
     state_kinds = sorted({g.part.kind for g in spec.groups if g.category is KVCategory.LINEAR_STATE
                           and hasattr(g.part, "kind")})
@@ -106,6 +105,11 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
                        f"validated (supported: {sorted(STATE_BACKENDS)})")
     if reasons:
         return Verdict(v, Support.REFUSED, "; ".join(reasons))
+    if KVCategory.MLA_LATENT in categories:
+        return Verdict(v, Support.AT_START_UP, "MLA latent pages (MLAAttentionSpec, one latent per token) are "
+                                               "reused on vLLM's AMX_MLA backend (CPUs with AMX, bf16); the "
+                                               "reference CPU_MLA backend vLLM picks elsewhere is refused: it has "
+                                               "no prefill-with-context path")
     if KVCategory.ATTENTION_SINK in categories:
         return Verdict(v, Support.AT_START_UP, "learned attention sinks: accepted only if vLLM declares the "
                                                "layers as FullAttentionSpec / SlidingWindowSpec on a validated "

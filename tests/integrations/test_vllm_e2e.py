@@ -100,6 +100,11 @@ def hybrid(workdir: Path) -> tuple[dict[str, Any], str]:
 
 
 @pytest.fixture(scope="module")
+def mla(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("mla", workdir)
+
+
+@pytest.fixture(scope="module")
 def provenance(workdir: Path) -> tuple[dict[str, Any], str]:
     return _run("provenance", workdir)
 
@@ -153,6 +158,19 @@ def test_loads_and_saves_run_layer_by_layer_through_vllms_hooks(first):
     assert m["kvengine_vllm_layer_load_waits_total"] > 0
     assert m['kvengine_vllm_save_stages_total{via="layer"}'] > 0
     assert m['kvengine_vllm_save_stages_total{via="step_end"}'] == 0
+
+
+def test_a_chats_next_turn_hits_through_the_previous_reply(first):
+    """Chunks completed by generated tokens are stored: a next turn (prompt + reply + question) loads every
+    full chunk of what the first turn computed, beyond its prompt's chunks, and both turns stay exact."""
+    f, _ = first
+    chunk = chunk_of(f["metrics_warm"])
+    assert tokens(f["reply_turn1"]) == f["ref_reply_turn1"]
+    assert tokens(f["reply_turn2"]) == f["ref_reply_turn2"]
+    turn1, _ = f["reply_prompts"]
+    for p, reply, nxt in zip(turn1, f["reply_turn1"], f["reply_turn2"]):
+        computed = len(p) + len(reply["tokens"]) - 1  # the last generated token was never fed
+        assert nxt["cached"] == computed // chunk * chunk > len(p) // chunk * chunk
 
 
 def test_second_engine_process_gets_hits_from_the_disk_tier(first, second):
@@ -300,6 +318,41 @@ def test_qwen3_next_without_prefix_caching_is_refused(hybrid):
     refusal = s["qwen_refusal"]
     assert refusal is not None, "Qwen3-Next started with the connector"
     assert "UnsupportedModelError" in refusal and "MambaSpec" in refusal and "mamba_cache_mode='none'" in refusal
+
+
+def test_deepseek_v2_mla_latent_pages_are_exact_and_a_fresh_process_hits_the_disk_tier(mla):
+    """DeepSeek-V2 (MLA, bf16) on the AMX MLA backend: one latent page per block is stored and loaded;
+    greedy outputs equal vLLM without the connector in every pass, hits are the full chunks of each
+    stored prefix (a fresh engine process reads them from disk), and where vLLM's own prefix cache hits
+    the same prefix the log-probabilities are equal bit for bit (the loaded pages are the computed ones)."""
+    r, _ = mla
+    if r["backend"] != "AMX_MLA":
+        pytest.skip(f"vLLM picked {r['backend']} for MLA on this CPU (no AMX): refused, see the next test")
+    ref = tokens(r["ref"])
+    chunk = chunk_of(r["first"]["metrics"])
+    cold, warm, shared = r["first"]["passes"]
+    assert tokens(cold) == ref[:2] and [o["cached"] for o in cold] == [0, 0]
+    assert tokens(warm) == ref[:2]
+    assert [o["cached"] for o in warm] == [expected_hit(len(p), chunk) for p in r["base"]]
+    assert tokens(shared) == ref[2:]
+    assert [o["cached"] for o in shared] == [expected_hit(len(p), chunk, len(os.path.commonprefix([p, b])))
+                                             for p, b in zip(r["shared"], r["base"])]
+    (fresh,) = r["fresh"]["passes"]
+    assert tokens(fresh) == ref
+    assert [o["cached"] for o in fresh] == [expected_hit(len(p), chunk) for p in r["base"] + r["shared"]]
+    assert r["fresh"]["metrics"]["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in fresh)
+    same_hit = [(o, p) for o, p in zip(warm + fresh[:2], r["ref_prefix_cache"] * 2) if o["cached"] == p["cached"]]
+    assert same_hit, "no hit of the same length as vLLM's own prefix cache to compare with"
+    assert all(o["logprobs"] == p["logprobs"] for o, p in same_hit)
+
+
+def test_vllms_reference_cpu_mla_backend_is_refused_naming_why(mla):
+    """vLLM's reference CPU MLA backend (CPUs without AMX) has no prefill-with-context path, so a hit's
+    pages would be ignored: refused at start, with the reason."""
+    r, _ = mla
+    refusal = r["cpu_mla_refusal"]
+    assert refusal is not None, "the connector started on CPU_MLA"
+    assert "UnsupportedModelError" in refusal and "'CPU_MLA'" in refusal and "prefill-with-context" in refusal
 
 
 def test_model_directory_rewritten_in_place_is_a_miss_for_a_fresh_engine(provenance):

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import time
 from types import SimpleNamespace
@@ -48,6 +49,16 @@ def test_full_and_sliding_window_groups_are_planned():
     assert plans[0].sliding_window == 64 and plans[1].layer_names == ("l1",)
 
 
+def test_mla_group_is_planned_as_one_latent_page_per_block():
+    """DeepSeek-style MLA: one latent (+ rope key) vector per token, shared by every head; a missing page
+    makes a chunk unusable, as for full attention."""
+    from kvengine import KVCategory
+    from kvengine.integrations.vllm.layout import GroupKind, plan_groups
+
+    (plan,) = plan_groups(config_of(spec("MLAAttentionSpec", num_kv_heads=1, head_size=576)))
+    assert plan.kind is GroupKind.MLA and plan.category is KVCategory.MLA_LATENT and plan.kind.every_block
+
+
 def test_recurrent_state_group_is_planned_in_align_mode():
     """A Mamba group in align mode is planned as a state group of its state bytes, next to full attention."""
     from kvengine.integrations.vllm.layout import GroupKind, plan_groups
@@ -60,7 +71,7 @@ def test_recurrent_state_group_is_planned_in_align_mode():
 @pytest.mark.parametrize("make, match", [
     (lambda: spec("MambaSpec"), "mamba_cache_mode='none'.*Enable prefix caching"),
     (lambda: spec("MambaSpec", mamba_cache_mode="align", num_speculative_blocks=1), "speculative"),
-    (lambda: spec("MLAAttentionSpec"), "MLAAttentionSpec has not been validated"),
+    (lambda: spec("MLAAttentionSpec", num_kv_heads=1, head_size=576, model_version="deepseek_v4"), "MLA variant"),
     (lambda: spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), "has not been validated"),
     (lambda: spec("FullAttentionSpec", non_causal=True), "non-causal"),
 ])
@@ -197,8 +208,10 @@ def test_a_state_group_without_a_known_conv_layout_is_refused():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"backend": "FLASH_ATTN"}, "attention backend 'FLASH_ATTN' has not been validated"),
-    ({"layout": "LBNHC"}, "KV cache layout"),
+    ({"backend": "FLASH_ATTN"}, "attention backend 'FLASH_ATTN': .*not been validated on a CUDA GPU"),
+    ({"backend": "CPU_MLA"}, "attention backend 'CPU_MLA': .*no prefill-with-context path"),
+    ({"backend": "SOME_NEW_ATTN"}, "attention backend 'SOME_NEW_ATTN': it has not been validated"),
+    ({"layout": "LXYZC"}, "KV cache layout"),
     ({"chunk": 48}, "chunk_size 48"),
 ])
 def test_unknown_backend_layout_or_chunk_is_refused(kw, match):
@@ -207,6 +220,70 @@ def test_unknown_backend_layout_or_chunk_is_refused(kw, match):
 
     with pytest.raises(UnsupportedModelError, match=match):
         _derive(**kw)
+
+
+@pytest.mark.parametrize("layout_name, kernel_tokens", [
+    *((name, BS) for name in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")),
+    # vLLM splits blocks into kernel pages only where a block is one dense page
+    ("LBHNC", BS // 2), ("LBNHC", BS // 2),
+])
+def test_pages_round_trip_through_every_kv_cache_layout(layout_name, kernel_tokens):
+    """Every physical layout vLLM declares (``KVCacheLayout``: stride orders of [layers, blocks, heads,
+    tokens, content], GPU backends' included), built with vLLM's own ``create_kv_cache_views`` over one
+    allocation shared by two layers, with kernel pages of a block and half a block: a chunk gathered
+    from a request's blocks holds each token's logical page content, and scattered into other blocks of
+    a cache in another layout it lands on the same logical positions, touching nothing else."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvengine.integrations.vllm.layout import derive_layout, plan_groups
+    from kvengine.integrations.vllm.paging import PagedCopier
+
+    kv = spec("FullAttentionSpec")
+    plans = plan_groups(config_of(kv))
+    blocks_n, layers = 16, ("l0", "l0b")
+
+    def caches(name: str, seed: int) -> dict[str, torch.Tensor]:
+        layout = KVCacheLayout[name]
+        nbytes = blocks_n * kv.page_size_bytes * len(layers)
+        # the strides vLLM's allocator gives this layout (blocks of all layers' pages when B is outermost)
+        fixed = kv.page_size_bytes * len(layers) if layout.is_block_outermost else None
+        layer_stride, block_stride, *_ = compute_layout_strides(kv, blocks_n, len(layers), layout,
+                                                                fixed_strides=(None, fixed, None, None, None))
+        tensor = KVCacheTensor(size=nbytes, layers=list(layers), layer_stride=layer_stride,
+                               block_stride=block_stride)
+        raw = torch.randint(-128, 127, (nbytes,), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+        views = create_kv_cache_views(raw, kv, blocks_n, layout, tensor,
+                                      kernel_block_size=None if kernel_tokens == BS else kernel_tokens)
+        return dict(zip(layers, views))
+
+    src = caches(layout_name, 1)
+    # another layout that vLLM can split the same way
+    dst_layout = ("LBNHC" if layout_name == "LBHNC" else "LBHNC") if kernel_tokens != BS or layout_name == "BLNHC" \
+        else "BLNHC"
+    dst = caches(dst_layout, 2)
+    before = {k: v.clone() for k, v in dst.items()}
+    plans = (dataclasses.replace(plans[0], layer_names=layers),)
+    paged = derive_layout(plans, src, dict.fromkeys(layers, "CPU_ATTN"), layout_name, num_blocks=blocks_n,
+                          chunk_size=2 * BS, fingerprint="fp")
+    src_ids, dst_ids = ((5, 2, 9),), ((11, 0, 7),)
+    out = [torch.empty(t.shape, dtype=t.dtype) for t in paged.chunk.tensors]
+    reader, writer = PagedCopier(paged, src), PagedCopier(paged, dst)
+    for i in range(len(paged.tensors)):
+        reader.gather_into(i, 0, src_ids, -1, out[i])
+    writer_view = SimpleNamespace(token_range=(0, 2 * BS), tensors=tuple(out))  # a loaded chunk's view
+    for i in range(len(paged.tensors)):
+        writer.scatter_from(i, writer_view, dst_ids, -1, 0, 2 * BS)
+
+    def page(cache: torch.Tensor, block: int) -> torch.Tensor:  # one manager block's bits: [heads, tokens, content]
+        ratio = cache.shape[0] // blocks_n
+        return torch.cat([cache[block * ratio + r] for r in range(ratio)], dim=1).view(torch.int32)
+
+    for layer in layers:
+        for s_block, d_block in zip(src_ids[0][:2], dst_ids[0][:2]):
+            assert torch.equal(page(dst[layer], d_block), page(src[layer], s_block))
+        untouched = [b for b in range(blocks_n) if b not in dst_ids[0][:2]]
+        assert all(torch.equal(page(dst[layer], b), page(before[layer], b)) for b in untouched)
 
 
 def vllm_config(**over):
@@ -248,7 +325,7 @@ CHUNK = 2 * BS
 
 
 @contextlib.contextmanager
-def make_halves(**engine_extra):
+def make_halves(*, has_state: bool = False, **engine_extra):
     """The scheduler half wired to a real engine through the real channel (no vLLM engine)."""
     from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
     from kvengine.integrations.vllm.channel import LookupService
@@ -262,7 +339,7 @@ def make_halves(**engine_extra):
     desk = ReservationDesk(engine, Namespace(model="halves-test"), layout)
     service = LookupService(desk)
     path, key = service.start()
-    sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0)
+    sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, has_state=has_state)
     sched.connect(ChannelAddress(path, key, 0))
     sched.bind_kv_cache_manager(SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)),
                                                 get_block_ids=lambda rid: ([1, 2, 3, 4, 5],)))
@@ -352,6 +429,48 @@ def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follo
     assert len(save.tokens) == 4 * 4 * CHUNK  # the whole prompt (4 chunks) as uint32
     assert halves.desk.take("a") is not None  # the reservation waits for the worker's load
     assert halves.sched.build_connector_meta(out).loads == []
+
+
+def decode_step(rid: str, computed_before: int) -> SimpleNamespace:
+    """A scheduler output in which ``rid`` decodes one token after ``computed_before`` computed ones."""
+    return SimpleNamespace(scheduled_new_reqs=[],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[rid], num_computed_tokens=[computed_before]),
+                           num_scheduled_tokens={rid: 1})
+
+
+@pytest.mark.parametrize("has_state", [False, True])
+def test_chunks_completed_by_generated_tokens_are_stored_as_they_fill(has_state):
+    """The next turn of a chat contains this reply: a chunk completed while decoding is stored in the step
+    that computes its last token (with the generated ids), and only once; not before its tokens are known
+    (async scheduling). A hybrid model stores its prompt only (no recurrent state at decode boundaries)."""
+    from kvengine.integrations.vllm.scheduler import token_bytes
+
+    with make_halves(has_state=has_state) as h:
+        prompt = h.tokens[:CHUNK + 10]
+        req = request("d", prompt)
+        h.sched.get_num_new_matched_tokens(req, 0)
+        h.sched.update_state_after_alloc(req, blocks(1, 2), 0)
+        first = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="d", num_computed_tokens=0)],
+                                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                                num_scheduled_tokens={"d": len(prompt)})
+        assert [len(s.tokens) // 4 for s in h.sched.build_connector_meta(first).saves] == [CHUNK]
+        generated = list(range(900, 900 + 3 * CHUNK))
+        saves = []
+        for n in range(1, CHUNK):  # decode: token len(prompt) + n - 1 is fed and computed in this step
+            req.all_token_ids = prompt + generated[:n]
+            req.num_tokens = len(req.all_token_ids)
+            saves += h.sched.build_connector_meta(decode_step("d", len(prompt) + n - 1)).saves
+        if has_state:
+            assert saves == []
+            return
+        (save,) = saves
+        assert save.tokens == token_bytes((prompt + generated)[:2 * CHUNK]) and not save.state_at_end
+        # Async scheduling: the step that computes the last token of chunk 3 runs before its id is known here.
+        req.all_token_ids = (prompt + generated)[:3 * CHUNK - 1]
+        assert h.sched.build_connector_meta(decode_step("d", 3 * CHUNK - 1)).saves == []
+        req.all_token_ids = (prompt + generated + [7])[:3 * CHUNK + 1]
+        (late,) = h.sched.build_connector_meta(decode_step("d", 3 * CHUNK)).saves
+        assert late.tokens == token_bytes(req.all_token_ids[:3 * CHUNK])
 
 
 def test_a_hit_sampled_for_a_shadow_check_is_computed_by_vllm_and_compared_by_the_worker():

@@ -121,14 +121,16 @@ def test_llama_is_supported_by_every_integration(tmp_path, capsys):
     assert "CPU_ATTN" in v["vLLM connector"] and "MHATokenToKVPoolHost" in v["SGLang HiCache backend"]
 
 
-def test_mla_is_refused_by_vllm_only(tmp_path, capsys):
-    """DeepSeek-V2 (MLA): the HF loop and SGLang (MLA host pool) accept it; the vLLM connector refuses it because
-    it declares the layers as MLAAttentionSpec, a spec class it has not validated."""
+def test_mla_is_decided_by_vllms_backend(tmp_path, capsys):
+    """DeepSeek-V2 (MLA): the HF loop and SGLang (MLA host pool) accept it; the vLLM connector accepts its
+    MLAAttentionSpec pages on the AMX_MLA backend and refuses the reference CPU_MLA backend, which vLLM picks
+    at start-up by CPU: checked at start-up."""
     model_type, kw, _ = TINY_CONFIGS["deepseek_v2"]
     assert main([str(save(tmp_path, model_type, **kw)), "--chunk-size", "16"]) == 0
     v = verdicts(capsys.readouterr().out)
     assert v["HF generate loop"].startswith("supported:")
-    assert v["vLLM connector"].startswith("refused:") and "MLAAttentionSpec" in v["vLLM connector"]
+    assert v["vLLM connector"].startswith("checked at start-up:")
+    assert "AMX_MLA" in v["vLLM connector"] and "CPU_MLA" in v["vLLM connector"]
     assert v["SGLang HiCache backend"].startswith("supported:") and "MLATokenToKVPool" in v["SGLang HiCache backend"]
 
 
@@ -157,7 +159,7 @@ def test_json_lists_the_verdicts(tmp_path, capsys):
     assert main([str(save(tmp_path, model_type, **kw)), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert [(v["integration"], v["verdict"]) for v in rep["integrations"]] == [
-        ("hf", "supported"), ("vllm", "refused"), ("sglang", "supported")]
+        ("hf", "supported"), ("vllm", "checked at start-up"), ("sglang", "supported")]
 
 
 def test_hf_verdict_uses_the_derivation_attach_uses():
@@ -178,8 +180,11 @@ def test_vllm_verdict_mirrors_the_connector_checks():
 
     root = Path(layout.__file__).parent
     text = (root / "layout.py").read_text()
-    assert "(supported: FullAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode)" in text
-    assert "if type(spec) is FullAttentionSpec:" in text  # so MLAAttentionSpec (a subclass) is refused
+    assert "(supported: {SUPPORTED_SPECS})" in text
+    assert all(f"if type(spec) is {name}:" in text for name in ("FullAttentionSpec", "MLAAttentionSpec",
+                                                                 "SlidingWindowSpec", "MambaSpec"))
+    assert "ChunkedLocal" not in text  # refused as not validated, as the verdict says
+    assert {"AMX_MLA", "CPU_ATTN"} == layout.ATTENTION_BACKENDS and "CPU_MLA" in layout.REFUSED_BACKENDS
     assert layout.STATE_BACKENDS == {"GDN_ATTN"}
     assert [k for k, b in inspect._VLLM_STATE_BACKEND.items() if b in layout.STATE_BACKENDS] == ["gated_delta_net"]
     assert "is_encoder_decoder" in (root / "connector.py").read_text()
