@@ -53,7 +53,17 @@ REFUSED_BACKENDS: Mapping[str, str] = {
                                         "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")},
 }
 #: The KV cache spec classes :func:`plan_groups` accepts (the others are refused as not validated).
-SUPPORTED_SPECS = "FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, MambaSpec in 'align' mode"
+SUPPORTED_SPECS = ("FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, "
+                   "MambaSpec in 'align' mode")
+#: Spec classes that have no prefix reuse value, and why (any other unknown class: not validated).
+NO_PREFIX_REUSE: Mapping[str, str] = {
+    "CrossAttentionSpec": "holds K/V computed from the encoder's input (audio, source text), not from the "
+                          "decoder's prefix: there is no prefix correspondence to key it by",
+    "EncoderOnlyAttentionSpec": "is bidirectional encoder attention: every token's K/V depends on the whole "
+                                "input and nothing is cached between steps",
+    "CircularBufferSpec": "is a ring buffer overwritten in place (keys still being compressed): no position "
+                          "keeps its content",
+}
 #: Recurrent-state backends whose state blocks have been validated (Qwen3-Next's gated delta net).
 STATE_BACKENDS = frozenset({"GDN_ATTN"})
 #: Physical layouts (``vllm.v1.kv_cache_layout.KVCacheLayout``: stride orders of the logical
@@ -66,6 +76,7 @@ class GroupKind(enum.Enum):
     FULL = "full_attention"  # every block of the prefix is read
     MLA = "mla_latent"  # as FULL: one latent (+ rope key) page per block, shared by every head
     SLIDING = "sliding_window"  # only the blocks inside the window are read
+    CHUNKED = "chunked_local"  # only the blocks of the current attention chunk are read (Llama 4)
     STATE = "recurrent_state"  # one state per block boundary vLLM materialized (mamba_cache_mode 'align')
 
     @property
@@ -83,6 +94,8 @@ class GroupPlan:
     block_size: int
     layer_names: tuple[str, ...]
     sliding_window: int | None = None
+    #: CHUNKED groups: tokens attend only within their aligned chunk of this many tokens
+    attention_chunk_size: int | None = None
     #: the cache dtype vLLM chose for the group (attention pages), or each state tensor's dtype
     dtypes: tuple[str, ...] = ()
     #: STATE groups: each state tensor's shape per block (conv, then recurrent state)
@@ -93,7 +106,8 @@ class GroupPlan:
     @property
     def category(self) -> KVCategory:
         return {GroupKind.FULL: KVCategory.FULL_ATTENTION, GroupKind.MLA: KVCategory.MLA_LATENT,
-                GroupKind.SLIDING: KVCategory.SLIDING_WINDOW, GroupKind.STATE: KVCategory.LINEAR_STATE}[self.kind]
+                GroupKind.SLIDING: KVCategory.SLIDING_WINDOW, GroupKind.CHUNKED: KVCategory.CHUNKED_LOCAL,
+                GroupKind.STATE: KVCategory.LINEAR_STATE}[self.kind]
 
 
 #: Why recurrent-state groups (Mamba, GDN linear attention: Qwen3-Next, ...) need mamba_cache_mode 'align'.
@@ -115,6 +129,7 @@ def _refuse(what: str, why: str) -> UnsupportedModelError:
 def _plan_one(group_id: int, spec: Any, layer_names: Iterable[str]) -> GroupPlan:
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVQuantMode,
         MambaSpec,
@@ -149,6 +164,11 @@ def _plan_one(group_id: int, spec: Any, layer_names: Iterable[str]) -> GroupPlan
             raise _refuse(where, "extra_retained_tokens (multi-token speculative prefill) is not supported")
         return GroupPlan(group_id=group_id, kind=GroupKind.SLIDING, block_size=spec.block_size,
                          layer_names=layers, sliding_window=spec.sliding_window, dtypes=(_dtype_name(spec.dtype),))
+    if type(spec) is ChunkedLocalAttentionSpec:
+        # Per-token K/V like full attention; vLLM frees the blocks before the current attention chunk, so
+        # pages are handled as for a sliding window (dropped pages zero-filled, never read back).
+        return GroupPlan(group_id=group_id, kind=GroupKind.CHUNKED, block_size=spec.block_size, layer_names=layers,
+                         attention_chunk_size=spec.attention_chunk_size, dtypes=(_dtype_name(spec.dtype),))
     if type(spec) is MambaSpec:
         if spec.mamba_cache_mode != "align":
             raise _refuse(where, f"mamba_cache_mode={spec.mamba_cache_mode!r}: {STATE_REFUSAL}")
@@ -159,7 +179,28 @@ def _plan_one(group_id: int, spec: Any, layer_names: Iterable[str]) -> GroupPlan
                          dtypes=tuple(_dtype_name(d) for d in spec.dtypes),
                          state_shapes=tuple(tuple(int(n) for n in shape) for shape in spec.shapes),
                          state_bytes=spec.state_content_size_bytes)
-    raise _refuse(where, f"spec class {name} has not been validated for reuse (supported: {SUPPORTED_SPECS})")
+    why = NO_PREFIX_REUSE.get(name, "has not been validated for reuse")
+    raise _refuse(where, f"spec class {name} {why} (supported: {SUPPORTED_SPECS})")
+
+
+#: vLLM custom ops whose CPU kernels compute wrong KV for a group kind, and what to do about it.
+INEXACT_KERNELS: Mapping[tuple[GroupKind, str], str] = {
+    (GroupKind.MLA, "rotary_embedding"): (
+        "vLLM's CPU rotary_embedding kernel is wrong for the 3-D, strided rope inputs of MLA layers (the "
+        "rope key in the latent page; measured: outputs differ from transformers, and cached and recomputed "
+        "runs diverge), so the stored latents are not reproducible; set compilation_config={'custom_ops': "
+        "['-rotary_embedding']} (vLLM then uses its plain-torch rotary embedding)"),
+}
+
+
+def check_kernels(plans: Iterable[GroupPlan], enabled_custom_ops: Iterable[str]) -> None:
+    """Refuse groups whose KV a custom op vLLM dispatched in this process computes wrongly
+    (:data:`INEXACT_KERNELS`); ``enabled_custom_ops`` is vLLM's record of the ops it dispatched."""
+    enabled = set(enabled_custom_ops)
+    for plan in plans:
+        for (kind, op), why in INEXACT_KERNELS.items():
+            if plan.kind is kind and op in enabled:
+                raise _refuse(f"KV cache group {plan.group_id} ({kind.value})", why)
 
 
 def plan_groups(kv_cache_config: object) -> tuple[GroupPlan, ...]:
@@ -269,6 +310,8 @@ def platform_choices(plans: Iterable[GroupPlan], conv_state_layout: str | None) 
         part = f"g{p.group_id}:{p.kind.value}:block={p.block_size}:dtypes={','.join(p.dtypes)}"
         if p.kind is GroupKind.SLIDING:
             part += f":window={p.sliding_window}"
+        if p.kind is GroupKind.CHUNKED:
+            part += f":local_chunk={p.attention_chunk_size}"
         if p.kind is GroupKind.STATE:
             part += f":shapes={'|'.join('x'.join(map(str, s)) for s in p.state_shapes)}:conv={conv_state_layout}"
         parts.append(part)

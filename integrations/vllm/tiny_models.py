@@ -35,12 +35,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                       linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4,
                                       num_experts_per_tok=2, moe_intermediate_size=64,
                                       shared_expert_intermediate_size=64, mlp_only_layers=[])),
-    # MLA (DeepSeek-V2): vLLM's CPU MLA kernels take only a 576-wide latent (kv_lora_rank 512 + rope 64).
+    # Llama 4: layer 0 chunked local attention (RoPE), layer 1 full attention (NoPE); the attention chunk
+    # must be a multiple of vLLM's block size, and longer than kvengine's chunk to matter for a hit.
+    "llama4": ("llama4_text", dict(hidden_size=128, intermediate_size=128, intermediate_size_mlp=256,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                   moe_layers=[1], no_rope_layers=[1, 0], attention_chunk_size=512,
+                                   layer_types=["chunked_attention", "full_attention"], use_qk_norm=True)),
+    # gpt-oss: learned per-head attention sinks in every layer; layer 0 a sliding window.
+    "gpt_oss": ("gpt_oss", dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, sliding_window=64, num_local_experts=4,
+                                num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])),
+    # MLA (DeepSeek-V2): vLLM's CPU MLA kernels take only a 576-wide latent (kv_lora_rank 512 + rope 64). Dense
+    # layers only (first_k_dense_replace = layers): MoE routing would turn bf16 rounding into different experts.
     "deepseek_v2": ("deepseek_v2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
                                         q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
                                         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                                        first_k_dense_replace=1, moe_intermediate_size=64, topk_method="greedy",
+                                        first_k_dense_replace=2, moe_intermediate_size=64, topk_method="greedy",
                                         n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
 }
 

@@ -225,9 +225,10 @@ class WorkerSide:
     # -- start-up -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from .identity import namespace_for
-        from .layout import derive_layout, spec_fingerprint
+        from .layout import check_kernels, derive_layout, spec_fingerprint
 
         vc = self._vllm_config
+        check_kernels(self._plans, vc.compilation_config.enabled_custom_ops)  # type: ignore[attr-defined]
         kv_layout = getattr(self._kv_cache_config, "kv_cache_layout", None) or vc.cache_config.kv_cache_layout  # type: ignore[attr-defined]
         self.layout = derive_layout(
             self._plans, kv_caches, _layer_backends(vc, self._plans), str(kv_layout),

@@ -77,11 +77,10 @@ def _hf_verdict(spec: ModelKVSpec) -> Verdict:
 
 def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
     """Mirrors integrations/vllm: connector.check_vllm_config (encoder-decoder), layout.plan_groups /
-    layout._plan_one (spec classes: FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, MambaSpec in
-    'align' mode; anything else "has not been validated"), and layout.derive_layout (ATTENTION_BACKENDS,
-    REFUSED_BACKENDS, STATE_BACKENDS)."""
+    layout._plan_one (spec classes: layout.SUPPORTED_SPECS; anything else refused), and
+    layout.derive_layout (ATTENTION_BACKENDS, REFUSED_BACKENDS, STATE_BACKENDS)."""
     from kvengine.chunks.layout import KVCategory
-    from kvengine.integrations.vllm.layout import ATTENTION_BACKENDS, STATE_BACKENDS, SUPPORTED_SPECS
+    from kvengine.integrations.vllm.layout import ATTENTION_BACKENDS, STATE_BACKENDS
 
     v = Integration.VLLM
     if spec.encoder_only:  # layout.plan_groups
@@ -89,13 +88,7 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
     if spec.encoder_decoder:  # connector.check_vllm_config
         return Verdict(v, Support.REFUSED, "encoder-decoder models are not supported")
     categories = {g.category for g in spec.groups}
-    refused = {  # the vLLM spec class each category is declared as, refused by layout._plan_one
-        KVCategory.CHUNKED_LOCAL: "chunked local attention is declared as ChunkedLocalAttentionSpec, which has "
-                                  "not been validated for reuse",
-    }
-    reasons = [why for cat, why in refused.items() if cat in categories]
-    if reasons:
-        reasons[-1] += f" (supported: {SUPPORTED_SPECS})"
+    reasons = []
     # layout.derive_layout -> _state_tensor: recurrent state only on the validated state backends.
     state_kinds = sorted({g.part.kind for g in spec.groups if g.category is KVCategory.LINEAR_STATE
                           and hasattr(g.part, "kind")})

@@ -40,13 +40,16 @@ def config_of(*specs):
 
 
 # ------------------------------------------------------------------ refusals --
-def test_full_and_sliding_window_groups_are_planned():
-    """Sliding-window and full-attention groups are planned in order, with their window and layer names."""
-    from kvengine.integrations.vllm.layout import GroupKind, plan_groups
+def test_full_sliding_window_and_chunked_local_groups_are_planned():
+    """Sliding-window, chunked-local and full-attention groups are planned in order, with their window or
+    attention chunk (named in the layout id: it changes which pages a chunk holds) and layer names."""
+    from kvengine.integrations.vllm.layout import GroupKind, plan_groups, platform_choices
 
-    plans = plan_groups(config_of(spec("SlidingWindowSpec", sliding_window=64), spec("FullAttentionSpec")))
-    assert [p.kind for p in plans] == [GroupKind.SLIDING, GroupKind.FULL]
-    assert plans[0].sliding_window == 64 and plans[1].layer_names == ("l1",)
+    plans = plan_groups(config_of(spec("SlidingWindowSpec", sliding_window=64), spec("FullAttentionSpec"),
+                                  spec("ChunkedLocalAttentionSpec", attention_chunk_size=128)))
+    assert [p.kind for p in plans] == [GroupKind.SLIDING, GroupKind.FULL, GroupKind.CHUNKED]
+    assert plans[0].sliding_window == 64 and plans[1].layer_names == ("l1",) and plans[2].attention_chunk_size == 128
+    assert not plans[2].kind.every_block and "local_chunk=128" in platform_choices(plans, None)
 
 
 def test_mla_group_is_planned_as_one_latent_page_per_block():
@@ -57,6 +60,19 @@ def test_mla_group_is_planned_as_one_latent_page_per_block():
 
     (plan,) = plan_groups(config_of(spec("MLAAttentionSpec", num_kv_heads=1, head_size=576)))
     assert plan.kind is GroupKind.MLA and plan.category is KVCategory.MLA_LATENT and plan.kind.every_block
+
+
+def test_mla_under_vllms_cpu_rotary_kernel_is_refused():
+    """vLLM's CPU rotary_embedding custom op computes wrong rope keys for MLA: an MLA group is refused while vLLM
+    dispatched it, accepted once it is off; other groups are not concerned."""
+    from kvengine.errors import UnsupportedModelError
+    from kvengine.integrations.vllm.layout import check_kernels, plan_groups
+
+    mla = plan_groups(config_of(spec("MLAAttentionSpec", num_kv_heads=1, head_size=576)))
+    with pytest.raises(UnsupportedModelError, match="custom_ops.*-rotary_embedding"):
+        check_kernels(mla, {"rms_norm", "rotary_embedding"})
+    check_kernels(mla, {"rms_norm"})
+    check_kernels(plan_groups(config_of(spec("FullAttentionSpec"))), {"rotary_embedding"})
 
 
 def test_recurrent_state_group_is_planned_in_align_mode():
@@ -72,7 +88,8 @@ def test_recurrent_state_group_is_planned_in_align_mode():
     (lambda: spec("MambaSpec"), "mamba_cache_mode='none'.*Enable prefix caching"),
     (lambda: spec("MambaSpec", mamba_cache_mode="align", num_speculative_blocks=1), "speculative"),
     (lambda: spec("MLAAttentionSpec", num_kv_heads=1, head_size=576, model_version="deepseek_v4"), "MLA variant"),
-    (lambda: spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), "has not been validated"),
+    (lambda: spec("SinkFullAttentionSpec", sink_len=4), "SinkFullAttentionSpec has not been validated"),
+    (lambda: spec("CrossAttentionSpec"), "CrossAttentionSpec holds K/V computed from the encoder's input"),
     (lambda: spec("FullAttentionSpec", non_causal=True), "non-causal"),
 ])
 def test_unvalidated_or_inexact_groups_are_refused(make, match):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -370,11 +371,36 @@ def scenario_hybrid(work: Path) -> dict[str, Any]:
     return report
 
 
+def scenario_local(work: Path) -> dict[str, Any]:
+    """Llama 4 (chunked local attention, 512-token attention chunks, next to full attention) and gpt-oss
+    (learned attention sinks; sliding window next to full attention), bf16: reference outputs without the
+    connector, then an in-process connector engine: cold pass, then the same prompts and prompts sharing
+    their prefixes. Hits end inside an attention chunk (256, 768) as well as on its boundaries."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    report: dict[str, Any] = {}
+    base = [prompt(91, 800), prompt(92, 300), prompt(93, 1100)]
+    shared = [prompt(94, 900, base[0][:780]), prompt(95, 1200, base[2][:1030])]
+    for family in ("llama4", "gpt_oss"):
+        model = str(build_model_dir(work / family, family, dtype="bfloat16"))
+        ref, _ = reference(model, base + shared, dtype="bfloat16")
+        set_topology(in_process=True)
+        port = free_port()
+        engine = start(engine_args(model, dtype="bfloat16", connector={"kvengine": {
+            "metrics_port": port, "memory": {"capacity_bytes": "64MiB"}}}))
+        try:
+            report[family] = {"base": base, "shared": shared, "ref": ref, "cold": run(engine, base),
+                              "warm": run(engine, base + shared), "metrics": scrape(port)}
+        finally:
+            shutdown(engine)
+    return report
+
+
 def scenario_mla(work: Path) -> dict[str, Any]:
     """DeepSeek-V2 (multi-head latent attention, bf16): the backend vLLM picks on this CPU (AMX_MLA where
     AMX is present, else the reference CPU_MLA). Reference outputs without the connector; a connector engine
-    in vLLM's default topology with a disk tier (cold, warm and shared-prefix passes, a two-turn chat through
-    its reply); a fresh engine process on the same disk. Then CPU_MLA forced, in process: its refusal."""
+    in vLLM's default topology with a disk tier (cold, warm and shared-prefix passes); a fresh engine process
+    on the same disk."""
     from kvengine.integrations.vllm.tiny_models import build_model_dir
 
     model = str(build_model_dir(work / "deepseek_v2", "deepseek_v2", dtype="bfloat16"))
@@ -385,7 +411,9 @@ def scenario_mla(work: Path) -> dict[str, Any]:
     report: dict[str, Any] = {"base": base, "shared": shared}
     # One request at a time: the AMX MLA decode kernel splits its reduction by the batch's longest sequence,
     # so a request's bf16 outputs depend on what it is batched with.
-    margs = dict(dtype="bfloat16", max_num_seqs=1)
+    # vLLM's CPU rotary kernel is wrong for MLA's rope inputs: its plain-torch rotary embedding instead
+    # (without it the connector refuses, checked below).
+    margs = dict(dtype="bfloat16", max_num_seqs=1, compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
     set_topology(in_process=True)
     engine = start(engine_args(model, **margs))
     try:
@@ -396,7 +424,7 @@ def scenario_mla(work: Path) -> dict[str, Any]:
     engine = start(engine_args(model, **margs, enable_prefix_caching=True))  # vLLM's own prefix cache
     try:
         run(engine, base)
-        report["ref_prefix_cache"] = run(engine, base, logprobs=True)
+        report["ref_prefix_cache"] = run(engine, base + shared, logprobs=True)
     finally:
         shutdown(engine)
     if report["backend"] == "AMX_MLA":
@@ -412,14 +440,31 @@ def scenario_mla(work: Path) -> dict[str, Any]:
                                  "metrics": scrape(port)}
             finally:
                 shutdown(engine)
-    set_topology(in_process=True)  # the refusal reaches the caller in process
-    try:
-        shutdown(start(engine_args(model, dtype="bfloat16", attention_config={"backend": "CPU_MLA"},
-                                   connector={"kvengine": {}})))
-        report["cpu_mla_refusal"] = None
-    except Exception as exc:
-        report["cpu_mla_refusal"] = f"{type(exc).__name__}: {exc}"
     return report
+
+
+def scenario_mla_refusals(work: Path) -> dict[str, Any]:
+    """DeepSeek-V2 with the connector, in process (the refusal reaches the caller): vLLM's CPU rotary kernel
+    left on (its default); the reference CPU_MLA backend forced. Each in a fresh process: vLLM caches rotary
+    modules and backend choices per process, so an engine's settings leak into the next one started there."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    model = str(build_model_dir(work / "deepseek_v2", "deepseek_v2", dtype="bfloat16"))
+    cases = {"rope_kernel_refusal": {},
+             "cpu_mla_refusal": dict(attention_config={"backend": "CPU_MLA"},
+                                     compilation_config={"custom_ops": ["all", "-rotary_embedding"]})}
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        return {name: pool.apply(_refusal, (model, over)) for name, over in cases.items()}
+
+
+def _refusal(model: str, over: dict[str, Any]) -> str | None:
+    """Why an in-process connector engine of ``model`` with settings ``over`` did not start (None: it did)."""
+    set_topology(in_process=True)
+    try:
+        shutdown(start(engine_args(model, dtype="bfloat16", **over, connector={"kvengine": {}})))
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _backend_of(engine: Any, layer: str) -> str:
@@ -522,6 +567,7 @@ def scenario_real(work: Path) -> dict[str, Any]:
 
 
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
+             "local": scenario_local, "mla_refusals": scenario_mla_refusals,
              "provenance": scenario_provenance, "real": scenario_real}
 
 

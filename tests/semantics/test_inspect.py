@@ -181,9 +181,9 @@ def test_vllm_verdict_mirrors_the_connector_checks():
     root = Path(layout.__file__).parent
     text = (root / "layout.py").read_text()
     assert "(supported: {SUPPORTED_SPECS})" in text
-    assert all(f"if type(spec) is {name}:" in text for name in ("FullAttentionSpec", "MLAAttentionSpec",
-                                                                 "SlidingWindowSpec", "MambaSpec"))
-    assert "ChunkedLocal" not in text  # refused as not validated, as the verdict says
+    accepted = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec")
+    assert all(f"if type(spec) is {name}:" in text and name in layout.SUPPORTED_SPECS for name in accepted)
+    assert text.count("if type(spec) is ") == len(accepted)  # every other class is refused
     assert {"AMX_MLA", "CPU_ATTN"} == layout.ATTENTION_BACKENDS and "CPU_MLA" in layout.REFUSED_BACKENDS
     assert layout.STATE_BACKENDS == {"GDN_ATTN"}
     assert [k for k, b in inspect._VLLM_STATE_BACKEND.items() if b in layout.STATE_BACKENDS] == ["gated_delta_net"]
