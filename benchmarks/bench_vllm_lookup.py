@@ -98,7 +98,7 @@ def arm(disk: str, n: int) -> dict:
     assert child.stdin is not None and child.stdout is not None
     path, key = child.stdout.readline().split()
     sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=wait)
-    sched.connect(ChannelAddress(path, bytes.fromhex(key), child.pid))
+    sched.connect([ChannelAddress(path, bytes.fromhex(key), child.pid)])
     phases = {"cold": _ask_until_answered(sched, prompts(n), ["cold"]),
               "warm": _ask_until_answered(sched, prompts(n), [f"warm{i}-" for i in range(WARM_ROUNDS)])}
     sched.shutdown()

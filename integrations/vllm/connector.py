@@ -50,7 +50,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvengine.errors import ConfigError, UnsupportedModelError
 
-from .layout import AUTO_CHUNK_TARGET, GroupKind, plan_groups, resolve_chunk_size
+from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunk_size
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
@@ -75,10 +75,10 @@ logger = logging.getLogger("vllm.kvengine")
 def check_vllm_config(vllm_config: VllmConfig) -> None:
     """Refuse settings under which reuse is not implemented or not exact."""
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+    if pc.pipeline_parallel_size != 1 or getattr(pc, "data_parallel_size", 1) != 1:
         raise UnsupportedModelError(
-            f"kvengine vLLM connector: tensor_parallel_size={pc.tensor_parallel_size}, "
-            f"pipeline_parallel_size={pc.pipeline_parallel_size}: only a single worker (1, 1) is supported")
+            f"kvengine vLLM connector: pipeline_parallel_size={pc.pipeline_parallel_size}, data_parallel_size="
+            f"{getattr(pc, 'data_parallel_size', 1)}: only tensor parallelism is supported")
     if getattr(pc, "decode_context_parallel_size", 1) != 1 or getattr(pc, "prefill_context_parallel_size", 1) != 1:
         raise UnsupportedModelError("kvengine vLLM connector: context parallelism is not supported")
     if vllm_config.speculative_config is not None:
@@ -95,6 +95,22 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kvengine vLLM connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
                                     "(quantized KV) has not been validated; use 'auto'")
+
+
+def check_tensor_parallel(plans: tuple[GroupPlan, ...], options: ConnectorOptions, world_size: int) -> None:
+    """Refuse what has not been validated with several tensor-parallel ranks (one engine per rank, the hit
+    is what every rank holds): recurrent state (each rank would cut its hit back to its own stored states),
+    MLA (the latent is replicated, not sharded: stored once per rank), shadow checks (sampled per rank)."""
+    if world_size == 1:
+        return
+    why = {GroupKind.STATE: "recurrent state", GroupKind.MLA: "MLA latent pages (replicated on every rank)"}
+    for plan in plans:
+        if plan.kind in why:
+            raise UnsupportedModelError(f"kvengine vLLM connector: tensor_parallel_size={world_size} with "
+                                        f"{why[plan.kind]} (KV cache group {plan.group_id}) has not been validated")
+    if options.engine.shadow.enabled:
+        raise UnsupportedModelError(f"kvengine vLLM connector: shadow checks with tensor_parallel_size={world_size} "
+                                    "are not supported (each rank would sample its own hits)")
 
 
 def check_config(vllm_config: VllmConfig) -> ConnectorOptions:
@@ -133,6 +149,7 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         options = check_config(vllm_config)
         plans = plan_groups(kv_cache_config)
+        check_tensor_parallel(plans, options, vllm_config.parallel_config.tensor_parallel_size)
         requested = options.chunk_size
         options = options.with_chunk_size(resolve_chunk_size(plans, requested))
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not per half
@@ -243,10 +260,12 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self._scheduler is None:
             return
-        addresses = [m for m in metadata.values() if isinstance(m, ChannelAddress)]
-        if len(addresses) != 1:
-            raise UnsupportedModelError(f"kvengine vLLM connector: expected one worker, got {len(addresses)}")
-        self._scheduler.connect(addresses[0])
+        addresses = [metadata[rank] for rank in sorted(metadata) if isinstance(metadata[rank], ChannelAddress)]
+        world = self._vllm_config.parallel_config.tensor_parallel_size
+        if len(addresses) != world:
+            raise UnsupportedModelError(f"kvengine vLLM connector: expected a worker channel per tensor-parallel "
+                                        f"rank ({world}), got {len(addresses)}")
+        self._scheduler.connect(addresses)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

@@ -74,6 +74,22 @@ class ConnectorOptions:
         check_codecs(engine)
         return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s, model_fingerprint=fingerprint)
 
+    def for_rank(self, rank: int, world_size: int) -> ConnectorOptions:
+        """These options for tensor-parallel rank ``rank`` of ``world_size`` (>1): each rank's engine gets
+        its own disk directory under ``disk.path`` (one writer per directory) and metrics port
+        (``metrics_port + rank``)."""
+        if world_size == 1:
+            return self
+        engine = self.engine.model_dump()
+        if self.engine.disk.path is not None:
+            base = self.engine.disk.path
+            if base.parent.is_dir():  # a missing parent (mount) is refused by the disk tier, as for one rank
+                base.mkdir(exist_ok=True)
+            engine["disk"]["path"] = base / f"tp{rank}-of-{world_size}"
+        if self.engine.metrics_port:
+            engine["metrics_port"] = self.engine.metrics_port + rank
+        return replace(self, engine=EngineConfig.model_validate(engine))
+
     def with_chunk_size(self, chunk_size: int) -> ConnectorOptions:
         """These options with the chunk size resolved against vLLM's block sizes."""
         engine = EngineConfig.model_validate({**self.engine.model_dump(), "chunk_size": chunk_size})

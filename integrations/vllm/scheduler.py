@@ -37,11 +37,13 @@ import enum
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .channel import ChannelClosed, LookupClient
+from .channel import ChannelClosed
 from .metadata import LoadSpec, SaveSpec, StepMetadata
+from .ranks import RankedLookup
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -108,17 +110,20 @@ class SchedulerSide:
         self._async = asynchronous
         self._has_state = has_state
         self._wait = lookup_wait_s
-        self._client: LookupClient | None = None
+        self._client: RankedLookup | None = None
         self._manager: KVCacheManager | None = None
         self._states: dict[str, _RequestState] = {}
         self._committed: list[_RequestState] = []
         self.stats = SchedulerStats()
 
     # -- wiring ------------------------------------------------------------------
-    def connect(self, address: ChannelAddress) -> None:
-        self._client = LookupClient(address.path, address.authkey)
-        logger.info("kvengine: scheduler half in pid %d, worker half (cache engine) in pid %d: %s", os.getpid(),
-                    address.pid, "same process" if address.pid == os.getpid() else "separate processes")
+    def connect(self, addresses: Sequence[ChannelAddress]) -> None:
+        """Connect to every tensor-parallel rank's engine (rank order)."""
+        self._client = RankedLookup(addresses)
+        pids = [a.pid for a in addresses]
+        logger.info("kvengine: scheduler half in pid %d, worker half (cache engine) in pid%s %s: %s", os.getpid(),
+                    "s" if len(pids) > 1 else "", ", ".join(map(str, pids)),
+                    "same process" if pids == [os.getpid()] else "separate processes")
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._manager = manager

@@ -244,7 +244,7 @@ class WorkerSide:
         self._pipeline = LayerPipeline(self._copier, forward_order)
         namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint,
                                   explicit_fingerprint=self._options.model_fingerprint)
-        self.engine = build_engine(self._options)
+        self.engine = build_engine(self._options.for_rank(namespace.rank, namespace.world_size))
         try:
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
             self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states)

@@ -22,16 +22,22 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default; other kernels differ, and the bind check still holds
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that is free now and outside the kernel's ephemeral range."""
+def free_port(count: int = 1, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive ports on ``host`` that are free now and outside the kernel's
+    ephemeral range."""
     low = min(_ephemeral_low(), 65536)
-    candidates = list(range(max(1024, low - 12000), max(1025, low)))
+    candidates = list(range(max(1024, low - 12000), max(1025, low - count + 1)))
     random.SystemRandom().shuffle(candidates)
     for port in candidates[:500]:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+        if all(_free(host, p) for p in range(port, port + count)):
             return port
-    raise RuntimeError(f"no free port on {host} below the ephemeral range (from {low})")
+    raise RuntimeError(f"no {count} free ports on {host} below the ephemeral range (from {low})")
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True

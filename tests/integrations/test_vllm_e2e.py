@@ -100,6 +100,11 @@ def hybrid(workdir: Path) -> tuple[dict[str, Any], str]:
 
 
 @pytest.fixture(scope="module")
+def tp(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("tp", workdir)
+
+
+@pytest.fixture(scope="module")
 def local(workdir: Path) -> tuple[dict[str, Any], str]:
     return _run("local", workdir)
 
@@ -247,6 +252,33 @@ def test_gemma2_sliding_window_and_full_groups_exact_with_hits(second):
     expected += [expected_hit(len(p), chunk, k) for p, k in zip(s["gemma_shared"], [650, 1030])]
     assert [o["cached"] for o in s["gemma_warm"]] == expected
     assert s["gemma_metrics"]["kvengine_loaded_tokens_total"] == sum(expected)
+
+
+def test_tensor_parallel_ranks_store_and_load_their_shards_exactly(tp):
+    """TP=2 (two worker processes): each rank stores and loads its own heads in its own namespace and disk
+    directory, the scheduler offers what both hold; outputs equal vLLM at TP=2 without the connector, through
+    hits, a stress with aborts (after which neither rank holds a pin or a reservation) and a fresh TP=2 engine
+    reading the disk; a TP=1 engine on the same disk directory is served nothing."""
+    r, _ = tp
+    ref = r["ref"]
+    chunk = chunk_of(r["rank_metrics"][0])
+    assert tokens(r["cold"]) == ref[:3] and [o["cached"] for o in r["cold"]] == [0, 0, 0]
+    assert tokens(r["warm"]) == ref[:3]
+    assert [o["cached"] for o in r["warm"]] == [expected_hit(len(p), chunk) for p in r["base"]]
+    assert tokens(r["shared_out"]) == ref[3:]
+    assert [o["cached"] for o in r["shared_out"]] == [expected_hit(len(p), chunk, k)
+                                                      for p, k in zip(r["shared"], (600, 300, 1100))]
+    done = [(o, x) for o, x in zip(r["stress"], r["ref_stress"]) if o is not None]
+    assert len(done) == len(r["stress"]) - len(r["stress_aborted"]) and all(o["tokens"] == x for o, x in done)
+    for rank in r["rank_metrics"]:  # both ranks loaded the same tokens, and hold nothing after the stress
+        assert rank["kvengine_vllm_pinned_chunks"] == 0 and rank["kvengine_reservations_active"] == 0
+        assert rank["kvengine_vllm_reservations_held"] == 0
+        assert rank["kvengine_loaded_tokens_total"] == r["rank_metrics"][0]["kvengine_loaded_tokens_total"] > 0
+    assert tokens(r["tp1"]) == ref and [o["cached"] for o in r["tp1"]] == [0] * len(ref)
+    prompts = r["base"] + r["shared"]
+    assert tokens(r["fresh"]) == ref
+    assert [o["cached"] for o in r["fresh"]] == [expected_hit(len(p), chunk) for p in prompts]
+    assert [m["kvengine_loaded_tokens_total"] for m in r["fresh_metrics"]] == [sum(o["cached"] for o in r["fresh"])] * 2
 
 
 @pytest.mark.parametrize("family, kinds", [("llama4", {"chunked_local", "full_attention"}),

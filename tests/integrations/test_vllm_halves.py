@@ -322,12 +322,12 @@ def vllm_config(**over):
 @pytest.mark.parametrize("over, error, match", [
     ({"kv_transfer_config.kv_load_failure_policy": "fail"}, "ConfigError", "kv_load_failure_policy='recompute'"),
     ({"kv_transfer_config.kv_role": "kv_producer"}, "ConfigError", "kv_both"),
-    ({"parallel_config.tensor_parallel_size": 2}, "UnsupportedModelError", "tensor_parallel_size=2"),
+    ({"parallel_config.pipeline_parallel_size": 2}, "UnsupportedModelError", "pipeline_parallel_size=2"),
     ({"cache_config.cache_dtype": "fp8"}, "UnsupportedModelError", "kv_cache_dtype"),
     ({"speculative_config": object()}, "UnsupportedModelError", "speculative"),
 ])
 def test_vllm_settings_the_connector_refuses(over, error, match):
-    """The default settings pass; a non-recompute failure policy, a role other than kv_both, tensor parallelism,
+    """The default settings pass; a non-recompute failure policy, a role other than kv_both, pipeline parallelism,
     an fp8 KV cache or speculative decoding are refused by name."""
     import kvengine.errors as errors
     from kvengine.integrations.vllm.connector import check_vllm_config
@@ -357,7 +357,7 @@ def make_halves(*, has_state: bool = False, **engine_extra):
     service = LookupService(desk)
     path, key = service.start()
     sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, has_state=has_state)
-    sched.connect(ChannelAddress(path, key, 0))
+    sched.connect([ChannelAddress(path, key, 0)])
     sched.bind_kv_cache_manager(SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)),
                                                 get_block_ids=lambda rid: ([1, 2, 3, 4, 5],)))
     tokens = list(range(10, 10 + 4 * CHUNK))
@@ -446,6 +446,101 @@ def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follo
     assert len(save.tokens) == 4 * 4 * CHUNK  # the whole prompt (4 chunks) as uint32
     assert halves.desk.take("a") is not None  # the reservation waits for the worker's load
     assert halves.sched.build_connector_meta(out).loads == []
+
+
+def test_tensor_parallel_refuses_what_is_not_validated_across_ranks():
+    """Several ranks: full attention passes; recurrent state, MLA pages and shadow checks are refused by name."""
+    from kvengine.errors import UnsupportedModelError
+    from kvengine.integrations.vllm.connector import check_tensor_parallel
+    from kvengine.integrations.vllm.layout import plan_groups
+    from kvengine.integrations.vllm.options import ConnectorOptions
+
+    options = ConnectorOptions.from_extra_config({})
+    full = plan_groups(config_of(spec("FullAttentionSpec")))
+    check_tensor_parallel(full, options, 2)
+    for group, match in ((spec("MambaSpec", mamba_cache_mode="align"), "recurrent state"),
+                         (spec("MLAAttentionSpec", num_kv_heads=1, head_size=576), "MLA")):
+        check_tensor_parallel(plan_groups(config_of(group)), options, 1)
+        with pytest.raises(UnsupportedModelError, match=f"tensor_parallel_size=2 with {match}"):
+            check_tensor_parallel(plan_groups(config_of(group)), options, 2)
+    shadowed = ConnectorOptions.from_extra_config({"kvengine": {"shadow": {"first_hits": 1}}})
+    with pytest.raises(UnsupportedModelError, match="shadow checks"):
+        check_tensor_parallel(full, shadowed, 2)
+
+
+def test_each_rank_gets_its_own_disk_directory_and_metrics_port(tmp_path):
+    """One writer per disk directory: rank r of n uses disk.path/tp<r>-of-<n> and metrics_port + r; one rank
+    uses the options as given."""
+    from kvengine.integrations.vllm.options import ConnectorOptions
+
+    options = ConnectorOptions.from_extra_config({"kvengine": {"disk": {"path": str(tmp_path / "kv")},
+                                                               "metrics_port": 9400}})
+    assert options.for_rank(0, 1) is options
+    rank1 = options.for_rank(1, 2).engine
+    assert rank1.disk.path == tmp_path / "kv" / "tp1-of-2" and rank1.metrics_port == 9401
+
+
+@contextlib.contextmanager
+def ranked_desks(held_chunks: tuple[int, ...]):
+    """One engine, desk and channel per tensor-parallel rank; rank r holds the first ``held_chunks[r]``
+    chunks of ``tokens``; a scheduler half connected to all of them."""
+    from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+    from kvengine.integrations.vllm.channel import LookupService
+    from kvengine.integrations.vllm.metadata import ChannelAddress
+    from kvengine.integrations.vllm.scheduler import SchedulerSide
+    from kvengine.integrations.vllm.worker import ReservationDesk
+
+    layout = ChunkLayout(CHUNK, (TensorSpec(name="l0", group=0, category=KVCategory.FULL_ATTENTION,
+                                            dtype=torch.float32, shape=(2, 1, BS, 8), token_dim=None),))
+    tokens = list(range(10, 10 + 4 * CHUNK))
+    ranks, addresses = [], []
+    with contextlib.ExitStack() as stack:
+        for rank, held in enumerate(held_chunks):
+            engine = stack.enter_context(KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"}},
+                                                  transports=[]))
+            desk = ReservationDesk(engine, Namespace(model="ranks-test", rank=rank, world_size=len(held_chunks)),
+                                   layout)
+            service = LookupService(desk)
+            stack.callback(service.close)
+            path, key = service.start()
+            addresses.append(ChannelAddress(path, key, 0))
+            if held:
+                engine.store(desk.binding(""), tokens[:held * CHUNK],
+                             lambda i, s, e: [torch.full((2, 1, BS, 8), float(i))])
+            ranks.append(SimpleNamespace(engine=engine, desk=desk))
+        sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0)
+        sched.connect(addresses)
+        stack.callback(sched.shutdown)
+        yield SimpleNamespace(ranks=ranks, sched=sched, tokens=tokens)
+
+
+def _pins_settle(ranks, expected):
+    deadline = time.monotonic() + 5
+    while [r.engine.core.memory.total_pins() for r in ranks] != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [r.engine.core.memory.total_pins() for r in ranks]
+
+
+def test_a_hit_across_ranks_is_what_every_rank_holds_and_releases_reach_every_rank():
+    """Tensor parallelism: the scheduler asks every rank; the hit is the minimum; asking again is stable and
+    pins nothing more; a request finished unscheduled releases every rank's reservation."""
+    with ranked_desks((3, 2)) as h:
+        req = request("a", h.tokens)
+        assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+        pins = [r.engine.core.memory.total_pins() for r in h.ranks]
+        assert pins == [3, 2]  # each rank holds its own reservation until its load ends
+        assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+        assert [r.engine.core.memory.total_pins() for r in h.ranks] == pins
+        h.sched.request_finished(req)
+        assert _pins_settle(h.ranks, [0, 0]) == [0, 0]
+
+
+def test_a_prefix_one_rank_lacks_is_a_miss_and_the_other_ranks_release_it():
+    """A rank without the prefix makes it a miss: the ranks that reserved it release at once."""
+    with ranked_desks((3, 0)) as h:
+        assert h.sched.get_num_new_matched_tokens(request("a", h.tokens), 0) == (0, False)
+        assert _pins_settle(h.ranks, [0, 0]) == [0, 0]
+        assert all(len(r.desk) == 0 for r in h.ranks)
 
 
 def decode_step(rid: str, computed_before: int) -> SimpleNamespace:

@@ -371,6 +371,62 @@ def scenario_hybrid(work: Path) -> dict[str, Any]:
     return report
 
 
+def scenario_tp(work: Path) -> dict[str, Any]:
+    """Llama at tensor_parallel_size=2 (two worker processes, one KV head each; OpenMP bound to one core per
+    worker): reference outputs of vLLM at TP=2 without the connector; a connector engine at TP=2 with a disk
+    tier: cold, warm and shared-prefix passes, then a scheduling stress (preemptions, aborts); a TP=1 engine
+    on the same disk directory (its pages hold both heads: it must miss); a fresh TP=2 engine (hits from
+    each rank's disk directory)."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (vLLM's default wants a NUMA node each)
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    model = str(build_model_dir(work / "llama", "llama"))
+    disk = str(work / "tp_disk")
+    base = [prompt(1, 700), prompt(2, 300), prompt(3, 1100)]
+    shared = [prompt(10 + i, n, base[i][:p]) for i, (n, p) in enumerate([(900, 600), (400, 300), (1200, 1100)])]
+    stress = [prompt(100 + i, 128 * (5 + i % 3) - 8, base[i % 3][:256] if i % 3 else None) for i in range(12)]
+    report: dict[str, Any] = {"base": base, "shared": shared}
+    set_topology(in_process=False)
+    engine = start(engine_args(model, tensor_parallel_size=2))
+    try:
+        report["ref"] = [o["tokens"] for o in run(engine, base + shared)]  # type: ignore[index]
+        report["ref_stress"] = [o["tokens"] for o in run(engine, stress, max_tokens=32)]  # type: ignore[index]
+    finally:
+        shutdown(engine)
+
+    def connector(port: int) -> dict[str, Any]:
+        return {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "disk": {"path": disk}, "metrics_port": port}}
+
+    port = free_port(2)
+    engine = start(engine_args(model, tensor_parallel_size=2, connector=connector(port),
+                               num_gpu_blocks_override=-(-STRESS_KV_TOKENS // 128)))
+    try:
+        report["cold"], report["warm"] = run(engine, base), run(engine, base)
+        report["shared_out"] = run(engine, shared)
+        aborted = frozenset({1, len(stress) - 1})
+        report["stress"] = run(engine, stress, max_tokens=32, prefix="stress", abort_at_step=3, abort=aborted)
+        report["stress_aborted"] = sorted(aborted)
+        deadline = time.monotonic() + 30  # queued disk writes hold pins until written
+        while True:
+            ranks = [scrape(port), scrape(port + 1)]
+            if all(m.get("kvengine_vllm_pinned_chunks", 1) == 0 for m in ranks) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        report["rank_metrics"] = ranks
+    finally:
+        shutdown(engine)
+    for phase, tp in (("tp1", 1), ("fresh", 2)):
+        port = free_port(2)
+        engine = start(engine_args(model, tensor_parallel_size=tp, connector=connector(port)))
+        try:
+            report[phase] = run(engine, base + shared)
+            report[f"{phase}_metrics"] = [scrape(port + r) for r in range(tp)]
+        finally:
+            shutdown(engine)
+    return report
+
+
 def scenario_local(work: Path) -> dict[str, Any]:
     """Llama 4 (chunked local attention, 512-token attention chunks, next to full attention) and gpt-oss
     (learned attention sinks; sliding window next to full attention), bf16: reference outputs without the
@@ -567,7 +623,7 @@ def scenario_real(work: Path) -> dict[str, Any]:
 
 
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
-             "local": scenario_local, "mla_refusals": scenario_mla_refusals,
+             "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "provenance": scenario_provenance, "real": scenario_real}
 
 
