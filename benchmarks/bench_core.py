@@ -19,6 +19,7 @@ from _util import median_time, print_header, print_table, write_json
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
 from kvengine.chunks.hashing import prefix_hashes
+from kvengine.core.copies import copy_all
 
 CHUNK = 256
 
@@ -72,7 +73,7 @@ class L1Case:
     def sink(self, view) -> None:
         s, e = view.token_range
         if self.per_layer:
-            torch._foreach_copy_(list(self.dst[:, :, s:e].unbind(0)), list(view.tensors))
+            copy_all(self.dst[:, :, s:e].unbind(0), view.tensors)
         else:
             self.dst[:, :, s:e].copy_(view.tensors[0])
 
