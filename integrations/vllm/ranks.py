@@ -41,9 +41,6 @@ class RankedLookup:
         self._seq = 0
         self._pending: dict[int, _Pending] = {}
 
-    def __len__(self) -> int:
-        return len(self._clients)
-
     @property
     def closed(self) -> bool:
         return any(c.closed for c in self._clients)
@@ -58,8 +55,8 @@ class RankedLookup:
         """Every rank's reply to lookup ``seq`` merged (tokens every rank holds), or None while one is
         still out: the replies already in are kept for the next call.
 
-        Every rank gets up to ``wait_s``, one after the other; they answer in parallel, so this is
-        a wait for the slowest, not a sum.
+        The ranks answer in parallel; this waits up to ``wait_s`` for each reply still out, in rank
+        order, and returns None at the first one not in by then.
         """
         pending = self._pending[seq]
         for rank, (client, rank_seq) in enumerate(zip(self._clients, pending.seqs)):

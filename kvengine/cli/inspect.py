@@ -108,7 +108,7 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
                                                "layers as FullAttentionSpec / SlidingWindowSpec on a validated "
                                                f"backend {sorted(ATTENTION_BACKENDS)}")
     conditions = [f"attention backend in {sorted(ATTENTION_BACKENDS)}", "kv_cache_dtype 'auto'",
-                  "tensor and pipeline parallel size 1, no speculative decoding"]
+                  "pipeline parallel size 1 (tensor parallelism only without recurrent state or MLA)", "no speculative decoding"]
     if state_kinds:
         conditions.insert(0, "prefix caching on (mamba_cache_mode 'align')")
     return Verdict(v, Support.SUPPORTED, f"{_kinds(categories)}; checked at start-up: {', '.join(conditions)}")
