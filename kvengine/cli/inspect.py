@@ -104,11 +104,13 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
                                                "reference CPU_MLA backend vLLM picks elsewhere is refused: it has "
                                                "no prefill-with-context path")
     if KVCategory.ATTENTION_SINK in categories:
-        return Verdict(v, Support.AT_START_UP, "learned attention sinks: accepted only if vLLM declares the "
-                                               "layers as FullAttentionSpec / SlidingWindowSpec on a validated "
-                                               f"backend {sorted(ATTENTION_BACKENDS)}")
+        return Verdict(v, Support.AT_START_UP, "learned attention sinks (weights, not KV): accepted where vLLM "
+                                               "declares the layers as FullAttentionSpec / SlidingWindowSpec on a "
+                                               f"validated backend {sorted(ATTENTION_BACKENDS)}, as for gpt-oss "
+                                               "(validated exact)")
     conditions = [f"attention backend in {sorted(ATTENTION_BACKENDS)}", "kv_cache_dtype 'auto'",
-                  "pipeline parallel size 1 (tensor parallelism only without recurrent state or MLA)", "no speculative decoding"]
+                  "pipeline parallel size 1 (tensor parallelism only without recurrent state or MLA)",
+                  "no speculative decoding"]
     if state_kinds:
         conditions.insert(0, "prefix caching on (mamba_cache_mode 'align')")
     return Verdict(v, Support.SUPPORTED, f"{_kinds(categories)}; checked at start-up: {', '.join(conditions)}")
