@@ -342,8 +342,10 @@ CHUNK = 2 * BS
 
 
 @contextlib.contextmanager
-def make_halves(*, has_state: bool = False, **engine_extra):
-    """The scheduler half wired to a real engine through the real channel (no vLLM engine)."""
+def make_halves(*, held_chunks: tuple[int, ...] = (3,), has_state: bool = False, **engine_extra):
+    """The scheduler half wired through the real channel to one real engine per tensor-parallel rank (no vLLM
+    engine); rank r holds the first ``held_chunks[r]`` chunks of ``tokens``. ``engine`` and ``desk`` are
+    rank 0's."""
     from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
     from kvengine.integrations.vllm.channel import LookupService
     from kvengine.integrations.vllm.metadata import ChannelAddress
@@ -352,22 +354,28 @@ def make_halves(*, has_state: bool = False, **engine_extra):
 
     layout = ChunkLayout(CHUNK, (TensorSpec(name="l0", group=0, category=KVCategory.FULL_ATTENTION,
                                             dtype=torch.float32, shape=(2, 2, BS, 8), token_dim=None),))
-    engine = KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"}, **engine_extra}, transports=[])
-    desk = ReservationDesk(engine, Namespace(model="halves-test"), layout)
-    service = LookupService(desk)
-    path, key = service.start()
-    sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, has_state=has_state)
-    sched.connect([ChannelAddress(path, key, 0)])
-    sched.bind_kv_cache_manager(SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(block_id=0)),
-                                                get_block_ids=lambda rid: ([1, 2, 3, 4, 5],)))
     tokens = list(range(10, 10 + 4 * CHUNK))
-    engine.store(desk.binding(""), tokens[:3 * CHUNK], lambda i, s, e: [torch.full((2, 2, BS, 8), float(i))])
-    try:
-        yield SimpleNamespace(engine=engine, desk=desk, sched=sched, tokens=tokens)
-    finally:
-        sched.shutdown()
-        service.close()
-        engine.close()
+    ranks, addresses = [], []
+    with contextlib.ExitStack() as stack:
+        for rank, held in enumerate(held_chunks):
+            engine = stack.enter_context(KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"},
+                                                   **engine_extra}, transports=[]))
+            desk = ReservationDesk(engine, Namespace(model="halves-test", rank=rank, world_size=len(held_chunks)),
+                                   layout)
+            service = LookupService(desk)
+            stack.callback(service.close)
+            path, key = service.start()
+            addresses.append(ChannelAddress(path, key, 0))
+            if held:
+                engine.store(desk.binding(""), tokens[:held * CHUNK],
+                             lambda i, s, e: [torch.full((2, 2, BS, 8), float(i))])
+            ranks.append(SimpleNamespace(engine=engine, desk=desk))
+        sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, has_state=has_state)
+        sched.connect(addresses)
+        stack.callback(sched.shutdown)
+        sched.bind_kv_cache_manager(SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(
+            block_id=0)), get_block_ids=lambda rid: ([1, 2, 3, 4, 5],)))
+        yield SimpleNamespace(engine=ranks[0].engine, desk=ranks[0].desk, ranks=ranks, sched=sched, tokens=tokens)
 
 
 @pytest.fixture
@@ -480,40 +488,6 @@ def test_each_rank_gets_its_own_disk_directory_and_metrics_port(tmp_path):
     assert rank1.disk.path == tmp_path / "kv" / "tp1-of-2" and rank1.metrics_port == 9401
 
 
-@contextlib.contextmanager
-def ranked_desks(held_chunks: tuple[int, ...]):
-    """One engine, desk and channel per tensor-parallel rank; rank r holds the first ``held_chunks[r]``
-    chunks of ``tokens``; a scheduler half connected to all of them."""
-    from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
-    from kvengine.integrations.vllm.channel import LookupService
-    from kvengine.integrations.vllm.metadata import ChannelAddress
-    from kvengine.integrations.vllm.scheduler import SchedulerSide
-    from kvengine.integrations.vllm.worker import ReservationDesk
-
-    layout = ChunkLayout(CHUNK, (TensorSpec(name="l0", group=0, category=KVCategory.FULL_ATTENTION,
-                                            dtype=torch.float32, shape=(2, 1, BS, 8), token_dim=None),))
-    tokens = list(range(10, 10 + 4 * CHUNK))
-    ranks, addresses = [], []
-    with contextlib.ExitStack() as stack:
-        for rank, held in enumerate(held_chunks):
-            engine = stack.enter_context(KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"}},
-                                                  transports=[]))
-            desk = ReservationDesk(engine, Namespace(model="ranks-test", rank=rank, world_size=len(held_chunks)),
-                                   layout)
-            service = LookupService(desk)
-            stack.callback(service.close)
-            path, key = service.start()
-            addresses.append(ChannelAddress(path, key, 0))
-            if held:
-                engine.store(desk.binding(""), tokens[:held * CHUNK],
-                             lambda i, s, e: [torch.full((2, 1, BS, 8), float(i))])
-            ranks.append(SimpleNamespace(engine=engine, desk=desk))
-        sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0)
-        sched.connect(addresses)
-        stack.callback(sched.shutdown)
-        yield SimpleNamespace(ranks=ranks, sched=sched, tokens=tokens)
-
-
 def _pins_settle(ranks, expected):
     deadline = time.monotonic() + 5
     while [r.engine.core.memory.total_pins() for r in ranks] != expected and time.monotonic() < deadline:
@@ -524,7 +498,7 @@ def _pins_settle(ranks, expected):
 def test_a_hit_across_ranks_is_what_every_rank_holds_and_releases_reach_every_rank():
     """Tensor parallelism: the scheduler asks every rank; the hit is the minimum; asking again is stable and
     pins nothing more; a request finished unscheduled releases every rank's reservation."""
-    with ranked_desks((3, 2)) as h:
+    with make_halves(held_chunks=(3, 2)) as h:
         req = request("a", h.tokens)
         assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
         pins = [r.engine.core.memory.total_pins() for r in h.ranks]
@@ -537,7 +511,7 @@ def test_a_hit_across_ranks_is_what_every_rank_holds_and_releases_reach_every_ra
 
 def test_a_prefix_one_rank_lacks_is_a_miss_and_the_other_ranks_release_it():
     """A rank without the prefix makes it a miss: the ranks that reserved it release at once."""
-    with ranked_desks((3, 0)) as h:
+    with make_halves(held_chunks=(3, 0)) as h:
         assert h.sched.get_num_new_matched_tokens(request("a", h.tokens), 0) == (0, False)
         assert _pins_settle(h.ranks, [0, 0]) == [0, 0]
         assert all(len(r.desk) == 0 for r in h.ranks)
