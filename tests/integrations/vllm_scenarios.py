@@ -11,8 +11,9 @@ runs several scenarios and writes one JSON report):
   then one connector engine in vLLM's default topology (engine-core and
   worker processes) with a disk tier: cold pass, warm pass, shared-prefix
   pass, two-turn chats whose second turns hit through the first turns'
-  replies (chunks completed while decoding), then a scheduling stress (small ``max_num_seqs``, few KV blocks so
-  requests are preempted, aborts of waiting and running requests). Then two
+  replies (chunks completed while decoding), then a scheduling stress
+  (small ``max_num_seqs``, few KV blocks so requests are preempted, aborts
+  of waiting and running requests). Then two
   small in-process engines: lookups always "in flight" at first, and loads
   that always fail (a lease shorter than a step).
 * ``second`` -- a fresh process on the same disk directory (cross-instance
@@ -118,6 +119,17 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: 
             engine.abort_request([ids[i] for i in sorted(abort) if ids[i] not in done])
     wall = time.perf_counter() - t
     return [dict(done[rid], wall=wall) if rid in done else None for rid in ids]
+
+
+def unpinned(ports: list[int], timeout_s: float = 30) -> list[dict[str, float]]:
+    """The metrics of the engines at ``ports`` once none holds a pin (queued disk writes hold pins until
+    written), or as they are after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = [scrape(port) for port in ports]
+        if all(m.get("kvengine_vllm_pinned_chunks", 1) == 0 for m in metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.2)
 
 
 def reference(model: str, prompts: list[list[int]], dtype: str = "float32",
@@ -235,12 +247,7 @@ def scenario_first(work: Path) -> dict[str, Any]:
         aborted = frozenset({1, 2, len(stress) - 2, len(stress) - 1})
         report["stress"] = run(engine, stress, max_tokens=STRESS_TOKENS, prefix="stress", abort_at_step=3, abort=aborted)
         report["stress_aborted"] = sorted(aborted)
-        deadline = time.monotonic() + 30  # queued disk writes hold pins until written
-        while True:
-            after = scrape(port)
-            if after.get("kvengine_vllm_pinned_chunks", 1) == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        (after,) = unpinned([port])
         report["metrics_after_stress"] = after
         report["stress_delta"] = {k: delta(after, before, k) for k in after}
         report["vllm_stats_delta"] = {k: CaptureStats.totals.get(k, 0) - stats_before.get(k, 0)
@@ -392,6 +399,7 @@ def scenario_tp(work: Path) -> dict[str, Any]:
     try:
         report["ref"] = [o["tokens"] for o in run(engine, base + shared)]  # type: ignore[index]
         report["ref_stress"] = [o["tokens"] for o in run(engine, stress, max_tokens=32)]  # type: ignore[index]
+        block = int(engine.vllm_config.cache_config.block_size)
     finally:
         shutdown(engine)
 
@@ -400,20 +408,14 @@ def scenario_tp(work: Path) -> dict[str, Any]:
 
     port = free_port(2)
     engine = start(engine_args(model, tensor_parallel_size=2, connector=connector(port),
-                               num_gpu_blocks_override=-(-STRESS_KV_TOKENS // 128)))
+                               num_gpu_blocks_override=-(-STRESS_KV_TOKENS // block)))
     try:
         report["cold"], report["warm"] = run(engine, base), run(engine, base)
         report["shared_out"] = run(engine, shared)
         aborted = frozenset({1, len(stress) - 1})
         report["stress"] = run(engine, stress, max_tokens=32, prefix="stress", abort_at_step=3, abort=aborted)
         report["stress_aborted"] = sorted(aborted)
-        deadline = time.monotonic() + 30  # queued disk writes hold pins until written
-        while True:
-            ranks = [scrape(port), scrape(port + 1)]
-            if all(m.get("kvengine_vllm_pinned_chunks", 1) == 0 for m in ranks) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        report["rank_metrics"] = ranks
+        report["rank_metrics"] = unpinned([port, port + 1])
     finally:
         shutdown(engine)
     for phase, tp in (("tp1", 1), ("fresh", 2)):
