@@ -20,8 +20,7 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         if len(dst) == 1:
             dst[0].copy_(src[0])
             return
-        stacked_dst, stacked_src = stacked_view(dst), stacked_view(src)
-        if stacked_dst is not None and stacked_src is not None:
+        if (stacked_dst := stacked_view(dst)) is not None and (stacked_src := stacked_view(src)) is not None:
             stacked_dst.copy_(stacked_src)
         else:
             torch._foreach_copy_(list(dst), list(src))

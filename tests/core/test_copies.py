@@ -23,8 +23,8 @@ def test_evenly_spaced_views_of_one_buffer_stack_without_copying():
 @pytest.mark.parametrize("make", [
     lambda: [torch.zeros(2, 8), torch.zeros(2, 8)],  # separate storages
     lambda: (lambda base: [base[0], base[1], base[3]])(torch.zeros(8, 2, 8)),  # layers 0, 1, 3: uneven spacing
-    lambda: [torch.zeros(64)[i:i + 8] for i in (0, 4, 8)],  # overlapping views (spacing under one extent)
-    lambda: [torch.zeros(64)[0:8], torch.zeros(64)[8:16].view(2, 4)],  # shapes differ
+    lambda: (lambda base: [base[i:i + 8] for i in (0, 4, 8)])(torch.zeros(64)),  # overlapping (spacing < extent)
+    lambda: (lambda base: [base[0:8].view(2, 4), base[8:16].view(4, 2)])(torch.zeros(64)),  # shapes differ
     lambda: (lambda base: [base[0:8], base[8:24:2]])(torch.zeros(64)),  # strides differ
     lambda: (lambda base: [base[0:8], base[8:16], base[20:28]])(torch.zeros(64)),  # spacing changes late
     lambda: [torch.zeros(4)[0:0], torch.zeros(4)[0:0]],  # empty
