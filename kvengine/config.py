@@ -125,6 +125,37 @@ class PeersConfig(_Section):
     tls_key: Path | None = None
 
 
+class MooncakeConfig(_Section):
+    """A Mooncake Store tier below disk and peers (off unless ``master`` is set): a cluster-wide KV pool
+    whose placement, replication and eviction Mooncake's master runs. Only its TCP transport is
+    validated (RDMA is refused until it is)."""
+
+    #: The master's RPC address, "host:port".
+    master: str | None = None
+    #: This node's address in the cluster; Mooncake's data connections are bound to it too.
+    local_hostname: str = "127.0.0.1"
+    #: Memory this node contributes to the cluster's pool (0: a client only; others hold its chunks).
+    segment_bytes: ByteSize = ByteSize(1 * 2**30)
+    #: Copies Mooncake keeps of each chunk (on distinct nodes).
+    replicas: int = Field(default=1, ge=1)
+    #: Codec of the records written to it. Must be of the disk codec's family.
+    codec: str = "raw"
+    #: Every call to the store ends within this time (a dead or stalled master: a miss, never a wait).
+    timeout: float = Field(default=1.0, gt=0)
+    #: A file holding the cluster's shared secret (>= 16 bytes): records written carry a keyed MAC,
+    #: records read must verify. Required when the master is off loopback.
+    secret_file: Path | None = None
+
+    @field_validator("master")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"must be 'host:port', got {value!r}")
+        return value
+
+
 class TierConfig(_Section):
     """A tier from another package, below disk and peers: a transport registered under the
     ``kvengine.transports`` entry-point group, found by its name."""
@@ -151,7 +182,8 @@ class EngineConfig(_Section):
     memory: MemoryConfig = MemoryConfig()
     disk: DiskConfig = DiskConfig()
     peers: PeersConfig = PeersConfig()
-    #: More tiers, by registered transport name, looked up after disk and peers.
+    mooncake: MooncakeConfig = MooncakeConfig()
+    #: More tiers, by registered transport name, looked up after disk, peers and Mooncake.
     tiers: tuple[TierConfig, ...] = ()
     shadow: ShadowConfig = ShadowConfig()
     #: Serve Prometheus metrics over HTTP on this port (off when unset).

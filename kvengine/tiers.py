@@ -32,6 +32,7 @@ _BUNDLED = {
     "peers_zmq": "kvengine.transports.zmq_peer",
     "peers_ucx": "kvengine.transports.ucx_peer",
     "peers_tcp": "kvengine.transports.tcp_peer",
+    "mooncake": "kvengine.transports.mooncake_store",
 }
 
 #: ``factory(options) -> transport``; raises ConfigError for options it cannot use.
@@ -96,7 +97,7 @@ def _built(name: str, setting: str, make: Callable[[], object]) -> ChunkTranspor
 
 def build_tiers(config: EngineConfig, *, namespaces: Sequence[NamespaceDigest] = (),
                 disk_options: Mapping[str, Any] | None = None) -> list[Tier]:
-    """The tiers ``config`` asks for, in lookup order: disk, peers, then ``config.tiers``.
+    """The tiers ``config`` asks for, in lookup order: disk, peers, Mooncake, then ``config.tiers``.
 
     ``namespaces`` restricts the disk tier's index to those namespaces (an
     engine that serves one model's rank, as SGLang's); ``disk_options`` adds
@@ -111,6 +112,9 @@ def build_tiers(config: EngineConfig, *, namespaces: Sequence[NamespaceDigest] =
     if peers.peers or peers.peers_file is not None:
         tiers.append(Tier(_bundled(f"peers_{peers.transport}", setting="peers", section=peers), peers.codec,
                           "peers.codec"))
+    if config.mooncake.master is not None:
+        tiers.append(Tier(_bundled("mooncake", setting="mooncake", section=config.mooncake), config.mooncake.codec,
+                          "mooncake.codec"))
     for i, extra in enumerate(config.tiers):
         setting = f"tiers[{i}]"
         tiers.append(Tier(build_transport(extra.transport, extra.options, setting=setting), extra.codec,

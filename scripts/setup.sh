@@ -20,7 +20,15 @@ fi
 case ",$extras," in
   *,hf,*|*,test,*) source scripts/_real_model.sh; install_real_model $py ;;
 esac
-# The TLS tests make throwaway certificates with the openssl command line.
-if [ "$extras" = "test" ] && ! command -v openssl >/dev/null; then
-  (apt-get install -y -q openssl || (apt-get update -q && apt-get install -y -q openssl)) >/dev/null
+# The TLS tests make throwaway certificates with the openssl command line; Mooncake's client library
+# links libibverbs even when it only speaks TCP.
+need=()
+case ",$extras," in
+  *,test,*) command -v openssl >/dev/null || need+=(openssl) ;;
+esac
+case ",$extras," in
+  *,test,*|*,mooncake,*) ldconfig -p | grep -q "libibverbs.so.1 " || need+=(libibverbs1) ;;
+esac
+if [ ${#need[@]} -gt 0 ]; then
+  (apt-get install -y -q "${need[@]}" || (apt-get update -q && apt-get install -y -q "${need[@]}")) >/dev/null
 fi

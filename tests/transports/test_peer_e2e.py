@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -37,7 +36,8 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.transports.node_process import ROOT, NodeProcess
+
 REQUEST_TIMEOUT = 1.0
 READ_DEADLINE = 2.0
 WIRES = {
@@ -276,37 +276,14 @@ def _start_fakes(wire: str, host: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------
 # The tests.
 # ---------------------------------------------------------------------------------------------------
-class Proc:
+class Proc(NodeProcess):
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.p = subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, cwd=ROOT, env=env)
+        super().__init__(__file__, args, env)
 
-    def ready(self) -> tuple[str, dict[str, str]]:
+    def node_ready(self) -> tuple[str, dict[str, str]]:
         """The node's address and those of the fakes it hosts."""
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline().split(maxsplit=2)
-        assert len(line) == 3 and line[0] == "ready", f"process did not start (exit {self.p.poll()})"
-        return line[1], json.loads(line[2])
-
-    def send(self, **cmd: Any) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-
-    def receive(self) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        assert line, f"process died (exit {self.p.poll()})"
-        return json.loads(line)
-
-    def ask(self, **cmd: Any) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.receive()
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait()
+        address, fakes = self.ready(2)
+        return address, json.loads(fakes)
 
 
 class Cluster:
@@ -322,7 +299,7 @@ class Cluster:
         self.fake: dict[str, str] = {}
 
     def wait_ready(self) -> None:
-        (self.addr["a"], self.fake), (self.addr["b"], _) = self.a.ready(), self.b.ready()
+        (self.addr["a"], self.fake), (self.addr["b"], _) = self.a.node_ready(), self.b.node_ready()
 
     def peers(self, node: str, *addresses: str) -> None:
         tmp = self.files[node].with_suffix(".tmp")

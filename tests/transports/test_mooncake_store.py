@@ -1,0 +1,334 @@
+"""The Mooncake Store tier end to end: a real ``mooncake_master`` and engine processes as cluster nodes.
+
+Nodes A (127.0.0.2, contributes a memory segment) and B (127.0.0.3, a client
+only, so every chunk B reads lies in A's segment) each run a
+:class:`KVEngine` whose only tier below memory is the Mooncake tier, built
+from ``EngineConfig`` (the ``mooncake`` section), with a shared secret. One
+cluster is started for the module; the fault tests run last, in order:
+master stalled (SIGSTOP), master killed then restarted (an empty cache),
+segment holder killed. Every fault must end as a miss within the tier's
+deadline while the engine keeps serving from memory.
+
+This file doubles as the node program (``python test_mooncake_store.py node HOST MASTER SEGMENT SECRET``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.transports.node_process import ROOT, NodeProcess
+
+TIMEOUT = 1.0  # mooncake.timeout of the nodes
+TOKENS = 4 * 16  # four chunks of tests.conftest.CHUNK
+
+
+# ---------------------------------------------------------------------------------------------------
+# The node program (runs in a subprocess).
+# ---------------------------------------------------------------------------------------------------
+def _tokens_and_kv(seed: int) -> tuple[Any, Any]:
+    import torch
+
+    from tests.conftest import FakeKV
+
+    tokens = torch.randint(0, 32000, (TOKENS,), generator=torch.Generator().manual_seed(seed))
+    return tokens, FakeKV(TOKENS, seed=seed)
+
+
+def _digest(tensors: list[Any], upto: int) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t[:, :, :upto].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _expected_digest(seed: int, upto: int) -> str:
+    return _digest(_tokens_and_kv(seed)[1].layers, upto)
+
+
+def node_main(host: str, master: str, segment: str, secret_file: str) -> None:
+    import torch
+
+    from kvengine import KVEngine, Namespace
+    from kvengine.chunks.hashing import prefix_hashes
+    from kvengine.chunks.keys import ChunkKey
+    from kvengine.chunks.record import encode_header, seal_record, unpack_record
+    from kvengine.transports.mooncake_store import MooncakeStoreTransport, _object_name
+    from tests.conftest import make_config, make_layout
+
+    config = make_config(capacity=1 << 20, mooncake={
+        "master": master, "local_hostname": host, "segment_bytes": int(segment), "timeout": TIMEOUT,
+        "secret_file": secret_file})
+    engine = KVEngine(config)
+    (tier,) = [t for t in engine.core.tiers.transports if isinstance(t, MooncakeStoreTransport)]
+    assert tier.wait_connected(30.0), "the node could not reach the master"
+    binding = engine.bind(Namespace(model="tiny-test"), make_layout())
+
+    def keys_of(tokens: Any) -> list[Any]:
+        return [ChunkKey(binding.digest, h) for h in prefix_hashes(tokens, binding.chunk_size, binding.digest)]
+
+    print("ready", host, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        tokens, kv = _tokens_and_kv(cmd.get("seed", 0))
+        t0 = time.monotonic()
+        reply: dict[str, Any]
+        if cmd["op"] == "exit":
+            break
+        if cmd["op"] == "store":
+            stored = engine.store(binding, tokens, kv.source)
+            engine.flush()
+            if cmd.get("forget"):  # keep it in the cluster only
+                for key in keys_of(tokens):
+                    engine.core.memory.discard(key)
+            reply = {"stored": stored.stored_chunks}
+        elif cmd["op"] == "lookup":
+            res = engine.lookup(binding, cmd.get("request", "r"), tokens)
+            out = [torch.zeros_like(t) for t in kv.layers]
+
+            def sink(view: Any, out: list[Any] = out) -> None:
+                s, e = view.token_range
+                for dst, src in zip(out, view.tensors):
+                    dst[:, :, s:e].copy_(src)
+
+            loaded = engine.load(res, sink)
+            reply = {"matched": res.matched_tokens, "loaded": loaded.loaded_tokens,
+                     "digest": _digest(out, loaded.loaded_tokens)}
+            if cmd.get("forget"):
+                for key in keys_of(tokens):
+                    engine.core.memory.discard(key)
+        elif cmd["op"] == "exists":
+            reply = {"exists": engine.run(tier.exists(keys_of(tokens)))}
+        elif cmd["op"] == "tamper":  # replace chunk 0's object by a bad one, bypassing the tier's sealing
+            key = keys_of(tokens)[0]
+            store = tier._store()
+            name = _object_name(key)
+            sealed = store.get(name)
+            assert sealed, "nothing to tamper with"
+            header, payload = unpack_record(sealed, expect_key=key)
+            head = encode_header(key, (header.token_start, header.token_end), header.tensors,
+                                 codec_id=header.codec_id, raw_length=header.raw_length, payload=payload)
+            unsealed = bytes(head) + bytes(payload)  # well-formed, a valid checksum, no MAC
+            if cmd["how"] == "unsealed":
+                bad = unsealed
+            elif cmd["how"] == "other_writer":  # sealed by a writer with another secret
+                bad = seal_record(unsealed, os.urandom(32))
+            else:  # the sealed record with one payload byte flipped
+                bad = bytearray(sealed)
+                bad[header.header_length] ^= 0xFF
+            assert store.remove(name, True) == 0
+            assert store.put(name, bytes(bad)) == 0
+            reply = {"tampered": cmd["how"]}
+        else:
+            raise ValueError(cmd["op"])
+        reply["seconds"] = time.monotonic() - t0
+        reply["integrity_failures"] = sum(
+            s.value for m in engine.metrics.registry.collect() for s in m.samples
+            if s.name == "kvengine_integrity_failures_total")
+        reply["tier"] = dict(tier.counts)
+        print(json.dumps(reply), flush=True)
+    engine.close(flush=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tests.
+# ---------------------------------------------------------------------------------------------------
+def test_a_master_off_loopback_needs_the_secret(tmp_path: Path) -> None:
+    from kvengine.config import load_config
+    from kvengine.errors import ConfigError
+    from kvengine.tiers import build_tiers
+
+    config = load_config({"mooncake": {"master": "10.1.2.3:50051"}}, environ={})
+    with pytest.raises(ConfigError, match="mooncake.master 10.1.2.3:50051 is not on loopback.*secret_file"):
+        build_tiers(config)
+    short = tmp_path / "short"
+    short.write_bytes(b"too short")
+    with pytest.raises(ConfigError, match="holds 9 bytes"):
+        build_tiers(load_config({"mooncake": {"master": "10.1.2.3:50051", "secret_file": str(short)}}, environ={}))
+
+
+@pytest.mark.parametrize("master", ["50051", "host:", "host:port", "host:70000"])
+def test_a_malformed_master_address_is_refused(master: str) -> None:
+    from kvengine.config import load_config
+    from kvengine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mooncake.master: .*must be 'host:port'"):
+        load_config({"mooncake": {"master": master}}, environ={})
+
+
+def test_a_bind_address_that_contradicts_the_hostname_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvengine.errors import ConfigError
+    from kvengine.transports.mooncake_store import MooncakeOptions, MooncakeStoreTransport
+
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.9")
+    with pytest.raises(ConfigError, match="local_hostname is 127.0.0.2 but MC_TCP_BIND_ADDRESS is 127.0.0.9"):
+        MooncakeStoreTransport(MooncakeOptions(master="127.0.0.1:1", local_hostname="127.0.0.2"))
+
+
+class Master:
+    """A real ``mooncake_master`` on loopback, restartable on the same port."""
+
+    def __init__(self) -> None:
+        from tests.integrations.ports import free_port
+
+        self.port, self.metrics_port = free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))
+        assert binary is not None, "mooncake_master is not installed (scripts/setup.sh test installs it)"
+        self.proc = subprocess.Popen(
+            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1",
+             f"--metrics_port={self.metrics_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_listening(self.port)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _wait_listening(port: int, timeout: float = 20.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"mooncake_master did not listen on {port} within {timeout} s")
+
+
+class Node(NodeProcess):
+    def __init__(self, host: str, master: str, segment: int, secret: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}
+        env.pop("MC_TCP_BIND_ADDRESS", None)
+        super().__init__(__file__, ["node", host, master, str(segment), str(secret)], env)
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.master = Master()
+        self.master.start()
+        secret = tmp / "secret"
+        secret.write_bytes(os.urandom(32).hex().encode())
+        self.a = Node("127.0.0.2", self.master.address, 256 << 20, secret)
+        self.b = Node("127.0.0.3", self.master.address, 0, secret)
+        self.a.ready(), self.b.ready()
+
+    def stop(self) -> None:
+        for node in (self.a, self.b):
+            node.stop()
+        if self.master.proc is not None and self.master.proc.poll() is None:
+            self.master.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("mooncake"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _eventually(ask: Any, until: Any, timeout: float = 15.0) -> dict[str, Any]:
+    """``ask()`` again until ``until(reply)`` holds (at most ``timeout`` s); the last reply."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply: dict[str, Any] = ask()
+        if until(reply) or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.2)
+
+
+def test_a_chunk_stored_on_one_node_is_served_exactly_on_the_other(cluster: Cluster) -> None:
+    assert cluster.a.ask(op="store", seed=1, forget=True)["stored"] == 4
+    assert cluster.a.ask(op="exists", seed=1)["exists"] == [True] * 4
+    got = cluster.b.ask(op="lookup", seed=1, forget=True)
+    assert (got["matched"], got["loaded"]) == (TOKENS, TOKENS)
+    assert got["digest"] == _expected_digest(1, TOKENS)
+    assert got["tier"]["hits"] == 4 and got["integrity_failures"] == 0
+    back = cluster.a.ask(op="lookup", seed=1)  # and back to the writer, whose memory forgot it
+    assert back["loaded"] == TOKENS and back["digest"] == got["digest"]
+
+
+@pytest.mark.parametrize(("how", "reason"), [("unsealed", "unauthenticated"), ("other_writer", "bad_mac"),
+                                             ("flipped", "payload_checksum")])
+def test_a_record_that_does_not_verify_is_a_counted_miss_and_removed(cluster: Cluster, how: str,
+                                                                      reason: str) -> None:
+    seed = {"unsealed": 2, "other_writer": 3, "flipped": 11}[how]
+    cluster.a.ask(op="store", seed=seed, forget=True)
+    cluster.a.ask(op="tamper", seed=seed, how=how)
+    got = cluster.b.ask(op="lookup", seed=seed, forget=True)
+    assert (got["matched"], got["loaded"]) == (0, 0)  # chunk 0 is bad: nothing after it is usable
+    assert got["tier"][f"wrong_record_{reason}"] == 1
+    assert cluster.b.ask(op="exists", seed=seed)["exists"][0] is False
+    cluster.a.ask(op="store", seed=seed, forget=True)  # a good copy takes its place
+    again = cluster.b.ask(op="lookup", seed=seed, forget=True)
+    assert again["loaded"] == TOKENS and again["digest"] == _expected_digest(seed, TOKENS)
+
+
+def test_a_stalled_master_is_a_miss_within_the_deadline_and_serving_resumes(cluster: Cluster) -> None:
+    cluster.a.ask(op="store", seed=4, forget=True)
+    proc = cluster.master.proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        got = cluster.b.ask(op="lookup", seed=4, forget=True)
+        assert got["loaded"] == 0 and got["seconds"] < TIMEOUT + 0.5
+        again = cluster.b.ask(op="lookup", seed=4, forget=True)  # the stuck call still runs: answered at once
+        assert again["loaded"] == 0 and again["seconds"] < 0.5 and again["tier"]["stalled"] >= 1
+        local = cluster.a.ask(op="store", seed=5)  # the engine keeps serving from memory
+        assert cluster.a.ask(op="lookup", seed=5)["loaded"] == TOKENS and local["seconds"] < 3 * TIMEOUT
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    back = _eventually(lambda: cluster.b.ask(op="lookup", seed=4, forget=True), lambda r: r["loaded"] == TOKENS)
+    assert back["loaded"] == TOKENS and back["digest"] == _expected_digest(4, TOKENS)
+
+
+def test_a_dead_master_is_a_miss_within_the_deadline_and_a_restarted_one_an_empty_cache(cluster: Cluster) -> None:
+    cluster.a.ask(op="store", seed=6, forget=True)
+    cluster.master.kill()
+    for _ in range(3):
+        got = cluster.b.ask(op="lookup", seed=6, forget=True)
+        assert got["loaded"] == 0 and got["seconds"] < TIMEOUT + 0.5
+    assert cluster.a.ask(op="store", seed=7)["seconds"] < 3 * TIMEOUT
+    assert cluster.a.ask(op="lookup", seed=7)["loaded"] == TOKENS  # memory still serves
+    cluster.master.start()
+    # The clients find the new master by themselves; it holds nothing of before.
+    fresh = _eventually(lambda: cluster.a.ask(op="store", seed=8, forget=True) and
+                        cluster.b.ask(op="lookup", seed=8, forget=True), lambda r: r["loaded"] == TOKENS, 30.0)
+    assert fresh["loaded"] == TOKENS and fresh["digest"] == _expected_digest(8, TOKENS)
+    assert cluster.b.ask(op="lookup", seed=6, forget=True)["loaded"] == 0
+
+
+def test_a_dead_segment_holder_is_a_miss_within_the_deadline(cluster: Cluster) -> None:
+    cluster.a.ask(op="store", seed=9, forget=True)
+    assert cluster.b.ask(op="exists", seed=9)["exists"] == [True] * 4
+    cluster.a.stop()  # the only node with a segment: every object was there
+    for _ in range(3):
+        got = cluster.b.ask(op="lookup", seed=9)
+        assert got["loaded"] == 0 and got["seconds"] < TIMEOUT + 0.5
+    assert cluster.b.ask(op="store", seed=10)["seconds"] < 3 * TIMEOUT  # nowhere to put it: still no wait
+    assert cluster.b.ask(op="lookup", seed=10)["loaded"] == TOKENS
+
+
+if __name__ == "__main__" and sys.argv[1] == "node":
+    node_main(*sys.argv[2:])
