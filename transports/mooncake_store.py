@@ -216,6 +216,12 @@ class MooncakeStoreTransport:
         """Whether the client has reached the master (calls before that are misses)."""
         return self._connected.is_set()
 
+    @property
+    def stalled(self) -> bool:
+        """Whether a call past its deadline still runs (new calls are misses until it returns)."""
+        with self._lock:
+            return self._stuck > 0
+
     def wait_connected(self, timeout: float) -> bool:
         """Block until the client has reached the master, at most ``timeout`` seconds; whether it has."""
         return self._connected.wait(timeout)
