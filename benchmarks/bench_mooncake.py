@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -201,19 +199,6 @@ class Bench:
         await self.tier.close()
 
 
-def _start_master() -> tuple[subprocess.Popen[bytes], str]:
-    from tests.integrations.ports import free_port
-
-    binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))
-    if binary is None:
-        raise SystemExit("mooncake_master is not installed: pip install mooncake-transfer-engine-non-cuda")
-    port, metrics = free_port(), free_port()
-    proc = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
-                             f"--metrics_port={metrics}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.5)  # the master is ready about 1 s after start (its own log says when; not parsed here)
-    return proc, f"127.0.0.1:{port}"
-
-
 def write_png(table: dict[str, dict[str, float]], small: dict[str, float], cpu: str) -> str:
     try:
         import matplotlib
@@ -256,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     print_header()
     record_bytes = args.record_mib << 20
     data_bytes = args.records * (record_bytes + 8192)
-    master, address = _start_master()
+    from tests.mooncake_master import Master
+
+    master = Master()
+    master.start()
+    address = master.address
     holder = subprocess.Popen([sys.executable, __file__, "--role", address, str(3 * data_bytes + (64 << 20)),
                                str(2 * data_bytes + (16 << 20))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})

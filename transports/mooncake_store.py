@@ -60,6 +60,9 @@ BUFFER_TOO_SMALL = -600
 FAULT = -1
 #: How often the background connect retries a master it could not reach.
 _RECONNECT_SECONDS = 1.0
+#: Why a put failed: Mooncake refused it (no space: until its eviction makes room), or it was not tried
+#: (no master yet, a stuck call), or it did not end in time, or the call raised.
+_PUT_FAILURES = ("refused", "not_connected", "stalled", "timeout", "error")
 #: Threads for calls to the store: one may be stuck past its deadline while another serves.
 _THREADS = 2
 
@@ -161,7 +164,7 @@ class MooncakeStoreTransport:
         ok = [code == 0 for code in codes]
         with self._lock:
             self.counts["puts_ok"] += sum(ok)
-            self.counts["puts_failed"] += len(ok) - sum(ok)
+            self.counts["put_refused"] += sum(code not in (0, FAULT) for code in codes)  # Mooncake said no
             self.counts["bytes_written"] += sum(sum(memoryview(p).nbytes for p in parts)
                                                 for (_, parts), good in zip(items, ok) if good)
         return ok
@@ -232,7 +235,7 @@ class MooncakeStoreTransport:
         prefix = "wrong_record_"
         return MooncakeStats(
             integrity_reasons={k[len(prefix):]: v for k, v in counts.items() if k.startswith(prefix)},
-            put_failures={"refused": counts.get("puts_failed", 0)})
+            put_failures={reason: counts.get(f"put_{reason}", 0) for reason in _PUT_FAILURES})
 
     # -- plumbing ---------------------------------------------------------------
     def _connect(self) -> None:
@@ -273,7 +276,7 @@ class MooncakeStoreTransport:
         with self._lock:
             skip = "not_connected" if self._client is None else "stalled" if self._stuck else None
             if skip is not None:
-                self.counts[skip] += 1
+                self.counts[f"{op}_{skip}"] += 1
                 return default
         future = self._pool.submit(fn, *args)
         try:
@@ -281,12 +284,12 @@ class MooncakeStoreTransport:
         except TimeoutError:
             with self._lock:
                 self._stuck += 1
-                self.counts[f"{op}_timeouts"] += 1
+                self.counts[f"{op}_timeout"] += 1
             future.add_done_callback(self._unstick)
             return default
         except Exception as exc:
             with self._lock:
-                self.counts[f"{op}_errors"] += 1
+                self.counts[f"{op}_error"] += 1
             log.debug("kvengine: mooncake %s failed: %r", op, exc)
             return default
 

@@ -10,6 +10,7 @@ Skipped, with the reason, where SGLang is not installed (the main .venv).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from kvengine.integrations.sglang import extra_config as backend_extra_config
 from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
 from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS
 from kvengine.keyed import keyed_chunk_key
+from tests.mooncake_master import Master, SegmentHolder
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = sglang_env.PoolGeometry().page
@@ -408,3 +410,77 @@ def test_second_process_reads_what_the_first_wrote(tmp_path: Path) -> None:
         assert backend.kv.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") > 0
     finally:
         backend.close()
+
+
+# -- through a real Mooncake master -------------------------------------------------------------------
+MOONCAKE_NODE = textwrap.dedent("""
+    import json, sys, torch
+    from tests.integrations import sglang_env
+    sglang_env.install_shims()
+    from kvengine.integrations.sglang import extra_config
+    from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
+    from kvengine.transports.mooncake_store import MooncakeStoreTransport
+    args = json.loads(sys.argv[1])
+    _, host = sglang_env.make_mha_pools("page_first")
+    page, keys = host.page_size, args["keys"]
+    config = sglang_env.storage_config(extra=extra_config(kvengine_config={
+        "memory": {"capacity_bytes": "16MiB"},
+        "mooncake": {"master": args["master"], "local_hostname": args["host"], "segment_bytes": 0, "timeout": 10.0}},
+        model_fingerprint="tiny-test-weights"))
+    backend = KVEngineHiCacheStorage(config, {})
+    backend.register_mem_pool_host(host)
+    (tier,) = [t for t in backend.kv.core.tiers.transports if isinstance(t, MooncakeStoreTransport)]
+    assert tier.wait_connected(30.0), "no connection to the mooncake master"
+    value = backend.kv.metrics.value
+    if args["role"] == "writer":
+        host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=torch.Generator().manual_seed(11)))
+        slots = torch.arange(0, len(keys) * page)
+        report = {"set": backend.batch_set_v1(keys, slots)}
+        backend.kv.flush()  # the write-behind puts into Mooncake are done
+        report["stored_chunks"] = value("kvengine_stored_chunks_total", tier="mooncake")
+        report["put_failures"] = value("kvengine_tier_put_failures_total", tier="mooncake")
+        torch.save([host.get_data_page(int(i)).clone() for i in slots[::page]], args["pages"])
+    else:  # the reader: its memory is empty, so every page it counts or loads comes from Mooncake
+        slots = torch.arange(8 * page, (8 + len(keys)) * page)
+        report = {"exists": backend.batch_exists(keys), "unknown": backend.batch_exists(["f" * 64]),
+                  "get": backend.batch_get_v1(keys, slots)}
+        torch.save([host.get_data_page(int(i)).clone() for i in slots[::page]], args["pages"])
+        report["loaded_bytes"] = {t: value("kvengine_loaded_bytes_total", tier=t) for t in ("mooncake", "memory")}
+        report["integrity_failures"] = value("kvengine_integrity_failures_total")
+    backend.close()
+    print(json.dumps(report))
+""")
+
+
+def _mooncake_node(role: str, host: str, master: str, keys: list[str], pages: Path) -> dict:
+    """Run one SGLang rank process whose backend's only tier below memory is the Mooncake tier; its report."""
+    env = {k: v for k, v in os.environ.items() if k != "MC_TCP_BIND_ADDRESS"}  # the tier sets it from host
+    args = {"role": role, "host": host, "master": master, "keys": keys, "pages": str(pages)}
+    proc = subprocess.run([sys.executable, "-c", MOONCAKE_NODE, json.dumps(args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"{role} failed:\n{proc.stderr[-3000:]}"
+    report: dict = json.loads(proc.stdout.splitlines()[-1])
+    return report
+
+
+def test_pages_stored_in_one_process_are_served_to_another_through_mooncake(tmp_path: Path) -> None:
+    """Scenario: a real mooncake_master on loopback and a process holding the cluster's only segment. One SGLang
+    rank process (a Mooncake client on 127.0.0.2 contributing no memory) stores pages through the backend and
+    exits; a second one (127.0.0.3, empty memory, no disk) finds them all (batch_exists) and loads the exact
+    bytes (batch_get_v1), every one read from Mooncake."""
+    n = 6
+    _, keys = page_keys(n, seed=11)
+    # The segment is held by a process of its own: Mooncake drops a segment's objects when its owner leaves,
+    # and the writer is gone before the reader starts.
+    with Master() as master, SegmentHolder(master.address, host="127.0.0.4", segment_bytes=16 << 20):
+        wrote = _mooncake_node("writer", "127.0.0.2", master.address, keys, tmp_path / "written.pt")
+        read = _mooncake_node("reader", "127.0.0.3", master.address, keys, tmp_path / "read.pt")
+    assert wrote["set"] == [True] * n
+    assert (wrote["stored_chunks"], wrote["put_failures"]) == (n, 0)
+    assert read["exists"] == n and read["unknown"] == 0
+    assert read["get"] == [True] * n
+    written, got = torch.load(tmp_path / "written.pt"), torch.load(tmp_path / "read.pt")
+    assert len(got) == n and all(torch.equal(a, b) for a, b in zip(got, written))
+    page_bytes = written[0].numel() * written[0].element_size()
+    assert read["loaded_bytes"] == {"mooncake": n * page_bytes, "memory": n * page_bytes}
+    assert read["integrity_failures"] == 0

