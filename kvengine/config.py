@@ -167,6 +167,41 @@ class TierConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+class EventsConfig(_Section):
+    """KV cache events for KV-aware routers (llm-d, Dynamo): chunks entering and leaving tiers, in vLLM's
+    wire format on a ZeroMQ PUB socket (see kvengine/events.py, docs/kv_events.md). Off unless
+    ``endpoint`` is set. The events carry prompts' token ids: keep the socket on a trusted network."""
+
+    #: ZeroMQ address, e.g. "tcp://127.0.0.1:5557". As vLLM: a wildcard host ("tcp://*:5557"), ipc:// and
+    #: inproc:// are bound; other addresses are connected to (a router that binds, as llm-d's indexer).
+    endpoint: str | None = None
+    #: Bind (True) or connect (False) ``endpoint`` regardless of its form (unset: the rule above).
+    bind: bool | None = None
+    #: First frame of every message (routers subscribe by prefix; llm-d reads "kv@<pod>@<model>").
+    topic: str = ""
+    #: A ROUTER address (always bound) answering replay requests for missed batches, as vLLM's.
+    replay_endpoint: str | None = None
+    #: Batches kept for replay (only with ``replay_endpoint``).
+    buffer_steps: int = Field(default=1000, ge=1)
+    #: Events queued for the publishing thread at most; beyond it they are dropped (counted).
+    queue_size: int = Field(default=10_000, gt=0)
+    #: Block hashes as kvengine's 16-byte hashes, or as vLLM's integer form (low 64 bits, big-endian;
+    #: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) for routers that decode unsigned 64-bit hashes.
+    hash_format: Literal["bytes", "int64"] = "bytes"
+    #: ``data_parallel_rank`` of every batch.
+    data_parallel_rank: int = Field(default=0, ge=0)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_address(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(_ZMQ_SCHEMES):
+            raise ValueError(f"must be a ZeroMQ address ({', '.join(_ZMQ_SCHEMES)}...), got {value!r}")
+        return value
+
+
 class EngineConfig(_Section):
     chunk_size: int = Field(default=256, gt=0, le=1 << 20)
     #: Store a trailing partial chunk too (rarely matched; see hashing.py).
@@ -186,6 +221,8 @@ class EngineConfig(_Section):
     #: More tiers, by registered transport name, looked up after disk, peers and Mooncake.
     tiers: tuple[TierConfig, ...] = ()
     shadow: ShadowConfig = ShadowConfig()
+    #: KV cache events for KV-aware routers (off unless ``events.endpoint`` is set).
+    events: EventsConfig = EventsConfig()
     #: Serve Prometheus metrics over HTTP on this port (off when unset).
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     #: Address the metrics exporter binds (loopback by default: metrics name models and tenants).

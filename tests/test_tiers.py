@@ -100,7 +100,7 @@ def test_a_plugin_that_rejects_its_options_is_refused_naming_the_tier(plugin) ->
 
 def test_an_unknown_transport_name_is_refused_listing_what_is_installed() -> None:
     """An unknown transport name is refused, listing the installed transports."""
-    with pytest.raises(ConfigError, match=r"no transport named 'nope'.*local_disk, peers_tcp, peers_ucx, peers_zmq"):
+    with pytest.raises(ConfigError, match=r"no transport named 'nope'.*local_disk, mooncake, peers_tcp, peers_ucx, peers_zmq"):
         KVEngine({"tiers": [{"transport": "nope"}]})
 
 

@@ -77,7 +77,7 @@ class ConnectorOptions:
     def for_rank(self, rank: int, world_size: int) -> ConnectorOptions:
         """These options for tensor-parallel rank ``rank`` of ``world_size`` (>1): each rank's engine gets
         its own disk directory under ``disk.path`` (one writer per directory) and metrics port
-        (``metrics_port + rank``)."""
+        (``metrics_port + rank``); only rank 0 publishes KV events."""
         if world_size == 1:
             return self
         engine = self.engine.model_dump()
@@ -88,6 +88,8 @@ class ConnectorOptions:
             engine["disk"]["path"] = base / f"tp{rank}-of-{world_size}"
         if self.engine.metrics_port:
             engine["metrics_port"] = self.engine.metrics_port + rank
+        if rank > 0:  # every rank stores the same prompts' chunks: rank 0's KV events tell a router all of it
+            engine["events"]["endpoint"] = engine["events"]["replay_endpoint"] = None
         return replace(self, engine=EngineConfig.model_validate(engine))
 
     def with_chunk_size(self, chunk_size: int) -> ConnectorOptions:
@@ -100,7 +102,8 @@ def check_codecs(engine: EngineConfig) -> None:
     """Refuse a tier codec this process does not know, or a lossy one (the connector serves exact KV only)."""
     from kvengine.compression import default_codecs
 
-    named = [("disk.codec", engine.disk.codec), ("peers.codec", engine.peers.codec)]
+    named = [("disk.codec", engine.disk.codec), ("peers.codec", engine.peers.codec),
+             ("mooncake.codec", engine.mooncake.codec)]
     named += [(f"tiers[{i}].codec", tier.codec) for i, tier in enumerate(engine.tiers)]
     registry = default_codecs(threads=1)
     for where, name in named:

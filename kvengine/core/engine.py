@@ -17,6 +17,13 @@ codecs), :class:`~kvengine.core.promotion.Promoter` (lower tiers -> memory,
 verified) and :class:`~kvengine.core.tier_writer.TierWriter` (memory -> lower
 tiers, per ``write_mode``), over one :class:`~kvengine.core.memory_tier.MemoryTier`.
 
+With ``events.endpoint`` set, the engine publishes KV events for routers
+(:mod:`kvengine.events`): it announces each chunk a store or a promotion
+brings into memory (:meth:`MemoryTier.announce`, where the prompt's tokens
+are in hand) and hands the event on to the tier writer, which republishes it
+per lower tier written; the memory tier publishes removals. Off, nothing of
+it runs: the publisher is None and no event is built.
+
 Cache faults (corrupt records, dead tiers, no room) become counted misses.
 Caller mistakes (bad tokens, tensors that do not match the layout) raise
 :class:`InvalidRequestError` and leave the pool as it was.
@@ -35,8 +42,8 @@ from functools import partial
 import torch
 
 from kvengine.chunks.codecs import CodecRegistry
-from kvengine.chunks.hashing import TokenInput, prefix_hashes
-from kvengine.chunks.keys import ChunkKey, Namespace
+from kvengine.chunks.hashing import TokenInput, prefix_hashes, token_bytes
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.compression import default_codecs
 from kvengine.config import EngineConfig
@@ -52,6 +59,7 @@ from kvengine.core.staging import StagedStore
 from kvengine.core.tier_set import TierSet, resolve_codec
 from kvengine.core.tier_writer import TierWriter
 from kvengine.errors import InvalidRequestError
+from kvengine.events import MEDIUM_MEMORY, AllBlocksCleared, BlockStored, KVEventPublisher
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
 from kvengine.transport import ChunkTransport, read_scope
@@ -104,13 +112,17 @@ class CacheEngine:
             pin_memory=_cuda_available(),
             prefault=config.memory.prefault,
         )
-        self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict)
+        #: KV events for routers (None: off). Started and closed with the engine.
+        self.events = KVEventPublisher.from_config(config.events)
+        self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict,
+                                 events=self.events)
         self.metrics.watch_memory(self.memory)
         #: Page-aligned record buffers, recycled: records written to tiers, encoded payloads read in place.
         record_buffers = BufferPool(min(_RECORD_POOL_BYTES, int(config.memory.capacity_bytes) // 4))
         self.promoter = Promoter(self.memory, self.tiers, self.codecs, self.metrics, record_buffers)
         self.writer = TierWriter(self.memory, self.tiers, self.metrics, write_mode=config.write_mode,
-                                 max_pending=config.max_pending_writes, record_buffers=record_buffers)
+                                 max_pending=config.max_pending_writes, record_buffers=record_buffers,
+                                 events=self.events)
         self.reservations = ReservationTable()
         #: Namespaces whose stored KV failed a provenance check: never served (persisted with the disk tier).
         self.quarantine = Quarantine(config.disk.path)
@@ -119,6 +131,8 @@ class CacheEngine:
         self.stager = Stager(self.memory, self.metrics, hands_on=bool(self.tiers))
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        #: Staged stores not committed yet -> their chunks' events (KV events on only).
+        self._staged_events: dict[StagedStore, _StoreEvents] = {}
         self._memory_loaded_bytes = self.metrics.loaded_bytes.labels(tier="memory")
         self._memory_evictions = self.metrics.evictions.labels(tier="memory")
 
@@ -129,7 +143,9 @@ class CacheEngine:
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
-        """Start background tasks (lease reaper, tier writer) on the running loop."""
+        """Start background tasks (lease reaper, tier writer, KV event publisher) on the running loop."""
+        if self.events is not None:
+            self.events.start()  # first: it raises ConfigError for an endpoint it cannot open
         self.writer.start()
         self._tasks.append(asyncio.create_task(self._reaper(), name="kvengine-reaper"))
         logger.info("kvengine: started: %s", self.describe())
@@ -140,7 +156,8 @@ class CacheEngine:
         metrics = f"{cfg.metrics_host}:{cfg.metrics_port}" if cfg.metrics_port is not None else "off"
         return (f"chunk {cfg.chunk_size} tokens; memory {cfg.memory.capacity_bytes.human_readable()} "
                 f"({cfg.memory.eviction}); lower tiers: {self.tiers.describe()}; {cfg.write_mode}; lease {cfg.lease_seconds:g} s; "
-                f"shadow checks {'on' if cfg.shadow.enabled else 'off'}; metrics {metrics}")
+                f"shadow checks {'on' if cfg.shadow.enabled else 'off'}; metrics {metrics}; "
+                f"KV events {self.events.endpoint if self.events is not None else 'off'}")
 
     async def flush(self) -> None:
         """Wait until every queued tier write has been attempted."""
@@ -161,6 +178,9 @@ class CacheEngine:
             self._end(res)
         await self.tiers.close()
         self.memory.close()
+        if self.events is not None:
+            self.events.publish(AllBlocksCleared())
+            await asyncio.to_thread(self.events.close)
 
     # -- binding -------------------------------------------------------------
     def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
@@ -214,8 +234,12 @@ class CacheEngine:
         sources = {"memory": len(entries)}
         if len(entries) < len(question.keys) and self.transports:
             with read_scope():  # one deadline for all of this lookup's reads from lower tiers
-                entries += await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
+                promoted = await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
                                                        question.asked, sources)
+            if promoted and self.events is not None:
+                hashes = [key.chunk_hash for key in question.keys]
+                self.memory.announce(_StoreEvents(binding, hashes, token_bytes(tokens)).pairs(promoted))
+            entries += promoted
         return self._reserve(binding, request_id, question, entries, started, sources)
 
     def lookup_resident(
@@ -392,6 +416,8 @@ class CacheEngine:
                 count += 1
         self.metrics.reservations_active.set(len(self.reservations))
         self.stager.reclaim(now)  # staged stores left unfinished: what was never committed is dropped
+        if self._staged_events:  # an abandoned staged store commits none of its chunks: nothing to announce
+            self._staged_events = {s: e for s, e in self._staged_events.items() if not s.committed}
         if count:
             self.metrics.reservations_reclaimed.inc(count)
             self.metrics.log_once("reclaim", "kvengine: reclaimed reservations never loaded or released "
@@ -429,13 +455,16 @@ class CacheEngine:
     async def _store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         """:meth:`store`, unmeasured."""
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
+        events = _StoreEvents(binding, hashes, token_bytes(tokens)) if self.events is not None and hashes else None
         if not (self.transports and self.config.write_mode == "write_through"):
             # Write-behind: tier writes start after the copies. Overlapping them was measured to make the
             # data durable ~10% sooner but this call ~35% slower (2 cores, one memory bus), and this
             # call's latency is what a write-behind caller waits for.
-            result, held, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source)
+            result, held, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source,
+                                                          None, events)
             if held:
-                result = replace(result, tier_failures=await self.writer.hand_off(binding, held))
+                stored = events.of_all(held) if events is not None else None
+                result = replace(result, tier_failures=await self.writer.hand_off(binding, held, stored))
             if error is not None:
                 raise error
             return result
@@ -444,14 +473,15 @@ class CacheEngine:
         loop = asyncio.get_running_loop()
         writes: list[asyncio.Future[bool]] = []
 
-        def start_write(entry: MemoryEntry) -> None:
-            writes.append(asyncio.ensure_future(self.writer.write_through(binding, entry)))
+        def start_write(entry: MemoryEntry, stored: BlockStored | None) -> None:
+            writes.append(asyncio.ensure_future(self.writer.write_through(binding, entry, stored)))
 
         def hand_off(entry: MemoryEntry) -> None:
-            loop.call_soon_threadsafe(start_write, entry)
+            loop.call_soon_threadsafe(start_write, entry, events.of(entry) if events is not None else None)
 
         try:
-            result, _, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off)
+            result, _, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off,
+                                                       events)
         except BaseException:  # cancelled: what was copied is still written before this returns
             if writes:
                 await asyncio.wait(writes)
@@ -473,6 +503,8 @@ class CacheEngine:
         staged = self._stage(binding, hashes, len(tokens))
         # pinned until committed: abandoned ones are dropped by the reaper
         self.stager.keep_open(staged, self._clock() + self.config.lease_seconds * ABANDON_AFTER_LEASES)
+        if self.events is not None and staged.entries:  # the tokens, copied: the caller may reuse its buffer
+            self._staged_events[staged] = _StoreEvents(binding, hashes, bytes(token_bytes(tokens)))
         return staged
 
     async def commit_store(self, staged: StagedStore, filled_chunks: int) -> StoreResult:
@@ -480,21 +512,29 @@ class CacheEngine:
 
         :raises InvalidRequestError: if ``staged`` was already committed (or abandoned and dropped).
         """
+        events = self._staged_events.pop(staged, None)
         result, held = self.stager.commit(staged, filled_chunks)
+        if events is not None:
+            self.memory.announce(events.pairs(staged.entries[: result.stored_chunks]))
         if held:
-            result = replace(result, tier_failures=await self.writer.hand_off(staged.binding, held))
+            stored = events.of_all(held) if events is not None else None
+            result = replace(result, tier_failures=await self.writer.hand_off(staged.binding, held, stored))
         return result
 
     def _copy_in(
         self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource,
-        hand_off: Callable[[MemoryEntry], object] | None = None,
+        hand_off: Callable[[MemoryEntry], object] | None = None, events: _StoreEvents | None = None,
     ) -> tuple[StoreResult, list[MemoryEntry], BaseException | None]:
         """Copy new chunks into memory (blocking): the result, the new entries (pinned for the lower
         tiers), and what ``source`` raised, if it did (the chunks copied before it are committed all the
-        same). With ``hand_off``, each chunk is handed on as soon as it is copied (see :meth:`Stager.fill`)."""
+        same). With ``hand_off``, each chunk is handed on as soon as it is copied (see :meth:`Stager.fill`).
+        With ``events``, the committed chunks are announced."""
         staged = self._stage(binding, hashes, total)
         filled, error = self.stager.fill(staged, partial(_copy_chunk, binding.layout, source), hand_off)
-        return (*self.stager.commit(staged, filled), error)
+        result, held = self.stager.commit(staged, filled)
+        if events is not None:
+            self.memory.announce(events.pairs(staged.entries[: result.stored_chunks]))
+        return result, held, error
 
     def _stage(self, binding: ModelBinding, hashes: list, total: int) -> StagedStore:
         """Slots for the new chunks of a prompt of ``total`` tokens (none for a quarantined namespace)."""
@@ -523,6 +563,38 @@ class CacheEngine:
 
     def _on_evict(self, entry: MemoryEntry) -> None:
         self._memory_evictions.inc()
+
+
+class _StoreEvents:
+    """The memory tier's BlockStored events of one prompt's chunks (KV events on), each built on first use.
+
+    An event needs the prompt (its chunk hashes, its token ids), which only a store or lookup has in hand;
+    a memory entry keeps neither, so this lives only as long as that call.
+    """
+
+    __slots__ = ("_binding", "_hashes", "_tokens", "_built")
+
+    def __init__(self, binding: ModelBinding, hashes: Sequence[ChunkHash], tokens: bytes | memoryview) -> None:
+        self._binding, self._hashes, self._tokens = binding, hashes, tokens  # tokens: uint32 LE bytes
+        self._built: dict[MemoryEntry, BlockStored] = {}
+
+    def of(self, entry: MemoryEntry) -> BlockStored:
+        """The event of ``entry``, a chunk of this prompt: its hash, its parent's (the chunk before), its tokens."""
+        event = self._built.get(entry)
+        if event is None:
+            start, end = entry.token_range
+            size = self._binding.chunk_size
+            i = start // size
+            event = self._built[entry] = BlockStored(
+                (self._hashes[i],), self._hashes[i - 1] if i else None, bytes(self._tokens[4 * start : 4 * end]),
+                size, MEDIUM_MEMORY, self._binding.namespace.adapter_id or None)
+        return event
+
+    def of_all(self, entries: Sequence[MemoryEntry]) -> list[BlockStored]:
+        return [self.of(entry) for entry in entries]
+
+    def pairs(self, entries: Sequence[MemoryEntry]) -> list[tuple[MemoryEntry, BlockStored]]:
+        return [(entry, self.of(entry)) for entry in entries]
 
 
 def _copy_chunk(layout: ChunkLayout, source: ChunkSource, view: ChunkView) -> bool:

@@ -8,15 +8,22 @@ it). A prepared entry is invisible to lookups until committed.
 
 Invariant: an entry with ``pins > 0`` is never evicted or freed.
 
+KV events (optional, see :mod:`kvengine.events`): the engine announces the
+chunks it stored or promoted through :meth:`MemoryTier.announce`, which marks
+them; a marked entry's removal (eviction or discard) is published as it
+happens. Both under the lock, so a chunk's removal is never published before
+its store. Without a publisher none of it runs.
+
 Concurrency: one ``threading.Lock`` guards the index, the pins, the eviction
 policy and the allocator. Every method holds it only for dictionary and
 free-list work proportional to the entries it touches, never across a copy,
-an I/O or a wait (``on_evict`` runs under it and only counts). So it may be
-taken from any thread, the event loop included, and it is: the engine's loop
-(pins for lookups, commits), its copy threads (``prepare`` / ``commit`` of
-stores), the local-disk tier's I/O threads (``prepare`` of a placed read)
-and peer-server threads (reads of resident chunks by ``EngineStore``). Tensor
-views of an entry are read or written outside the lock, by whoever holds a pin.
+an I/O or a wait (``on_evict`` runs under it and only counts; KV events are
+only queued under it, never sent). So it may be taken from any thread, the
+event loop included, and it is: the engine's loop (pins for lookups,
+commits), its copy threads (``prepare`` / ``commit`` of stores), the
+local-disk tier's I/O threads (``prepare`` of a placed read) and peer-server
+threads (reads of resident chunks by ``EngineStore``). Tensor views of an
+entry are read or written outside the lock, by whoever holds a pin.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.core.allocator import Allocation, SlabAllocator
 from kvengine.core.eviction import EvictionPolicy
+from kvengine.events import MEDIUM_MEMORY, BlockRemoved, BlockStored, KVEventPublisher
 
 
 class Prepared(enum.Enum):
@@ -52,6 +60,8 @@ class MemoryEntry:
     nbytes: int
     pins: int = 0
     committed: bool = False
+    #: Its BlockStored event was published (:meth:`MemoryTier.announce`): its removal will be too.
+    announced: bool = False
     _views: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     @property
@@ -68,12 +78,14 @@ class MemoryTier:
         policy: EvictionPolicy,
         *,
         on_evict: Callable[[MemoryEntry], None] | None = None,
+        events: KVEventPublisher | None = None,
     ) -> None:
         self._alloc = allocator
         self._policy = policy
         self._entries: dict[ChunkKey, MemoryEntry] = {}
         self._lock = threading.Lock()
         self._on_evict = on_evict
+        self._events = events
 
     # -- introspection -------------------------------------------------
     @property
@@ -169,6 +181,22 @@ class MemoryTier:
             entry.pins -= 1
             self._remove_locked(entry)
 
+    def announce(self, stored: Iterable[tuple[MemoryEntry, BlockStored]]) -> None:
+        """Publish each entry's BlockStored event if the entry is still resident and not announced yet, and
+        mark it so its removal is published too. No-op without a publisher.
+
+        Under the lock, as removals are: an entry evicted before this is not announced at all, one evicted
+        after has its removal queued after its store.
+        """
+        events = self._events
+        if events is None:
+            return
+        with self._lock:
+            for entry, event in stored:
+                if not entry.announced and entry.committed and self._entries.get(entry.key) is entry:
+                    entry.announced = True
+                    events.publish(event)
+
     # -- data access ----------------------------------------------------
     def raw(self, entry: MemoryEntry) -> torch.Tensor:
         """The entry's payload as flat uint8 (valid while pinned)."""
@@ -185,7 +213,8 @@ class MemoryTier:
         return views
 
     def close(self) -> None:
-        """Drop every entry and release the arena (pins no longer matter: the engine is closed)."""
+        """Drop every entry and release the arena (pins no longer matter: the engine is closed). No removal
+        events: the engine publishes AllBlocksCleared."""
         with self._lock:
             for entry in self._entries.values():
                 entry._views = None
@@ -223,6 +252,8 @@ class MemoryTier:
         return True
 
     def _remove_locked(self, entry: MemoryEntry) -> None:
+        if entry.announced and self._events is not None:
+            self._events.publish(BlockRemoved((entry.key.chunk_hash,), MEDIUM_MEMORY))
         del self._entries[entry.key]
         self._policy.removed(entry.key)
         entry._views = None

@@ -9,6 +9,10 @@ is encoded once per codec, in one encoder thread (at most one core, so a
 store's copies keep a core on small machines), and put to every tier of that
 codec; a tier's failure is counted, never raised. The entries handed on are
 pinned once each, and the writer unpins them when their writes end.
+
+With KV events on, each entry may come with its BlockStored event (the
+memory tier's); every tier its write reaches publishes it again, with that
+tier's medium. Entries handed on without one (keyed chunks) publish nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal, TypeVar, cast
 
@@ -29,6 +33,7 @@ from kvengine.core.buffers import BufferPool
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import InvalidRequestError
+from kvengine.events import BlockStored, KVEventPublisher, medium_of
 from kvengine.metrics import EngineMetrics
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
@@ -43,7 +48,7 @@ WriteMode = Literal["write_behind", "write_through"]
 
 class TierWriter:
     def __init__(self, memory: MemoryTier, tiers: TierSet, metrics: EngineMetrics, *, write_mode: WriteMode,
-                 max_pending: int, record_buffers: BufferPool) -> None:
+                 max_pending: int, record_buffers: BufferPool, events: KVEventPublisher | None = None) -> None:
         self.memory = memory
         self.tiers = tiers
         self.metrics = metrics
@@ -52,7 +57,8 @@ class TierWriter:
         #: Page-aligned, already-faulted record buffers, recycled (O_DIRECT writes them as is).
         self.record_buffers = record_buffers
         self._raw_codec = RawCodec()
-        self._queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry]] | None = None
+        self.events = events
+        self._queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry, BlockStored | None]] | None = None
         self._slots: asyncio.Semaphore | None = None
         self._writes: set[asyncio.Future[bool]] = set()  # write-behind tier writes in flight
         self._task: asyncio.Task[None] | None = None
@@ -78,7 +84,7 @@ class TierWriter:
                 await queue.join()
             else:
                 while not queue.empty():
-                    _, entry = queue.get_nowait()
+                    _, entry, _ = queue.get_nowait()
                     self.memory.unpin([entry])
                     self.metrics.writes_dropped.labels(reason="shutdown").inc()
                     queue.task_done()
@@ -90,23 +96,26 @@ class TierWriter:
             await asyncio.wait(list(self._writes))
         self._encoder.shutdown(wait=False)
 
-    async def hand_off(self, binding: ModelBinding, entries: list[MemoryEntry]) -> int:
-        """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode.
+    async def hand_off(self, binding: ModelBinding, entries: list[MemoryEntry],
+                       stored: Sequence[BlockStored] | None = None) -> int:
+        """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode,
+        with each one's BlockStored event when KV events are on (``stored``, in the same order).
 
         ``write_through``: returns once every write ended, with how many entries did not reach every
         tier. ``write_behind``: returns once every entry is queued (0); a full queue makes the caller
         wait for room (backpressure), so nothing acknowledged is ever dropped for lack of it.
         """
         assert self._queue is not None and self._slots is not None, "engine not started"
+        events: Sequence[BlockStored | None] = [None] * len(entries) if stored is None else stored
         if self.write_mode == "write_through":
-            written = await asyncio.gather(*(self.write_through(binding, e) for e in entries))
+            written = await asyncio.gather(*(self.write_through(binding, e, s) for e, s in zip(entries, events)))
             return written.count(False)
         for i, entry in enumerate(entries):
             if self._queue.full():
                 self.metrics.write_waits.inc()
                 self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; stores wait for them")
             try:
-                await self._queue.put((binding, entry))
+                await self._queue.put((binding, entry, events[i]))
             except BaseException:  # cancelled while waiting: these were never queued
                 self.memory.unpin(entries[i:])
                 raise
@@ -129,22 +138,23 @@ class TierWriter:
         while True:
             await slots.acquire()  # before taking an entry: a cancelled writer holds none
             try:
-                binding, entry = await queue.get()
+                binding, entry, stored = await queue.get()
             except BaseException:
                 slots.release()
                 raise
-            task = asyncio.ensure_future(self._write_entry(binding, entry))
+            task = asyncio.ensure_future(self._write_entry(binding, entry, stored))
             self._writes.add(task)
             task.add_done_callback(done)
 
-    async def write_through(self, binding: ModelBinding, entry: MemoryEntry) -> bool:
+    async def write_through(self, binding: ModelBinding, entry: MemoryEntry, stored: BlockStored | None = None) -> bool:
         assert self._slots is not None, "engine not started"
         async with self._slots:
-            return await self._write_entry(binding, entry)
+            return await self._write_entry(binding, entry, stored)
 
-    async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry) -> bool:
+    async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry, stored: BlockStored | None) -> bool:
         """Encode a pinned entry once per codec, put it to every tier of that codec; unpin. True if
-        every tier took it (a failure is counted, never raised)."""
+        every tier took it (a failure is counted, never raised). Each tier that took it publishes
+        ``stored`` with its medium (KV events on)."""
         complete = True
         try:
             for codec, tiers in self.tiers.by_codec.items():
@@ -172,6 +182,8 @@ class TierWriter:
                         model = binding.namespace.model
                         self.metrics.stored_bytes.labels(tier=transport.name, model=model).inc(record.nbytes)
                         self.metrics.stored_chunks.labels(tier=transport.name, model=model).inc()
+                        if stored is not None and self.events is not None:
+                            self.events.publish(replace(stored, medium=medium_of(transport.name)))
                         continue
                     complete = False
                     self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()

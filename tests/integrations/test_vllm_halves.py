@@ -478,14 +478,16 @@ def test_tensor_parallel_refuses_what_is_not_validated_across_ranks():
 
 def test_each_rank_gets_its_own_disk_directory_and_metrics_port(tmp_path):
     """One writer per disk directory: rank r of n uses disk.path/tp<r>-of-<n> and metrics_port + r; one rank
-    uses the options as given."""
+    uses the options as given. Only rank 0 publishes KV events (one stream per engine for a router)."""
     from kvengine.integrations.vllm.options import ConnectorOptions
 
     options = ConnectorOptions.from_extra_config({"kvengine": {"disk": {"path": str(tmp_path / "kv")},
-                                                               "metrics_port": 9400}})
+                                                               "metrics_port": 9400,
+                                                               "events": {"endpoint": "tcp://127.0.0.1:5557"}}})
     assert options.for_rank(0, 1) is options
-    rank1 = options.for_rank(1, 2).engine
+    rank0, rank1 = options.for_rank(0, 2).engine, options.for_rank(1, 2).engine
     assert rank1.disk.path == tmp_path / "kv" / "tp1-of-2" and rank1.metrics_port == 9401
+    assert (rank0.events.endpoint, rank1.events.endpoint) == ("tcp://127.0.0.1:5557", None)
 
 
 def _pins_settle(ranks, expected):

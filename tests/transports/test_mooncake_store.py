@@ -56,7 +56,7 @@ def _expected_digest(seed: int, upto: int) -> str:
     return _digest(_tokens_and_kv(seed)[1].layers, upto)
 
 
-def node_main(host: str, master: str, segment: str, secret_file: str) -> None:
+def node_main(host: str, master: str, segment: str, secret_file: str, replicas: str = "1") -> None:
     import torch
 
     from kvengine import KVEngine, Namespace
@@ -68,6 +68,7 @@ def node_main(host: str, master: str, segment: str, secret_file: str) -> None:
 
     config = make_config(capacity=1 << 20, mooncake={
         "master": master, "local_hostname": host, "segment_bytes": int(segment), "timeout": TIMEOUT,
+        "replicas": int(replicas),
         "secret_file": secret_file})
     engine = KVEngine(config)
     (tier,) = [t for t in engine.core.tiers.transports if isinstance(t, MooncakeStoreTransport)]
@@ -176,10 +177,10 @@ def test_a_bind_address_that_contradicts_the_hostname_is_refused(monkeypatch: py
 
 
 class Node(NodeProcess):
-    def __init__(self, host: str, master: str, segment: int, secret: Path) -> None:
+    def __init__(self, host: str, master: str, segment: int, secret: Path, replicas: int = 1) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_minloglevel": "2"}
         env.pop("MC_TCP_BIND_ADDRESS", None)
-        super().__init__(__file__, ["node", host, master, str(segment), str(secret)], env)
+        super().__init__(__file__, ["node", host, master, str(segment), str(secret), str(replicas)], env)
 
 
 class Cluster:
@@ -288,6 +289,38 @@ def test_a_dead_segment_holder_is_a_miss_within_the_deadline(cluster: Cluster) -
         assert got["loaded"] == 0 and got["seconds"] < TIMEOUT + 0.5
     assert cluster.b.ask(op="store", seed=10)["seconds"] < 3 * TIMEOUT  # nowhere to put it: still no wait
     assert cluster.b.ask(op="lookup", seed=10)["loaded"] == TOKENS
+
+
+def test_a_chunk_kept_in_two_replicas_is_served_again_once_the_master_drops_a_dead_segment(tmp_path: Path) -> None:
+    """Mooncake's replication, used as it is: with ``replicas: 2`` every chunk lies in two nodes' segments
+    (two holder processes lend the cluster's only memory). After one holder dies, Mooncake 0.3 still hands
+    out its replica until the master expires the node (``--client_ttl``, 10 s): those reads miss within the
+    deadline; then every chunk is served, exact, from the surviving replica."""
+    from tests.mooncake_master import Master, SegmentHolder
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    with Master() as master, SegmentHolder(master.address, host="127.0.0.4", segment_bytes=32 << 20) as first, \
+            SegmentHolder(master.address, host="127.0.0.5", segment_bytes=32 << 20):
+        a = Node("127.0.0.2", master.address, 0, secret, replicas=2)
+        b = Node("127.0.0.3", master.address, 0, secret, replicas=2)
+        try:
+            a.ready(), b.ready()
+            assert a.ask(op="store", seed=20, forget=True)["stored"] == 4
+            first.stop()
+            started = time.monotonic()
+            replies = []
+            while time.monotonic() - started < 40:
+                replies.append(b.ask(op="lookup", seed=20, forget=True))
+                if replies[-1]["loaded"] == TOKENS:
+                    break
+                time.sleep(0.5)
+            assert all(r["seconds"] < TIMEOUT + 0.5 for r in replies)
+            assert replies[-1]["loaded"] == TOKENS and replies[-1]["digest"] == _expected_digest(20, TOKENS)
+            print(f"served again {time.monotonic() - started:.1f} s after the holder died")
+        finally:
+            a.stop()
+            b.stop()
 
 
 if __name__ == "__main__" and sys.argv[1] == "node":

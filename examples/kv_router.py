@@ -1,0 +1,196 @@
+"""A KV-aware router over kvengine instances: it reads their KV events and sends a prompt where most of
+its prefix is cached.
+
+Every instance publishes its chunks entering and leaving tiers (``events`` in its configuration; vLLM's
+wire format, see docs/kv_events.md). The router subscribes to each instance's stream and keeps which
+instance holds which chunk hash, on which media. For a prompt it computes the chunk hashes each instance
+would use (``prefix_hashes`` with that instance's namespace digest and chunk size) and ranks the
+instances by the longest prefix they hold. Batches missed (ZeroMQ drops what is published before a
+subscription arrives) are fetched from the instance's replay endpoint: a gap in the sequence numbers,
+or :meth:`KVRouter.catch_up`, asks for them.
+
+Run it: ``python examples/kv_router.py`` starts two engines in this process, stores prompts in them,
+and ranks both for a few prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+from kvengine.chunks.hashing import prefix_hashes
+from kvengine.events import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, decode_batch
+
+
+@dataclass(frozen=True)
+class Instance:
+    """An inference instance as the router sees it: where its events are, and how it hashes prompts."""
+
+    name: str
+    endpoint: str  # its events endpoint (bound by the instance, connected to here)
+    digest: bytes  # its model binding's namespace digest (ModelBinding.digest), the seed of its hashes
+    chunk_size: int
+    replay_endpoint: str | None = None
+
+
+class KVRouter:
+    """An index of chunk hash -> media per instance, fed by the instances' KV events."""
+
+    def __init__(self, instances: Sequence[Instance]) -> None:
+        self.instances = {i.name: i for i in instances}
+        self._ctx = zmq.Context()
+        self._subs: dict[zmq.Socket, str] = {}
+        self._poller = zmq.Poller()
+        for instance in instances:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(instance.endpoint)
+            self._subs[sock] = instance.name
+            self._poller.register(sock, zmq.POLLIN)
+        self.held: dict[str, dict[BlockHash, set[str]]] = {i.name: {} for i in instances}
+        self._next_seq = dict.fromkeys(self.instances, 0)
+
+    # -- events ---------------------------------------------------------------------------------------
+    def poll(self, timeout: float = 0.0) -> int:
+        """Apply every message that arrives within ``timeout`` seconds of the last one; how many."""
+        applied = 0
+        while True:
+            ready = dict(self._poller.poll(int(timeout * 1000)))
+            if not ready:
+                return applied
+            for sock in ready:
+                _topic, seq, payload = sock.recv_multipart()
+                self._receive(self._subs[sock], int.from_bytes(seq, "big"), decode_batch(payload))
+                applied += 1
+
+    def catch_up(self) -> None:
+        """Fetch what each instance published that was not received (from its replay endpoint, if any)."""
+        for name in self.instances:
+            self._replay(name)
+
+    def _receive(self, name: str, seq: int, batch: EventBatch) -> None:
+        if seq < self._next_seq[name]:
+            return  # seen already (replayed)
+        if seq > self._next_seq[name]:
+            self._replay(name, until=seq)  # a gap: batches were lost on the way
+        self._apply(name, batch)
+        self._next_seq[name] = seq + 1
+
+    def _replay(self, name: str, until: int | None = None) -> None:
+        endpoint = self.instances[name].replay_endpoint
+        if endpoint is None:
+            return
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        try:
+            sock.send_multipart((b"", self._next_seq[name].to_bytes(8, "big")))
+            while sock.poll(2000):
+                _, _topic, seq_bytes, payload = sock.recv_multipart()
+                if seq_bytes == END_SEQ:
+                    break
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq == self._next_seq[name] and (until is None or seq < until):
+                    self._apply(name, decode_batch(payload))
+                    self._next_seq[name] = seq + 1
+        finally:
+            sock.close()
+
+    def _apply(self, name: str, batch: EventBatch) -> None:
+        held = self.held[name]
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                for h in event.block_hashes:
+                    held.setdefault(h, set()).add(event.medium)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    media = held.get(h)
+                    if media is not None:
+                        media.discard(event.medium)
+                        if not media:
+                            del held[h]
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+
+    # -- routing ---------------------------------------------------------------------------------------
+    def cached_tokens(self, name: str, tokens: Sequence[int]) -> int:
+        """Tokens of the longest prefix of ``tokens`` instance ``name`` holds (on any medium)."""
+        instance = self.instances[name]
+        held = self.held[name]
+        matched = 0
+        for h in prefix_hashes(tokens, instance.chunk_size, instance.digest):
+            if h not in held:
+                break
+            matched += 1
+        return matched * instance.chunk_size
+
+    def rank(self, tokens: Sequence[int]) -> list[tuple[str, int]]:
+        """Instances by cached prefix of ``tokens``, longest first (ties by name)."""
+        return sorted(((name, self.cached_tokens(name, tokens)) for name in self.instances),
+                      key=lambda item: (-item[1], item[0]))
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+
+# -- the demo -----------------------------------------------------------------------------------------
+CHUNK = 16
+
+
+def _layout() -> ChunkLayout:
+    return ChunkLayout(CHUNK, tuple(
+        TensorSpec(name=f"layer{i}", group=0, category=KVCategory.FULL_ATTENTION, dtype=torch.float32,
+                   shape=(2, 2, CHUNK, 8), token_dim=2) for i in range(2)))
+
+
+def _engine() -> KVEngine:
+    """An engine publishing its KV events on a loopback port of its own, with a replay endpoint."""
+    return KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "16MiB"},
+                     "events": {"endpoint": "tcp://127.0.0.1:0", "bind": True,
+                                "replay_endpoint": "tcp://127.0.0.1:0"}})
+
+
+def _store(engine: KVEngine, binding, tokens: list[int]) -> None:
+    kv = [torch.randn(2, 2, len(tokens), 8) for _ in range(2)]
+    engine.store(binding, tokens, lambda i, start, end: [t[:, :, start:end] for t in kv])
+
+
+def main() -> None:
+    namespace = Namespace(model="demo-model", model_fingerprint="demo-weights")
+    engines = {"instance-a": _engine(), "instance-b": _engine()}
+    try:
+        bindings = {name: engine.bind(namespace, _layout()) for name, engine in engines.items()}
+        router = KVRouter([
+            Instance(name, engine.core.events.endpoint, bindings[name].digest, CHUNK,
+                     engine.core.events.replay_endpoint)
+            for name, engine in engines.items()])
+        document = list(range(1000, 1000 + 4 * CHUNK))  # a shared document, 4 chunks
+        question = list(range(5000, 5000 + 2 * CHUNK))
+        _store(engines["instance-a"], bindings["instance-a"], document + question)  # 6 chunks
+        _store(engines["instance-b"], bindings["instance-b"], document[: 2 * CHUNK])  # 2 chunks
+        router.poll(0.5)
+        router.catch_up()  # what was published before the subscriptions arrived
+        prompts = {
+            "document + question + more": document + question[:CHUNK] + list(range(9000, 9000 + 20)),
+            "document's first half + other": document[: 2 * CHUNK] + list(range(7000, 7000 + 40)),
+            "unrelated": list(range(300, 300 + 3 * CHUNK)),
+        }
+        for label, tokens in prompts.items():
+            ranking = ", ".join(f"{name} {cached}" for name, cached in router.rank(tokens))
+            print(f"{label} ({len(tokens)} tokens): cached tokens by instance: {ranking}")
+        engines.pop("instance-a").close()  # publishes AllBlocksCleared: the router forgets its chunks
+        router.poll(0.5)
+        ranking = ", ".join(f"{name} {cached}" for name, cached in router.rank(prompts["document + question + more"]))
+        print(f"after instance-a closed: cached tokens by instance: {ranking}")
+        router.close()
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+if __name__ == "__main__":
+    main()
