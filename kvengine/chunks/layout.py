@@ -146,7 +146,13 @@ class ChunkLayout:
 
     def nbytes(self, tokens: int | None = None) -> int:
         """Payload bytes of a chunk (a full one unless ``tokens`` is given)."""
+        if tokens is None or tokens == self.chunk_size:
+            return self.full_nbytes
         return sum(self.sizes(tokens))
+
+    @cached_property
+    def full_nbytes(self) -> int:
+        return sum(self.full_sizes)
 
     @cached_property
     def full_sizes(self) -> tuple[int, ...]:

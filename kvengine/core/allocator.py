@@ -17,7 +17,6 @@ Not thread-safe: the owning tier serialises calls.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
 
 import torch
 
@@ -27,14 +26,6 @@ ALIGN = 64
 PAGE = 4096
 #: Slots at least this large are page-aligned (waste under 1/16 of a slot).
 LARGE_SLOT = 16 * PAGE
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    slab: int
-    slot: int
-    offset: int
-    nbytes: int  # slot size actually reserved (>= requested)
 
 
 class _Slab:
@@ -98,8 +89,13 @@ class SlabAllocator:
             )
         return self.slab_bytes // aligned
 
-    def allocate(self, nbytes: int) -> Allocation | None:
-        """A slot of at least ``nbytes``, or None when the arena is full for that class."""
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a slot of at least ``nbytes`` (:meth:`slot_size_at` its size), or None when the
+        arena is full for that class.
+
+        An allocation is only its offset: its slab and slot follow from it (an int per cached chunk
+        instead of an object: the index of a million chunks is smaller by about 100 MB).
+        """
         k = self._slots_per_slab(nbytes)
         partial = self._partial.setdefault(k, set())
         if partial:
@@ -116,20 +112,26 @@ class SlabAllocator:
             partial.discard(slab_id)
         size = self._slot_size(k)
         self.used_bytes += size
-        return Allocation(slab_id, slot, slab_id * self.slab_bytes + slot * size, size)
+        return slab_id * self.slab_bytes + slot * size
 
-    def free(self, alloc: Allocation) -> None:
-        slab = self._slabs[alloc.slab]
+    def slot_size_at(self, offset: int) -> int:
+        """Bytes reserved by the allocation at ``offset``."""
+        return self._slot_size(self._slabs[offset // self.slab_bytes].slots_per_slab)
+
+    def free(self, offset: int) -> None:
+        slab_id, within = divmod(offset, self.slab_bytes)
+        slab = self._slabs[slab_id]
         k = slab.slots_per_slab
-        slab.free.append(alloc.slot)
+        size = self._slot_size(k)
+        slab.free.append(within // size)
         slab.used -= 1
-        self.used_bytes -= alloc.nbytes
+        self.used_bytes -= size
         if slab.used == 0:
-            del self._slabs[alloc.slab]
-            self._partial[k].discard(alloc.slab)
-            self._free_slabs.append(alloc.slab)
+            del self._slabs[slab_id]
+            self._partial[k].discard(slab_id)
+            self._free_slabs.append(slab_id)
         else:
-            self._partial[k].add(alloc.slab)
+            self._partial[k].add(slab_id)
 
     def release(self) -> None:
         """Give the arena's memory back now (not at garbage collection); the allocator is unusable after."""
@@ -145,9 +147,9 @@ class SlabAllocator:
             arena = self._typed[dtype] = self.arena.view(dtype)
         return arena
 
-    def view(self, alloc: Allocation, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of a slot as a flat uint8 tensor."""
-        return self.arena[alloc.offset : alloc.offset + nbytes]
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the slot at ``offset`` as a flat uint8 tensor."""
+        return self.arena[offset : offset + nbytes]
 
 
 def _round_down(n: int, grain: int) -> int:

@@ -37,7 +37,7 @@ import torch
 
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.layout import ChunkLayout
-from kvengine.core.allocator import Allocation, SlabAllocator
+from kvengine.core.allocator import SlabAllocator
 from kvengine.core.eviction import EvictionPolicy
 from kvengine.events import MEDIUM_MEMORY, BlockRemoved, BlockStored, KVEventPublisher
 
@@ -55,9 +55,11 @@ class MemoryEntry:
 
     key: ChunkKey
     layout: ChunkLayout
-    token_range: tuple[int, int]
-    alloc: Allocation
-    nbytes: int
+    #: The chunk's first token position and its token count (no tuple object per entry).
+    token_start: int
+    num_tokens: int
+    #: Where its slot starts in the arena (the allocation: see :meth:`SlabAllocator.allocate`).
+    offset: int
     pins: int = 0
     committed: bool = False
     #: Its BlockStored event was published (:meth:`MemoryTier.announce`): its removal will be too.
@@ -65,8 +67,13 @@ class MemoryEntry:
     _views: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     @property
-    def num_tokens(self) -> int:
-        return self.token_range[1] - self.token_range[0]
+    def token_range(self) -> tuple[int, int]:
+        return self.token_start, self.token_start + self.num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (a partial chunk's are fewer than its slot's)."""
+        return self.layout.nbytes(self.num_tokens)
 
 
 class MemoryTier:
@@ -154,14 +161,13 @@ class MemoryTier:
         with self._lock:
             if key in self._entries:
                 return Prepared.PRESENT
-            alloc = self._alloc.allocate(full)
-            while alloc is None:
+            offset = self._alloc.allocate(full)
+            while offset is None:
                 if not self._evict_one_locked(full):
                     return Prepared.NO_ROOM
-                alloc = self._alloc.allocate(full)
-            nbytes = full if token_range[1] - token_range[0] == layout.chunk_size else layout.nbytes(
-                token_range[1] - token_range[0])
-            entry = MemoryEntry(key, layout, token_range, alloc, nbytes, pins=1)
+                offset = self._alloc.allocate(full)
+            start, end = token_range
+            entry = MemoryEntry(key, layout, start, end - start, offset, pins=1)
             self._entries[key] = entry
             return entry
 
@@ -200,7 +206,7 @@ class MemoryTier:
     # -- data access ----------------------------------------------------
     def raw(self, entry: MemoryEntry) -> torch.Tensor:
         """The entry's payload as flat uint8 (valid while pinned)."""
-        return self._alloc.view(entry.alloc, entry.nbytes)
+        return self._alloc.view(entry.offset, entry.nbytes)
 
     def tensors(self, entry: MemoryEntry) -> tuple[torch.Tensor, ...]:
         """Typed views of the entry's tensors, in layout order (valid while pinned)."""
@@ -209,7 +215,7 @@ class MemoryTier:
             # Detached: an in-place copy of a gradient-tracking tensor into a view never makes the arena
             # (and so every later view of it) track gradients.
             views = entry._views = tuple(v.detach() for v in entry.layout.views(
-                self._alloc.typed, entry.alloc.offset, entry.num_tokens))
+                self._alloc.typed, entry.offset, entry.num_tokens))
         return views
 
     def close(self) -> None:
@@ -239,7 +245,7 @@ class MemoryTier:
             entry = self._entries[key]  # type: ignore[index]
             if entry.pins or not entry.committed:
                 continue
-            if entry.alloc.nbytes == want:
+            if self._alloc.slot_size_at(entry.offset) == want:
                 fallback = entry
                 break
             if fallback is None:
@@ -257,4 +263,4 @@ class MemoryTier:
         del self._entries[entry.key]
         self._policy.removed(entry.key)
         entry._views = None
-        self._alloc.free(entry.alloc)
+        self._alloc.free(entry.offset)

@@ -18,11 +18,11 @@ def test_capacity_never_exceeded_and_slots_disjoint():
     while (x := a.allocate(5000)) is not None:
         allocs.append(x)
     assert a.used_bytes <= a.capacity_bytes
-    spans = sorted((x.offset, x.offset + x.nbytes) for x in allocs)
+    spans = sorted((x, x + a.slot_size_at(x)) for x in allocs)
     assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
     assert spans[-1][1] <= a.capacity_bytes
     assert len(allocs) == 16 * (65536 // (-(-5000 // ALIGN) * ALIGN))
-    assert all(x.offset % ALIGN == 0 for x in allocs)
+    assert all(x % ALIGN == 0 for x in allocs)
 
 
 def test_no_fragmentation_after_mixed_churn():
@@ -60,10 +60,11 @@ def test_large_slots_are_page_aligned_small_ones_stay_dense():
     a = SlabAllocator(8 << 20, 1 << 20)
     assert a.arena.data_ptr() % PAGE == 0 and a.arena.storage_offset() == 0
     large = [a.allocate(LARGE_SLOT + 1000) for _ in range(6)]
-    assert all(x is not None and (a.arena.data_ptr() + x.offset) % PAGE == 0 for x in large)
-    assert all(x.nbytes % PAGE == 0 and x.nbytes >= LARGE_SLOT + 1000 for x in large if x is not None)
+    assert all(x is not None and (a.arena.data_ptr() + x) % PAGE == 0 for x in large)
+    sizes = [a.slot_size_at(x) for x in large if x is not None]
+    assert all(n % PAGE == 0 and n >= LARGE_SLOT + 1000 for n in sizes)
     small = [a.allocate(100) for _ in range(10)]
-    assert all(x is not None and x.nbytes == 128 for x in small)
+    assert all(x is not None and a.slot_size_at(x) == 128 for x in small)
 
 
 def test_a_forked_child_cannot_write_into_the_parents_arena():
