@@ -79,6 +79,11 @@ class ChunkKey:
         if len(self.namespace) != DIGEST_BYTES or len(self.chunk_hash) != DIGEST_BYTES:
             raise InvalidRequestError("ChunkKey parts must be 16-byte digests")
 
+    def __hash__(self) -> int:
+        # The chunk hash alone: it is uniform already (and chained from the namespace), and a bytes
+        # object caches its own hash, so a key is hashed once instead of hashing a tuple at every lookup.
+        return hash(self.chunk_hash)
+
     def hex(self) -> str:
         """Filesystem- and wire-safe name, unique per key."""
         return self.namespace.hex() + self.chunk_hash.hex()

@@ -67,6 +67,8 @@ class SlabAllocator:
         self._slabs: dict[int, _Slab] = {}
         # size class (slots per slab) -> slabs of that class with a free slot
         self._partial: dict[int, set[int]] = {}
+        #: requested bytes -> (slots per slab, slot bytes) of its size class
+        self._classes: dict[int, tuple[int, int]] = {}
         self.used_bytes = 0
 
     def slot_bytes(self, nbytes: int) -> int:
@@ -96,7 +98,13 @@ class SlabAllocator:
         An allocation is only its offset: its slab and slot follow from it (an int per cached chunk
         instead of an object: the index of a million chunks is smaller by about 100 MB).
         """
-        k = self._slots_per_slab(nbytes)
+        size_class = self._classes.get(nbytes)
+        if size_class is None:  # a few sizes recur (one per layout): remember their class and slot size
+            k = self._slots_per_slab(nbytes)
+            size_class = (k, self._slot_size(k))
+            if len(self._classes) < 64:
+                self._classes[nbytes] = size_class
+        k, size = size_class
         partial = self._partial.setdefault(k, set())
         if partial:
             slab_id = next(iter(partial))
@@ -110,7 +118,6 @@ class SlabAllocator:
         slot = slab.take()
         if slab.full:
             partial.discard(slab_id)
-        size = self._slot_size(k)
         self.used_bytes += size
         return slab_id * self.slab_bytes + slot * size
 

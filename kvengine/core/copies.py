@@ -16,14 +16,19 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     layer stride), both sides are copied as one stacked view: one copy, one parallel region for the
     threads, instead of one per tensor.
     """
-    with torch.no_grad():
+    grad = torch.is_grad_enabled()
+    if grad:  # torch's own switch, not ``torch.no_grad()``: its context object costs more than the copy here
+        torch._C._set_grad_enabled(False)
+    try:
         if len(dst) == 1:
             dst[0].copy_(src[0])
-            return
-        if (stacked_dst := stacked_view(dst)) is not None and (stacked_src := stacked_view(src)) is not None:
+        elif (stacked_dst := stacked_view(dst)) is not None and (stacked_src := stacked_view(src)) is not None:
             stacked_dst.copy_(stacked_src)
         else:
             torch._foreach_copy_(list(dst), list(src))
+    finally:
+        if grad:
+            torch._C._set_grad_enabled(True)
 
 
 def stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
