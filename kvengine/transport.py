@@ -27,6 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 from kvengine.chunks.keys import ChunkKey
@@ -98,6 +99,18 @@ class TierStats(Protocol):
     evictions: int
     integrity_reasons: Mapping[str, int]
     put_failures: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierStats:
+    """The :class:`TierStats` of a tier whose chunks live elsewhere (peers, a cluster): what it counted,
+    and nothing held here."""
+
+    integrity_reasons: Mapping[str, int]
+    put_failures: Mapping[str, int]
+    chunks: int = 0
+    used_bytes: int = 0
+    evictions: int = 0
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import decode_header, seal_record, verify_seal
 from kvengine.config import MooncakeConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError
-from kvengine.transport import Buffer, read_deadline
+from kvengine.transport import Buffer, RemoteTierStats, read_deadline
 
 from .peer_buffers import BufferPool
 from .peer_client import is_loopback, read_secret
@@ -229,11 +229,11 @@ class MooncakeStoreTransport:
         """Block until the client has reached the master, at most ``timeout`` seconds; whether it has."""
         return self._connected.wait(timeout)
 
-    def stats(self) -> MooncakeStats:
+    def stats(self) -> RemoteTierStats:
         with self._lock:
             counts = dict(self.counts)
         prefix = "wrong_record_"
-        return MooncakeStats(
+        return RemoteTierStats(
             integrity_reasons={k[len(prefix):]: v for k, v in counts.items() if k.startswith(prefix)},
             put_failures={reason: counts.get(f"put_{reason}", 0) for reason in _PUT_FAILURES})
 
@@ -382,17 +382,6 @@ def _mooncake_client() -> StoreClient:
                           f"or mooncake-transfer-engine (CUDA): {exc}") from None
     client: StoreClient = MooncakeDistributedStore()
     return client
-
-
-@dataclass(frozen=True, slots=True)
-class MooncakeStats:
-    """A Mooncake tier's :class:`~kvengine.transport.TierStats` (the cluster holds the chunks: 0 here)."""
-
-    integrity_reasons: dict[str, int]
-    put_failures: dict[str, int]
-    chunks: int = 0
-    used_bytes: int = 0
-    evictions: int = 0
 
 
 def from_section(section: MooncakeConfig) -> MooncakeStoreTransport:

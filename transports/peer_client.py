@@ -43,7 +43,7 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import seal_record, unpack_record, verify_seal
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
-from kvengine.transport import Buffer, read_deadline
+from kvengine.transport import Buffer, RemoteTierStats, read_deadline
 
 from .byte_budget import ByteBudget
 from .peer_protocol import Limits, Message, Op, Status, record_matches
@@ -371,20 +371,9 @@ class PeerTransport:
     async def close(self) -> None:
         await self.connector.close()
 
-    def stats(self) -> PeerStats:
+    def stats(self) -> RemoteTierStats:
         """Records rejected (by reason: checksum, MAC, header) and puts refused, for the engine's metrics."""
         counts = dict(self.counts)
         prefix = "wrong_record_"
-        return PeerStats(integrity_reasons={k[len(prefix):]: v for k, v in counts.items() if k.startswith(prefix)},
+        return RemoteTierStats(integrity_reasons={k[len(prefix):]: v for k, v in counts.items() if k.startswith(prefix)},
                          put_failures={"refused": counts.get("puts_failed", 0)})
-
-
-@dataclass(frozen=True, slots=True)
-class PeerStats:
-    """A peer tier's :class:`~kvengine.transport.TierStats` (it holds nothing itself: 0 chunks)."""
-
-    integrity_reasons: dict[str, int]
-    put_failures: dict[str, int]
-    chunks: int = 0
-    used_bytes: int = 0
-    evictions: int = 0

@@ -14,7 +14,6 @@ This file doubles as the node program (``python test_mooncake_store.py node HOST
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.mooncake_master import Master
-from tests.transports.node_process import ROOT, NodeProcess
+from tests.transports.node_process import ROOT, NodeProcess, expected_digest, lookup_and_load, tokens_and_kv
 
 TIMEOUT = 1.0  # mooncake.timeout of the nodes
 TOKENS = 4 * 16  # four chunks of tests.conftest.CHUNK
@@ -36,28 +35,11 @@ TOKENS = 4 * 16  # four chunks of tests.conftest.CHUNK
 # ---------------------------------------------------------------------------------------------------
 # The node program (runs in a subprocess).
 # ---------------------------------------------------------------------------------------------------
-def _tokens_and_kv(seed: int) -> tuple[Any, Any]:
-    import torch
-
-    from tests.conftest import FakeKV
-
-    tokens = torch.randint(0, 32000, (TOKENS,), generator=torch.Generator().manual_seed(seed))
-    return tokens, FakeKV(TOKENS, seed=seed)
-
-
-def _digest(tensors: list[Any], upto: int) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t[:, :, :upto].contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _expected_digest(seed: int, upto: int) -> str:
-    return _digest(_tokens_and_kv(seed)[1].layers, upto)
+    return expected_digest(seed, TOKENS, upto)
 
 
 def node_main(host: str, master: str, segment: str, secret_file: str, replicas: str = "1") -> None:
-    import torch
 
     from kvengine import KVEngine, Namespace
     from kvengine.chunks.hashing import prefix_hashes
@@ -81,7 +63,7 @@ def node_main(host: str, master: str, segment: str, secret_file: str, replicas: 
     print("ready", host, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
-        tokens, kv = _tokens_and_kv(cmd.get("seed", 0))
+        tokens, kv = tokens_and_kv(cmd.get("seed", 0), TOKENS)
         t0 = time.monotonic()
         reply: dict[str, Any]
         if cmd["op"] == "exit":
@@ -94,17 +76,7 @@ def node_main(host: str, master: str, segment: str, secret_file: str, replicas: 
                     engine.core.memory.discard(key)
             reply = {"stored": stored.stored_chunks}
         elif cmd["op"] == "lookup":
-            res = engine.lookup(binding, cmd.get("request", "r"), tokens)
-            out = [torch.zeros_like(t) for t in kv.layers]
-
-            def sink(view: Any, out: list[Any] = out) -> None:
-                s, e = view.token_range
-                for dst, src in zip(out, view.tensors):
-                    dst[:, :, s:e].copy_(src)
-
-            loaded = engine.load(res, sink)
-            reply = {"matched": res.matched_tokens, "loaded": loaded.loaded_tokens,
-                     "digest": _digest(out, loaded.loaded_tokens)}
+            reply = lookup_and_load(engine, binding, cmd.get("request", "r"), tokens, kv)
             if cmd.get("forget"):
                 for key in keys_of(tokens):
                     engine.core.memory.discard(key)

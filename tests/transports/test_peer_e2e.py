@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import json
 import os
 import signal
@@ -36,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from tests.transports.node_process import ROOT, NodeProcess
+from tests.transports.node_process import ROOT, NodeProcess, expected_digest, lookup_and_load, tokens_and_kv
 
 REQUEST_TIMEOUT = 1.0
 READ_DEADLINE = 2.0
@@ -51,22 +50,6 @@ WIRES = {
 # ---------------------------------------------------------------------------------------------------
 # The programs run in subprocesses.
 # ---------------------------------------------------------------------------------------------------
-def _tokens_and_kv(seed: int, n: int) -> tuple[Any, Any]:
-    import torch
-
-    from tests.conftest import FakeKV
-
-    tokens = torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(seed))
-    return tokens, FakeKV(n, seed=seed)
-
-
-def _digest(tensors: list[Any], upto: int) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t[:, :, :upto].contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _connector(wire: str) -> Any:
     if wire == "zmq":
         from kvengine.transports.zmq_peer import ZmqConnector
@@ -97,7 +80,6 @@ def _server(wire: str, store: Any, bind: str) -> Any:
 
 def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> None:
     """A node: engine + peer transport + embedded server; one JSON command per stdin line."""
-    import torch
 
     from kvengine import KVEngine, Namespace
     from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
@@ -132,7 +114,7 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
             bindings[model] = engine.bind(Namespace(model=model), make_layout())
             store.share(bindings[model])
         binding = bindings[model]
-        tokens, kv = _tokens_and_kv(cmd["seed"], cmd["tokens"])
+        tokens, kv = tokens_and_kv(cmd["seed"], cmd["tokens"])
         t0 = time.monotonic()
         if cmd["op"] == "store":
             stored = engine.store(binding, tokens, kv.source)
@@ -144,17 +126,7 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
                 assert all(engine.core.memory.discard(k) for k in keys)
             reply: dict[str, Any] = {"stored": stored.stored_chunks}
         else:
-            res = engine.lookup(binding, cmd["request"], tokens)
-            out = [torch.zeros_like(t) for t in kv.layers]
-
-            def sink(view: Any, out: list[Any] = out) -> None:
-                s, e = view.token_range
-                for dst, src in zip(out, view.tensors):
-                    dst[:, :, s:e].copy_(src)
-
-            loaded = engine.load(res, sink)
-            reply = {"matched": res.matched_tokens, "loaded": loaded.loaded_tokens,
-                     "digest": _digest(out, loaded.loaded_tokens)}
+            reply = lookup_and_load(engine, binding, cmd["request"], tokens, kv)
         reply["seconds"] = time.monotonic() - t0
         reply["integrity_failures"] = sum(  # found by the engine, or by the peer tier before it
             s.value for m in engine.metrics.registry.collect() for s in m.samples
@@ -344,10 +316,6 @@ def cluster(request: pytest.FixtureRequest, clusters: dict[str, Cluster]) -> Clu
     if request.param not in clusters:
         pytest.skip(_ucxx_missing() or "wire not started")
     return clusters[request.param]
-
-
-def expected_digest(seed: int, n: int, upto: int) -> str:
-    return _digest(_tokens_and_kv(seed, n)[1].layers, upto)
 
 
 TOKENS = 4 * 16 + 5  # four full chunks of 16 tokens and a partial tail (not stored)
