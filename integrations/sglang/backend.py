@@ -24,15 +24,27 @@ Results are per key (True: stored / delivered). A fault inside kvengine (no
 room, corrupt record, dead disk) is a counted miss, never an exception;
 caller mistakes (key/index counts that do not match) raise.
 
-Refused at start-up with :class:`UnsupportedModelError`: hybrid models
-(Mamba, SWA, indexer or draft pools: the v2 methods), host pools other than
-plain MHA/MLA, layouts other than layer_first / page_first /
-page_first_direct, and decode context parallelism.
+Hybrid models (SGLang's v2 methods): a KV pool plus a Mamba state pool
+(``MambaPoolHost``, one state per radix node, keyed by the node's last page
+hash) and/or a sliding-window KV pool (a plain MHA host pool, keyed like the
+KV pages). Each pool has a namespace of its own (``pool=<name>``), so a
+pool's records are never served to another pool. ``batch_exists_v2``
+answers SGLang's trailing-window rule exactly, with the list of restorable
+prefix lengths: a Mamba state is only ever restored for exactly the prefix
+it was computed for.
+
+Refused at start-up with :class:`UnsupportedModelError`: any other extra
+pool (indexer, draft, DeepSeek-V4 compressed pools, ...), extra pools
+registered after the backend started serving, host pools other than plain
+MHA/MLA, layouts other than layer_first / page_first / page_first_direct,
+and decode context parallelism.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,11 +52,14 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
 )
 
+from kvengine.chunks.layout import KVCategory
+from kvengine.config import EngineConfig
 from kvengine.core.copies import copy_all
 from kvengine.errors import InvalidRequestError, UnsupportedModelError
 from kvengine.facade import KVEngine
@@ -52,16 +67,33 @@ from kvengine.keyed import SyncKeyedStore
 from kvengine.tiers import build_tiers
 from kvengine.types import ModelBinding
 
-from .options import BackendOptions, namespace_for
-from .pages import HostPages, geometry_of
+from .options import BackendOptions, namespace_for, pool_namespace
+from .pages import HostPages, MambaStates, PoolKind, geometry_of
 
 logger = logging.getLogger("kvengine.sglang")
 
 _HYBRID_REFUSAL = (
-    "the kvengine HiCache backend stores full-attention KV pages only; this model also registers a {name!r} "
-    "host pool (hybrid Mamba / sliding-window / indexer / draft state). Serve it without "
-    "--hicache-storage-backend dynamic/kvengine (or with SGLang's 'file' backend)."
+    "the kvengine HiCache backend stores full-attention KV pages, Mamba state ('mamba') and sliding-window KV "
+    "('swa') only; this model also registers a {name!r} host pool (indexer / draft / compressed state), which "
+    "it cannot serve exactly. Serve it without --hicache-storage-backend dynamic/kvengine (or with SGLang's "
+    "'file' backend)."
 )
+#: Extra host pools this backend stores (besides the KV pool).
+SUPPORTED_EXTRA_POOLS = (PoolName.MAMBA.value, PoolName.SWA.value)
+
+
+@dataclass(slots=True)
+class _ExtraPool:
+    """A hybrid model's extra host pool: its namespace and how to address its slots."""
+
+    name: str
+    host_pool: Any
+    binding: ModelBinding
+    #: ``views(host_indices, num_keys)``: per key, the regions of its host slots.
+    views: Callable[[torch.Tensor, int], list[list[torch.Tensor]]]
+    #: Whether every rank stores it (Mamba state is TP-sharded even where MLA KV has one writer).
+    every_rank_writes: bool
+    store: SyncKeyedStore | None = None
 
 
 class KVEngineHiCacheStorage(HiCacheStorage):
@@ -77,6 +109,10 @@ class KVEngineHiCacheStorage(HiCacheStorage):
         self.kv: KVEngine | None = None
         self._store: SyncKeyedStore | None = None
         self._pages: HostPages | None = None
+        self._config: EngineConfig | None = None
+        self._extra: dict[str, _ExtraPool] = {}
+        #: Set once the pool set is final (on_host_pools_registered, or the first data call).
+        self._sealed = False
         if not self.options.zero_copy:
             logger.warning("kvengine HiCache backend: 'interface_v1' is not set, so SGLang uses the copying "
                            "get/set path; add \"interface_v1\": 1 to the extra config")
@@ -92,29 +128,107 @@ class KVEngineHiCacheStorage(HiCacheStorage):
         layout = geometry.chunk_layout()
         config = self.options.engine_for(geometry.page_size)
         binding = ModelBinding.create(namespace, layout)
-        # Each rank is a process with its own engine: its disk index holds its own namespace only, so
-        # ranks (or models) sharing a directory keep their capacity accounting apart.
-        kv = KVEngine(config, transports=build_tiers(config, namespaces=[binding.digest],
-                                                      disk_options=self.options.disk_transport))
-        try:
-            kv.bind(namespace, layout)
-        except BaseException:
-            kv.close(flush=False)
-            raise
+        kv = self._start_engine(config, [binding])
         super().register_mem_pool_host(mem_pool_host)
-        self.kv, self._pages, self._store = kv, pages, SyncKeyedStore(kv, binding)
+        self.kv, self._pages, self._store, self._config = kv, pages, SyncKeyedStore(kv, binding), config
         logger.info("kvengine HiCache backend: %s, %s, rank %d/%d, %s", namespace.model, geometry.describe(),
                     namespace.rank, namespace.world_size, "writer" if self.is_writer else "reader")
 
+    def _start_engine(self, config: EngineConfig, bindings: list[ModelBinding]) -> KVEngine:
+        # Each rank is a process with its own engine: its disk index holds its own namespaces only, so
+        # ranks (or models) sharing a directory keep their capacity accounting apart.
+        kv = KVEngine(config, transports=build_tiers(config, namespaces=[b.digest for b in bindings],
+                                                      disk_options=self.options.disk_transport))
+        try:
+            for b in bindings:
+                kv.bind(b.namespace, b.layout)
+        except BaseException:
+            kv.close(flush=False)
+            raise
+        return kv
+
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        if str(host_pool_name) == PoolName.KV.value and host_pool is getattr(self, "mem_pool_host", None):
-            super().register_mem_host_pool_v2(host_pool, host_pool_name)
-            return
-        raise UnsupportedModelError(_HYBRID_REFUSAL.format(name=str(host_pool_name)))
+        """Every host pool of a hybrid model: the KV pool (already bound), Mamba and SWA pools (bound
+        here, each in a namespace of its own); any other pool is refused, naming it."""
+        name = str(host_pool_name)
+        if name == PoolName.KV.value:
+            if host_pool is getattr(self, "mem_pool_host", None):
+                super().register_mem_host_pool_v2(host_pool, host_pool_name)
+                return
+            raise UnsupportedModelError(_HYBRID_REFUSAL.format(name=name))
+        if name not in SUPPORTED_EXTRA_POOLS:
+            raise UnsupportedModelError(_HYBRID_REFUSAL.format(name=name))
+        if self.kv is None or self._store is None or self._config is None:
+            raise InvalidRequestError("the kvengine HiCache backend needs its KV pool (register_mem_pool_host) "
+                                      f"before the {name!r} pool")
+        known = self._extra.get(name)
+        if known is not None:
+            if known.host_pool is host_pool:
+                return
+            raise UnsupportedModelError(f"a second {name!r} host pool was registered with the kvengine HiCache "
+                                        "backend; it stores one pool per name")
+        if self._sealed:
+            raise UnsupportedModelError(
+                f"the {name!r} host pool was registered after the kvengine HiCache backend started serving (a "
+                "dynamic sidecar); it binds every pool's namespace at start-up, so it refuses the pool")
+        pool = self._mamba_pool(host_pool) if name == PoolName.MAMBA.value else self._swa_pool(host_pool)
+        # The engine's disk index is restricted to its namespaces, fixed when it starts: restart it with
+        # the new pool's. Nothing has been stored yet (the pool set is not sealed).
+        bindings = [self._store.binding, *(p.binding for p in self._extra.values()), pool.binding]
+        old, self.kv, self._store = self.kv, None, None
+        for p in self._extra.values():
+            p.store = None
+        old.close()
+        kv = self._start_engine(self._config, bindings)
+        self.kv, self._store = kv, SyncKeyedStore(kv, bindings[0])
+        self._extra[name] = pool
+        for p in self._extra.values():
+            p.store = SyncKeyedStore(kv, p.binding)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        logger.info("kvengine HiCache backend: %s pool bound (%s)", name, pool.binding.namespace.kv_spec_fingerprint)
+
+    def on_host_pools_registered(self) -> None:
+        """The pool set is final: a pool registered later is refused."""
+        self._sealed = True
+
+    def _kv_namespace_fingerprint(self) -> str:
+        assert self._store is not None
+        return self._store.binding.namespace.model_fingerprint
+
+    def _mamba_pool(self, host_pool: Any) -> _ExtraPool:
+        assert self._config is not None
+        states = MambaStates(host_pool)
+        namespace = pool_namespace(self.storage_config, self.options, pool=PoolName.MAMBA.value,
+                                   spec=states.geometry.describe(), layout_id="sglang-hicache/mamba-state",
+                                   model_fingerprint=self._kv_namespace_fingerprint())
+        binding = ModelBinding.create(namespace, states.geometry.chunk_layout(self._config.chunk_size))
+        return _ExtraPool(PoolName.MAMBA.value, host_pool, binding, states.page_views, every_rank_writes=True)
+
+    def _swa_pool(self, host_pool: Any) -> _ExtraPool:
+        assert self._pages is not None
+        if self.storage_config.is_mla_model:
+            raise UnsupportedModelError("a sliding-window ('swa') host pool on an MLA model is not supported by the "
+                                        "kvengine HiCache backend (which ranks hold which SWA heads is unknown)")
+        geometry = geometry_of(host_pool)
+        if geometry.kind is not PoolKind.MHA:
+            raise UnsupportedModelError(f"the kvengine HiCache backend stores sliding-window KV from "
+                                        f"MHATokenToKVPoolHost only; this model's 'swa' pool is {type(host_pool).__name__}")
+        if geometry.page_size != self._pages.geometry.page_size:
+            raise UnsupportedModelError(f"the 'swa' host pool's page size {geometry.page_size} differs from the KV "
+                                        f"pool's {self._pages.geometry.page_size}; the kvengine HiCache backend "
+                                        "stores one page per key in both")
+        pages = HostPages(host_pool, geometry)
+        namespace = pool_namespace(self.storage_config, self.options, pool=PoolName.SWA.value,
+                                   spec=geometry.describe(), layout_id=f"sglang-hicache/{geometry.host_layout}",
+                                   model_fingerprint=self._kv_namespace_fingerprint())
+        binding = ModelBinding.create(namespace, geometry.chunk_layout(KVCategory.SLIDING_WINDOW))
+        return _ExtraPool(PoolName.SWA.value, host_pool, binding, pages.page_views, every_rank_writes=False)
 
     def close(self) -> None:
         """Flush pending disk writes and stop the engine (SGLang calls this on detach). Idempotent."""
         kv, self.kv, self._store, self._pages = self.kv, None, None, None
+        for pool in self._extra.values():
+            pool.store = None
         if kv is not None:
             kv.close()
 
@@ -125,6 +239,7 @@ class KVEngineHiCacheStorage(HiCacheStorage):
     def _keyed(self) -> SyncKeyedStore:
         if self._store is None:
             raise InvalidRequestError("the kvengine HiCache backend has no host pool yet (register_mem_pool_host)")
+        self._sealed = True  # serving has begun: the pool set (and so the engine's namespaces) is final
         return self._store
 
     # -- zero-copy (v1) ------------------------------------------------------------------
@@ -201,18 +316,96 @@ class KVEngineHiCacheStorage(HiCacheStorage):
         regions = [geometry.legacy_regions(v.contiguous()) for v in values]
         return all(o.ok for o in store.put(_key_bytes(keys), regions.__getitem__))
 
-    # -- hybrid models (v2): refused ------------------------------------------------------------
+    # -- hybrid models (v2) ------------------------------------------------------------------
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
-        raise UnsupportedModelError(_HYBRID_REFUSAL.format(name=_first_pool(pool_transfers)))
+        """The usable prefix of ``keys`` over the KV pool and every pool of ``pool_transfers``.
+
+        ``restorable_prefix_pages`` lists every prefix length P (pages of ``keys``) that can be
+        restored: all KV pages ``keys[:P]`` are stored and, for each extra pool, the pages its hit
+        policy needs. TRAILING_PAGES (Mamba, SWA) with a window of n keys (the transfer's key count;
+        its keys are placeholders) needs ``keys[max(0, P-n):P]`` in that pool: a Mamba state (n = 1)
+        is stored under the last page hash of exactly the prefix it belongs to, so P is restorable
+        only where a state of exactly that prefix is stored. Every stored record counted is read and
+        verified first (as in :meth:`batch_exists`).
+        """
+        self._sealed = True
+        transfers = [t for t in pool_transfers or [] if str(t.name) != PoolName.KV.value]
+        pools = [self._extra_pool(t) for t in transfers]
+        kv_pages = self.batch_exists(keys)
+        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer, pool in zip(transfers, pools):
+            if not restorable:
+                break
+            found = self._extra_store(pool).exists(_key_bytes(keys[:kv_pages]), verify=True)
+            if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys or ()))
+                ok = {p for p in range(1, kv_pages + 1) if all(found[max(0, p - window):p])}
+            elif transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                ok = set(range(1, next((i for i, hit in enumerate(found) if not hit), kv_pages) + 1))
+            else:  # a hit policy these pools never use: nothing of it is promised
+                logger.error("kvengine HiCache backend: hit policy %s for the %r pool is not supported; "
+                             "answered as a miss", transfer.hit_policy, pool.name)
+                ok = set()
+            if ok:
+                hits[transfer.name] = max(ok)
+            restorable = [p for p in restorable if p in ok]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        raise UnsupportedModelError(_HYBRID_REFUSAL.format(name=_first_pool(transfers)))
+        """Copy each transfer's stored records into its pool's host slots; per pool, per key."""
+        self._sealed = True
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == PoolName.KV.value:
+                results[transfer.name] = self.batch_get_v1(keys, _indices(transfer))
+                continue
+            pool = self._extra_pool(transfer)
+            indices = _indices(transfer)
+            views = pool.views(indices, len(keys)) if keys else []
+
+            def sink(i: int, tensors: tuple[torch.Tensor, ...], views: list[list[torch.Tensor]] = views) -> None:
+                copy_all(views[i], tensors)
+
+            results[transfer.name] = [o.ok for o in self._extra_store(pool).get(_key_bytes(keys), sink)] \
+                if keys else []
+        return results
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        raise UnsupportedModelError(_HYBRID_REFUSAL.format(name=_first_pool(transfers)))
+        """Store each transfer's host slots under its keys, in its pool's namespace; per pool, per key."""
+        self._sealed = True
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if str(transfer.name) == PoolName.KV.value:
+                results[transfer.name] = self.batch_set_v1(keys, _indices(transfer))
+                continue
+            pool = self._extra_pool(transfer)
+            indices = _indices(transfer)
+            views = pool.views(indices, len(keys)) if keys else []
+            if not keys or not (pool.every_rank_writes or self.is_writer):
+                results[transfer.name] = [True] * len(keys)
+                continue
+            results[transfer.name] = [o.ok for o in self._extra_store(pool).put(_key_bytes(keys), views.__getitem__)]
+        return results
+
+    def _extra_pool(self, transfer: PoolTransfer) -> _ExtraPool:
+        pool = self._extra.get(str(transfer.name))
+        if pool is None:
+            raise UnsupportedModelError(_HYBRID_REFUSAL.format(name=str(transfer.name)) if str(transfer.name)
+                                        not in SUPPORTED_EXTRA_POOLS else
+                                        f"the {str(transfer.name)!r} host pool was never registered with the "
+                                        "kvengine HiCache backend (register_mem_host_pool_v2)")
+        return pool
+
+    def _extra_store(self, pool: _ExtraPool) -> SyncKeyedStore:
+        if pool.store is None:
+            raise InvalidRequestError("the kvengine HiCache backend is closed")
+        return pool.store
 
     # -- misc -----------------------------------------------------------------------------
     def clear(self) -> None:
@@ -230,9 +423,12 @@ def _key_bytes(keys: list[str]) -> list[bytes]:
         raise InvalidRequestError("SGLang page keys must be strings") from None
 
 
-def _first_pool(transfers: list[PoolTransfer] | None) -> str:
-    names = [str(t.name) for t in transfers or [] if str(t.name) != PoolName.KV.value]
-    return names[0] if names else "hybrid"
+def _indices(transfer: PoolTransfer) -> torch.Tensor:
+    if transfer.host_indices is None:
+        if transfer.keys:
+            raise InvalidRequestError(f"the {str(transfer.name)!r} transfer has keys but no host indices")
+        return torch.empty(0, dtype=torch.int64)
+    return transfer.host_indices
 
 
 __all__ = ["KVEngineHiCacheStorage"]

@@ -98,21 +98,43 @@ def namespace_for(storage_config: Any, geometry: PageGeometry, options: BackendO
     in it too (``layout_id`` and the chunk layout), so a page is only ever
     read as the bytes it was written as.
     """
+    replicated = geometry.kind is PoolKind.MLA or bool(storage_config.is_mla_model)
+    return _namespace(storage_config, options, spec=geometry.describe(),
+                      layout_id=f"sglang-hicache/{geometry.host_layout}", replicated=replicated)
+
+
+def pool_namespace(storage_config: Any, options: BackendOptions, *, pool: str, spec: str, layout_id: str,
+                   model_fingerprint: str) -> Namespace:
+    """Where a hybrid model's extra host pool (``pool``: "mamba", "swa") keeps its records.
+
+    Like the KV pool's namespace plus ``pool=<name>``, so one pool's records are
+    never served to another pool (nor to the KV pool), whatever the key. Extra
+    pools are always split by TP rank: Mamba state and sliding-window KV are
+    sharded over heads even where a model's MLA KV is replicated. ``model_fingerprint``
+    is the KV pool's (the weights are hashed once).
+    """
+    return _namespace(storage_config, options, spec=spec, layout_id=layout_id, replicated=False,
+                      pool=pool, model_fingerprint=model_fingerprint)
+
+
+def _namespace(storage_config: Any, options: BackendOptions, *, spec: str, layout_id: str, replicated: bool,
+               pool: str | None = None, model_fingerprint: str | None = None) -> Namespace:
     model = options.model or storage_config.model_name
     if not model:
         raise ConfigError("SGLang passed no model name to the kvengine HiCache backend; set 'model' in "
                           "--hicache-storage-backend-extra-config")
-    replicated = geometry.kind is PoolKind.MLA or bool(storage_config.is_mla_model)
     if getattr(storage_config, "should_split_heads", False) or getattr(storage_config, "tp_lcm_size", None):
         raise ConfigError("tp_lcm_size (heterogeneous TP head splitting) is not supported by the kvengine "
                           "HiCache backend")
-    extra = (f"pp={storage_config.pp_rank}/{storage_config.pp_size}",
-             f"attn_cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
+    extra: tuple[str, ...] = (f"pp={storage_config.pp_rank}/{storage_config.pp_size}",
+                              f"attn_cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
+    if pool is not None:
+        extra = (*extra, f"pool={pool}")
     namespace = Namespace(
         model=model,
-        model_fingerprint=model_identity(model, explicit=options.model_fingerprint or None),
-        kv_spec_fingerprint=geometry.describe(),
-        layout_id=f"sglang-hicache/{geometry.host_layout}",
+        model_fingerprint=model_fingerprint or model_identity(model, explicit=options.model_fingerprint or None),
+        kv_spec_fingerprint=spec,
+        layout_id=layout_id,
         rank=0 if replicated else int(storage_config.tp_rank),
         world_size=1 if replicated else int(storage_config.tp_size),
         extra_keys=extra,

@@ -96,9 +96,10 @@ class PageGeometry:
             return (page, layers, heads, dim), 0
         return (layers, page, heads, dim), 1
 
-    def chunk_layout(self) -> ChunkLayout:
+    def chunk_layout(self, category: KVCategory | None = None) -> ChunkLayout:
         shape, token_dim = self.region_shape()
-        category = KVCategory.FULL_ATTENTION if self.kind is PoolKind.MHA else KVCategory.MLA_LATENT
+        if category is None:
+            category = KVCategory.FULL_ATTENTION if self.kind is PoolKind.MHA else KVCategory.MLA_LATENT
         return ChunkLayout(self.page_size, tuple(
             TensorSpec(name=name, group=0, category=category, dtype=self.dtype, shape=shape, token_dim=token_dim)
             for name in self.region_names()
@@ -228,3 +229,87 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= d
     return tuple(reversed(strides))
+
+
+# -- hybrid models: Mamba state slots ------------------------------------------------------------------
+MAMBA_POOL = "MambaPoolHost"
+MAMBA_LAYOUTS = ("page_first", "page_first_direct")
+
+
+@dataclass(frozen=True, slots=True)
+class MambaGeometry:
+    """What one Mamba state slot of a ``MambaPoolHost`` holds: the regions of one radix node's state.
+
+    In both page-first layouts a slot is ``temporal[slot]`` (layers, 1, *temporal shape) and
+    ``conv_i[slot]`` (layers, 1, *conv_i shape), contiguous: the same bytes either way.
+    """
+
+    #: (name, dtype, shape) of each non-empty region, in the order they are stored.
+    regions: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+
+    def describe(self) -> str:
+        parts = ",".join(f"{name}={str(dtype).removeprefix('torch.')}{list(shape)}"
+                         for name, dtype, shape in self.regions)
+        return f"sglang-mamba-state:{parts}"
+
+    def chunk_layout(self, chunk_size: int) -> ChunkLayout:
+        """One state as a keyed chunk: no token dimension (a snapshot at the node's end)."""
+        return ChunkLayout(chunk_size, tuple(
+            TensorSpec(name=name, group=0, category=KVCategory.LINEAR_STATE, dtype=dtype, shape=shape,
+                       token_dim=None)
+            for name, dtype, shape in self.regions
+        ))
+
+
+class MambaStates:
+    """Typed views of state slots of a ``MambaPoolHost``; refuses any pool it cannot copy exactly."""
+
+    page_size = 1
+
+    def __init__(self, pool: Any) -> None:
+        name = type(pool).__name__
+        if name != MAMBA_POOL:
+            raise UnsupportedModelError(f"the kvengine HiCache backend stores Mamba state from {MAMBA_POOL} only; "
+                                        f"this model's 'mamba' pool is {name}")
+        if getattr(pool, "layout", None) not in MAMBA_LAYOUTS or int(getattr(pool, "page_size", 0)) != 1:
+            raise UnsupportedModelError(f"{name} with layout {getattr(pool, 'layout', None)!r} (page size "
+                                        f"{getattr(pool, 'page_size', None)}) is not supported by the kvengine "
+                                        f"HiCache backend; it needs one of {', '.join(MAMBA_LAYOUTS)}")
+        if getattr(pool, "slot_state_buffers", ()) or getattr(pool, "slot_state_device_tensors", ()):
+            raise UnsupportedModelError(f"{name} carries registered per-slot side states besides its conv/temporal "
+                                        "state; the kvengine HiCache backend does not store them, so it refuses "
+                                        "the pool rather than restore a partial state")
+        buffers = [("temporal", pool.temporal_buffer)] + [(f"conv.{i}", b) for i, b in enumerate(pool.conv_buffer)]
+        size = int(pool.size)
+        regions, self._buffers = [], []
+        for region, buffer in buffers:
+            if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu" or not buffer.is_contiguous() \
+                    or buffer.dim() < 2 or buffer.shape[0] != size:
+                raise UnsupportedModelError(f"{name}: {region} is not a contiguous host buffer of {size} slots")
+            if buffer.numel() == 0:  # conv-only models have an empty temporal state
+                continue
+            regions.append((region, buffer.dtype, tuple(int(d) for d in buffer.shape[1:])))
+            self._buffers.append(buffer)
+        if not regions:
+            raise UnsupportedModelError(f"{name} has no state to store")
+        # Records hold regions back to back; each must start at a multiple of its item size.
+        order = sorted(range(len(regions)), key=lambda i: -regions[i][1].itemsize)
+        self._buffers = [self._buffers[i] for i in order]
+        try:
+            self.geometry = MambaGeometry(tuple(regions[i] for i in order))
+            self.geometry.chunk_layout(1)
+        except InvalidRequestError as exc:
+            raise UnsupportedModelError(f"{name}: its state cannot be stored by the kvengine HiCache backend "
+                                        f"({exc})") from None
+        self.pool = pool
+        self._size = size
+
+    def page_views(self, host_indices: torch.Tensor, num_keys: int) -> list[list[torch.Tensor]]:
+        """For each of ``num_keys`` state slots of ``host_indices`` (one slot per key), its regions' views."""
+        if host_indices.numel() != num_keys:
+            raise InvalidRequestError(f"{num_keys} Mamba state keys need {num_keys} host slots, "
+                                      f"got {host_indices.numel()}")
+        slots = [int(i) for i in host_indices.reshape(-1).tolist()]
+        if any(not 0 <= s < self._size for s in slots):
+            raise InvalidRequestError(f"Mamba host slot outside the pool's {self._size} slots: {slots}")
+        return [[buffer[s] for buffer in self._buffers] for s in slots]

@@ -93,13 +93,14 @@ def install_shims() -> None:
         if importlib.util.find_spec("torchvision") is None:
             sys.meta_path.insert(0, _StubFinder())
         import sglang.srt.mem_cache.pool_host.base as pool_base
+        import sglang.srt.mem_cache.pool_host.mamba as pool_mamba
         import sglang.srt.mem_cache.pool_host.mha as pool_mha
         import sglang.srt.mem_cache.pool_host.mla as pool_mla
 
         def budget(requested_bytes: int = 0, *, auto_size: bool = False) -> int:
             return HOST_BUDGET_BYTES
 
-        for module in (pool_base, pool_mha, pool_mla):
+        for module in (pool_base, pool_mamba, pool_mha, pool_mla):
             if hasattr(module, "host_memory_budget_bytes"):
                 module.host_memory_budget_bytes = budget  # type: ignore[attr-defined]
         _installed = True
@@ -148,6 +149,25 @@ def make_mla_host_pool(layout: str, *, layers: int = 2, lora_rank: int = 16, rop
                                 device_capacity_tokens=device.size, start_layer=0, end_layer=layers,
                                 target_layer_num=layers)
     return device, host
+
+
+def make_mamba_host_pool(layout: str = "page_first", *, layers: int = 2, slots: int = 8,
+                         temporal_shape: tuple = (4, 6), conv_shapes: tuple = ((3, 10),), temporal_dtype=None,
+                         conv_dtype=None):
+    """A CPU ``MambaPoolHost`` (one state slot per radix node) over a CPU ``MambaStateBufferInfo``.
+
+    No CUDA or Triton is involved: the host pool's storage path only reads its own
+    temporal / conv host buffers.
+    """
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, *temporal_shape, dtype=temporal_dtype or torch.float32),
+        conv=tuple(torch.zeros(layers, slots, *shape, dtype=conv_dtype or torch.bfloat16) for shape in conv_shapes),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
 
 
 def storage_config(*, tp_rank: int = 0, tp_size: int = 1, is_mla: bool = False, layout: str = "page_first",

@@ -23,7 +23,7 @@ from tests.integrations import sglang_env
 sglang_env.require_sglang()
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from kvengine.errors import ConfigError, UnsupportedModelError
@@ -181,30 +181,255 @@ def test_unknown_layout_is_refused_through_the_controller() -> None:
         sglang_env.make_controller(device, host, backend="dynamic", extra_config=extra_config())
 
 
-def test_hybrid_pools_are_refused() -> None:
-    """Hybrid models (Mamba / SWA / indexer / draft pools) are refused, by pool name, at registration."""
+def test_unsupported_hybrid_pools_are_refused() -> None:
+    """Extra pools the backend cannot serve exactly (indexer, draft, compressed state) are refused, by pool name,
+    at registration; so is a v2 call naming a pool that was never registered."""
     _, host = sglang_env.make_mha_pools("page_first")
+    _, other = sglang_env.make_mha_pools("page_first")
     backend = make_backend(host)
     try:
         backend.register_mem_host_pool_v2(host, PoolName.KV)  # the KV anchor itself is fine
-        with pytest.raises(UnsupportedModelError, match="'mamba' host pool"):
+        for name in (PoolName.INDEXER, PoolName.DRAFT, PoolName.AUXILIARY_SWA, PoolName.DEEPSEEK_V4_C4):
+            with pytest.raises(UnsupportedModelError, match=f"'{name.value}' host pool"):
+                backend.register_mem_host_pool_v2(other, name)
+        with pytest.raises(UnsupportedModelError, match="'kv' host pool"):
+            backend.register_mem_host_pool_v2(other, PoolName.KV)  # a KV pool that is not the anchor
+        with pytest.raises(UnsupportedModelError, match="'mamba' pool is object"):
             backend.register_mem_host_pool_v2(object(), PoolName.MAMBA)
-        with pytest.raises(UnsupportedModelError, match="'swa' host pool"):
+        with pytest.raises(UnsupportedModelError, match="'swa' host pool was never registered"):
             backend.batch_exists_v2(["a" * 64], [PoolTransfer(name=PoolName.SWA, keys=["a" * 64])])
-        with pytest.raises(UnsupportedModelError):
-            backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=["a" * 64])])
+        with pytest.raises(UnsupportedModelError, match="'indexer' host pool"):
+            backend.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=["a" * 64])])
     finally:
         backend.close()
 
 
-def test_hybrid_model_is_refused_through_the_controller() -> None:
-    """Scenario: a hybrid model (here a KV pool plus a sliding-window sidecar pool) attaching the backend
-    through HybridCacheController fails at start-up, naming the pool."""
+def test_hybrid_pools_are_refused_when_they_cannot_be_served_exactly() -> None:
+    """An SWA pool whose page size differs from the KV pool's, an SWA pool on an MLA model, a Mamba pool in
+    a layout SGLang's Mamba pool does not address per slot, and any pool registered after start-up: refused."""
+    _, host = sglang_env.make_mha_pools("page_first")
+    _, small_pages = sglang_env.make_mha_pools("page_first", sglang_env.PoolGeometry(page=8))
+    backend = make_backend(host)
+    try:
+        with pytest.raises(UnsupportedModelError, match="page size 8 differs"):
+            backend.register_mem_host_pool_v2(small_pages, PoolName.SWA)
+        mamba = sglang_env.make_mamba_host_pool()
+        mamba.layout = "layer_first"  # as SGLang's NPU/legacy paths would hand it
+        with pytest.raises(UnsupportedModelError, match="layout 'layer_first'"):
+            backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        backend.on_host_pools_registered()
+        with pytest.raises(UnsupportedModelError, match="after the kvengine HiCache backend started serving"):
+            backend.register_mem_host_pool_v2(sglang_env.make_mamba_host_pool(), PoolName.MAMBA)
+    finally:
+        backend.close()
+    _, mla_host = sglang_env.make_mla_host_pool("page_first")
+    mla = make_backend(mla_host, is_mla=True)
+    try:
+        with pytest.raises(UnsupportedModelError, match="MLA model"):
+            mla.register_mem_host_pool_v2(sglang_env.make_mha_pools("page_first")[1], PoolName.SWA)
+    finally:
+        mla.close()
+
+
+def test_hybrid_model_attaches_through_the_controller() -> None:
+    """Scenario: HybridCacheController attaches the backend for a KV + sliding-window model (all pools
+    registered, then on_host_pools_registered); a model with an indexer sidecar fails at start-up, naming it."""
     device, host = sglang_env.make_mha_pools("page_first")
     swa_device, swa_host = sglang_env.make_mha_pools("page_first")
-    with pytest.raises(UnsupportedModelError, match="'swa' host pool"):
+    controller = sglang_env.make_controller(device, host, backend="dynamic", hybrid=True,
+                                            extra_config=extra_config(kvengine_config={"memory": {
+                                                "capacity_bytes": "16MiB"}}),
+                                            extra_pools={PoolName.SWA: (swa_device, swa_host)})
+    try:
+        backend = controller.storage_backend
+        assert isinstance(backend, KVEngineHiCacheStorage)
+        assert set(backend.registered_pools) == {PoolName.KV, PoolName.SWA} and backend._sealed
+    finally:
+        controller.detach_storage_backend()
+    device, host = sglang_env.make_mha_pools("page_first")
+    idx_device, idx_host = sglang_env.make_mha_pools("page_first")
+    with pytest.raises(UnsupportedModelError, match="'indexer' host pool"):
         sglang_env.make_controller(device, host, backend="dynamic", hybrid=True, extra_config=extra_config(),
-                                   extra_pools={PoolName.SWA: (swa_device, swa_host)})
+                                   extra_pools={PoolName.INDEXER: (idx_device, idx_host)})
+
+
+# -- hybrid models: Mamba state and sliding-window KV (v2) -----------------------------------------
+def trailing(name: PoolName, n: int = 1) -> PoolTransfer:
+    """A prefetch query's transfer for a trailing-window pool: placeholder keys, only their count counts."""
+    return PoolTransfer(name=name, keys=["__placeholder__"] * n, hit_policy=PoolHitPolicy.TRAILING_PAGES)
+
+
+def state_at(pool, slot: int) -> list[torch.Tensor]:
+    return [pool.temporal_buffer[slot].clone(), *(c[slot].clone() for c in pool.conv_buffer)]
+
+
+def fill_mamba(pool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for buffer in (pool.temporal_buffer, *pool.conv_buffer):
+        buffer.copy_(torch.randn(buffer.shape, generator=g))
+
+
+def make_hybrid_backend(host, tmp_path: Path | None, extra: dict) -> KVEngineHiCacheStorage:
+    """A backend registered the way HybridCacheController does: anchor, then every pool, then the end mark."""
+    backend = make_backend(host, tmp_path)
+    backend.register_mem_host_pool_v2(host, PoolName.KV)
+    for name, pool in extra.items():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend
+
+
+MAMBA_WRITER = textwrap.dedent("""
+    import json, sys, torch
+    from tests.integrations import sglang_env
+    sglang_env.install_shims()
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from kvengine.integrations.sglang import extra_config
+    from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
+    args = json.loads(sys.argv[1])
+    keys, page = args["keys"], 16
+    _, host = sglang_env.make_mha_pools("page_first")
+    mamba = sglang_env.make_mamba_host_pool()
+    g = torch.Generator().manual_seed(21)
+    for buffer in (host.kv_buffer, mamba.temporal_buffer, *mamba.conv_buffer):
+        buffer.copy_(torch.randn(buffer.shape, generator=g))
+    config = sglang_env.storage_config(extra=extra_config(kvengine_config={
+        "memory": {"capacity_bytes": "16MiB"}, "disk": {"path": args["disk"], "fsync": "data"}},
+        model_fingerprint="tiny-test-weights"))
+    backend = KVEngineHiCacheStorage(config, {})
+    backend.register_mem_pool_host(host)
+    backend.register_mem_host_pool_v2(host, PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    backend.on_host_pools_registered()
+    # Two radix nodes end at pages 2 and 4: each backs up its state (batch_set_v2, keyed by the node's last
+    # page hash) before its KV pages (batch_set_v1). Page 5 belongs to a node whose state was not stored.
+    states = {}
+    for prefix, slot in ((2, 3), (4, 6)):
+        t = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=[keys[prefix - 1]],
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        assert backend.batch_set_v2([t]) == {PoolName.MAMBA: [True]}
+        states[prefix] = [mamba.temporal_buffer[slot].clone(), *(c[slot].clone() for c in mamba.conv_buffer)]
+    assert backend.batch_set_v1(keys, torch.arange(0, len(keys) * page)) == [True] * len(keys)
+    backend.close()
+    torch.save({"kv": [host.get_data_page(i * page).clone() for i in range(len(keys))], "states": states},
+               args["expected"])
+""")
+
+
+def test_mamba_state_and_kv_are_restored_exactly_in_another_process(tmp_path: Path) -> None:
+    """Scenario (hybrid KV + Mamba): one process stores 5 KV pages and the Mamba states of the prefixes of 2
+    and 4 pages and exits; a fresh process finds, through the disk tier, exactly the prefixes with a state
+    (restorable_prefix_pages), never a shorter or longer one, and restores KV and state bit-exact."""
+    _, keys = page_keys(5, seed=21)
+    args = {"disk": str(tmp_path / "disk"), "keys": keys, "expected": str(tmp_path / "exp.pt")}
+    proc = subprocess.run([sys.executable, "-c", MAMBA_WRITER, json.dumps(args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = torch.load(tmp_path / "exp.pt")
+    _, host = sglang_env.make_mha_pools("page_first")
+    mamba = sglang_env.make_mamba_host_pool()
+    backend = make_hybrid_backend(host, tmp_path, {PoolName.MAMBA: mamba})
+    try:
+        result = backend.batch_exists_v2(keys, [trailing(PoolName.MAMBA)])
+        assert result.restorable_prefix_pages == [2, 4]
+        assert result.kv_hit_pages == 4
+        assert result.extra_pool_hit_pages == {PoolName.KV: 5, PoolName.MAMBA: 4}
+        # Shorter queries: a state is only good for exactly its own prefix.
+        assert backend.batch_exists_v2(keys[:3], [trailing(PoolName.MAMBA)]).restorable_prefix_pages == [2]
+        assert backend.batch_exists_v2(keys[:1], [trailing(PoolName.MAMBA)]).restorable_prefix_pages == []
+        assert backend.batch_exists_v2(keys[:1], [trailing(PoolName.MAMBA)]).kv_hit_pages == 0
+        # A longer prefix whose last pages are not stored: the usable part stops at the stored KV.
+        longer = backend.batch_exists_v2([*keys, *page_keys(1, seed=77)[1]], [trailing(PoolName.MAMBA)])
+        assert (longer.kv_hit_pages, longer.restorable_prefix_pages) == (4, [2, 4])
+
+        # Load what the controller loads for a hit of 4 pages: KV pages 0..3, the state keyed by page 4's hash.
+        dst = torch.arange(8 * PAGE, 12 * PAGE)
+        assert backend.batch_get_v1(keys[:4], dst) == [True] * 4
+        for got, want in zip(pages_at(host, dst), expected["kv"]):
+            assert torch.equal(got, want)
+        get = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5]), keys=[keys[3]],
+                           hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        assert backend.batch_get_v2([get]) == {PoolName.MAMBA: [True]}
+        for got, want in zip(state_at(mamba, 5), expected["states"][4]):
+            assert torch.equal(got, want)
+        # Prefixes 3 and 5 have no state of their own: nothing is delivered for them.
+        for prefix in (3, 5):
+            miss = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=[keys[prefix - 1]])
+            assert backend.batch_get_v2([miss]) == {PoolName.MAMBA: [False]}
+        assert backend.kv.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") > 0
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mamba_state_round_trip_in_each_layout(layout: str) -> None:
+    """Both page-first Mamba host layouts, float32 temporal + bf16 conv state (two conv buffers), bit-exact;
+    a Mamba record is never served to the KV pool under the same key."""
+    _, host = sglang_env.make_mha_pools("page_first")
+    mamba = sglang_env.make_mamba_host_pool(layout, conv_shapes=((3, 10), (5,)))
+    fill_mamba(mamba, seed=30)
+    backend = make_hybrid_backend(host, None, {PoolName.MAMBA: mamba})
+    try:
+        key = "m" * 64
+        want = state_at(mamba, 2)
+        put = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=[key])
+        assert backend.batch_set_v2([put]) == {PoolName.MAMBA: [True]}
+        assert backend.batch_exists([key]) == 0  # the KV pool never sees the Mamba record
+        assert backend.batch_get_v1([key], torch.arange(0, PAGE)) == [False]
+        get = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([7]), keys=[key])
+        assert backend.batch_get_v2([get]) == {PoolName.MAMBA: [True]}
+        for got, expect in zip(state_at(mamba, 7), want):
+            assert torch.equal(got, expect)
+    finally:
+        backend.close()
+
+
+def test_sliding_window_pages_follow_the_trailing_window(tmp_path: Path) -> None:
+    """Scenario (hybrid KV + SWA, with a Mamba pool too): a node's SWA pages are stored under the same page
+    hashes as its KV pages, in a namespace of their own. A prefix is restorable only where the trailing window
+    of SWA pages is stored; pages come back bit-exact after a restart; records of one pool never reach
+    another."""
+    _, host = sglang_env.make_mha_pools("page_first")
+    _, swa = sglang_env.make_mha_pools("page_first", sglang_env.PoolGeometry(layers=1))
+    mamba = sglang_env.make_mamba_host_pool()
+    fill_random(host, seed=40)
+    fill_random(swa, seed=41)
+    fill_mamba(mamba, seed=42)
+    _, keys = page_keys(5, seed=40)
+    a = make_hybrid_backend(host, tmp_path, {PoolName.SWA: swa, PoolName.MAMBA: mamba})
+    swa_src = torch.arange(2 * PAGE, 5 * PAGE)  # the node keeps the SWA pages of its last 3 pages only
+    want_swa = pages_at(swa, swa_src)
+    put = PoolTransfer(name=PoolName.SWA, host_indices=swa_src, keys=keys[2:5],
+                       hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert a.batch_set_v2([put]) == {PoolName.SWA: [True] * 3}
+    assert a.batch_set_v1(keys, torch.arange(0, 5 * PAGE)) == [True] * 5
+    only_mamba = "n" * 64
+    assert a.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]),
+                                        keys=[only_mamba])]) == {PoolName.MAMBA: [True]}
+    a.close()
+
+    _, host2 = sglang_env.make_mha_pools("page_first")
+    _, swa2 = sglang_env.make_mha_pools("page_first", sglang_env.PoolGeometry(layers=1))
+    b = make_hybrid_backend(host2, tmp_path, {PoolName.SWA: swa2, PoolName.MAMBA: sglang_env.make_mamba_host_pool()})
+    try:
+        result = b.batch_exists_v2(keys, [trailing(PoolName.SWA, 2)])
+        assert (result.kv_hit_pages, result.restorable_prefix_pages) == (5, [4, 5])
+        assert result.extra_pool_hit_pages == {PoolName.KV: 5, PoolName.SWA: 5}
+        assert b.batch_exists_v2(keys, [trailing(PoolName.SWA, 3)]).restorable_prefix_pages == [5]
+        assert b.batch_exists_v2(keys[:3], [trailing(PoolName.SWA, 2)]).restorable_prefix_pages == []
+        both = b.batch_exists_v2(keys, [trailing(PoolName.SWA, 2), trailing(PoolName.MAMBA)])
+        assert (both.kv_hit_pages, both.restorable_prefix_pages) == (0, [])  # no Mamba state at 4 or 5
+
+        dst = torch.arange(10 * PAGE, 12 * PAGE)
+        get = PoolTransfer(name=PoolName.SWA, host_indices=dst, keys=keys[3:5], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        assert b.batch_get_v2([get]) == {PoolName.SWA: [True, True]}
+        for got, want in zip(pages_at(swa2, dst), want_swa[1:]):
+            assert torch.equal(got, want)
+        # Pool isolation: KV pages are not SWA pages, nor a Mamba state an SWA page, under one key.
+        not_swa = PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(0, 2 * PAGE), keys=[keys[0], only_mamba])
+        assert b.batch_get_v2([not_swa]) == {PoolName.SWA: [False, False]}
+    finally:
+        b.close()
 
 
 def test_bad_extra_config_is_refused() -> None:
