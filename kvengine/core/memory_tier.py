@@ -103,6 +103,11 @@ class MemoryTier:
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is page-locked host memory (CUDA hosts: device copies run at full speed)."""
+        return bool(self._alloc.arena.is_pinned())
+
     def __len__(self) -> int:
         return len(self._entries)
 
