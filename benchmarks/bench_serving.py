@@ -465,12 +465,15 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def _tier_bytes(m: dict[str, float], family: str) -> dict[str, float]:
+    """Bytes per tier of a counter family: its per-tier totals only (the scrape also keeps each model's own
+    per-tier series, which would count every byte twice)."""
+    from kvengine.metrics import parse_key
+
     out: dict[str, float] = {}
     for key, v in m.items():
-        name, _, labels = key.partition("{")
-        if name == family:
-            tier = re.search(r'tier="([^"]*)"', labels)
-            out[tier.group(1) if tier else "all"] = out.get(tier.group(1) if tier else "all", 0.0) + v
+        name, labels = parse_key(key)
+        if name == family and set(labels) == {"tier"}:
+            out[labels["tier"]] = v
     return out
 
 
