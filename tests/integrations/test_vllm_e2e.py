@@ -280,7 +280,12 @@ def test_tensor_parallel_ranks_store_and_load_their_shards_exactly(tp):
         assert rank["kvengine_vllm_pinned_chunks"] == 0 and rank["kvengine_reservations_active"] == 0
         assert rank["kvengine_vllm_reservations_held"] == 0
         assert rank["kvengine_loaded_tokens_total"] == r["rank_metrics"][0]["kvengine_loaded_tokens_total"] > 0
-    assert tokens(r["tp1"]) == ref and [o["cached"] for o in r["tp1"]] == [0] * len(ref)
+    # The TP=1 engine looked up every prompt and kvengine served it nothing (its pages hold both heads). Its
+    # own prefix cache may still hit within the pass (a shared prompt scheduled after its base prompt's prefill).
+    tp1 = r["tp1_metrics"][0]
+    assert tokens(r["tp1"]) == ref
+    assert tp1["kvengine_lookups_total"] >= len(ref) and tp1["kvengine_hit_tokens_total"] == 0
+    assert tp1["kvengine_loaded_tokens_total"] == 0
     prompts = r["base"] + r["shared"]
     assert tokens(r["fresh"]) == ref
     assert [o["cached"] for o in r["fresh"]] == [expected_hit(len(p), chunk) for p in prompts]
