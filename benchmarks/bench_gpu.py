@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _util import print_header, print_table, write_json
+from _util import median_time, print_header, print_table, write_json
+from bench_core import CHUNK, per_layer_layout, stacked_layout  # the CPU benchmark's layouts (bf16)
 
-from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+from kvengine import KVEngine, Namespace
 from kvengine.core.copies import copy_all
-
-CHUNK = 256
-
-
-def layout_for(layers: int, heads: int, dim: int, dtype: torch.dtype, per_layer: bool) -> ChunkLayout:
-    if per_layer:
-        return ChunkLayout(CHUNK, tuple(
-            TensorSpec(name=f"layer{i}", group=0, category=KVCategory.FULL_ATTENTION, dtype=dtype,
-                       shape=(2, CHUNK, heads, dim), token_dim=1) for i in range(layers)))
-    return ChunkLayout(CHUNK, (TensorSpec(name="kv", group=0, category=KVCategory.FULL_ATTENTION, dtype=dtype,
-                                          shape=(layers, 2, CHUNK, heads, dim), token_dim=2),))
 
 
 class DeviceCase:
@@ -61,7 +50,7 @@ class DeviceCase:
         pinned = device.type == "cuda"
         self.host = torch.empty(self.src.shape, dtype=self.src.dtype, pin_memory=pinned)
         self.nbytes = self.src.numel() * self.src.element_size()
-        self.layout = layout_for(layers, heads, dim, self.src.dtype, per_layer)
+        self.layout = (per_layer_layout if per_layer else stacked_layout)(layers, heads, dim)
         capacity = self.layout.nbytes() * (tokens // CHUNK) + (256 << 20)
         self.engine = KVEngine({"chunk_size": CHUNK, "lease_seconds": 600,
                                 "memory": {"capacity_bytes": capacity, "prefault": True}}, transports=[])
@@ -104,12 +93,6 @@ class DeviceCase:
         assert result.ok and result.loaded_tokens == len(self.tokens), result
 
 
-def timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def bench_layout(device: torch.device, args: argparse.Namespace, per_layer: bool) -> dict[str, Any]:
     case = DeviceCase(device, args.tokens, args.layers, args.heads, args.dim, per_layer)
     try:
@@ -118,13 +101,13 @@ def bench_layout(device: torch.device, args: argparse.Namespace, per_layer: bool
         case.retrieve()
         rounds = []
         for _ in range(args.repeats):
-            d2h = timed(case.raw_d2h)
+            d2h = median_time(case.raw_d2h, 1)
             case.fresh_keys()
-            store = timed(case.store)
-            h2d = timed(case.raw_h2d)
+            store = median_time(case.store, 1)
+            h2d = median_time(case.raw_h2d, 1)
             case.dst.zero_()
             case.sync()
-            retrieve = timed(case.retrieve)
+            retrieve = median_time(case.retrieve, 1)
             rounds.append((d2h, store, h2d, retrieve))
         exact = bool(torch.equal(case.dst, case.src))
     finally:

@@ -69,24 +69,16 @@ def serve(kind: str) -> None:
         print(port, flush=True)
         while True:
             sock.send_multipart(sock.recv_multipart())
-    if kind in ("kv-zmq", "kv-tcp"):
-        from kvengine.transports.peer_store import MemoryRecordStore
-
-        async def kv() -> None:
-            store = MemoryRecordStore(64 << 20)
-            if kind == "kv-zmq":
-                from kvengine.transports.zmq_peer import ZmqPeerServer
-                server: Any = ZmqPeerServer(store, "127.0.0.1:0")
-            else:
-                from kvengine.transports.tcp_peer import TcpPeerServer
-                server = TcpPeerServer(store, "127.0.0.1:0")
-            await server.start()
-            print(server.address.rsplit(":", 1)[1], flush=True)
-            await asyncio.Event().wait()
-        asyncio.run(kv())
 
 
 def spawn(kind: str) -> tuple[subprocess.Popen[str], int]:
+    """A floor's echo server (``tcp``, ``asyncio``, ``zmq``), or kvengine's peer server over ZeroMQ
+    (``kv-zmq``) or the tcp wire (``kv-tcp``), as the peer benchmark starts it; and its port."""
+    if kind.startswith("kv-"):
+        from bench_peers import _spawn
+
+        proc, address = _spawn([{"kv-zmq": "zmq", "kv-tcp": "kvtcp"}[kind] + "-server", "127.0.0.1:0"])
+        return proc, int(address.rsplit(":", 1)[1])
     proc = subprocess.Popen([sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, int(proc.stdout.readline())
