@@ -191,21 +191,26 @@ class EngineMetrics:
         logger.warning(msg, *args)
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
-        """Export this registry over HTTP on ``host:port``; returns the function that stops it.
+        """Export this registry over HTTP on ``host:port``; returns the function that stops it."""
+        return serve_registry(self.registry, port, host)
 
-        :raises ConfigError: the address cannot be bound (naming ``metrics_port`` / ``metrics_host``).
-        """
-        try:
-            server, thread = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:
-            raise ConfigError(f"metrics_port {port} on metrics_host {host!r} cannot be bound: {exc}") from None
 
-        def stop() -> None:
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
+def serve_registry(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
+    """Export ``registry`` over HTTP on ``host:port``; returns the function that stops it.
 
-        return stop
+    :raises ConfigError: the address cannot be bound (naming ``metrics_port`` / ``metrics_host``).
+    """
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"metrics_port {port} on metrics_host {host!r} cannot be bound: {exc}") from None
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop
 
 
 def scrape(port: int, host: str = "127.0.0.1", *, timeout: float = 10.0) -> dict[str, float]:

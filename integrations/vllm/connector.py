@@ -55,7 +55,7 @@ from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
 from .stats import KVEnginePromMetrics, KVEngineStats, SchedulerStatsSource, WorkerStatsSource
-from .worker import WorkerSide
+from .worker import WorkerSide, shares_one_copy
 
 if TYPE_CHECKING:
     import torch
@@ -100,14 +100,26 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
 def check_tensor_parallel(plans: tuple[GroupPlan, ...], options: ConnectorOptions, world_size: int) -> None:
     """Refuse what has not been validated with several tensor-parallel ranks (one engine per rank, the hit
     is what every rank holds): recurrent state (each rank would cut its hit back to its own stored states),
-    MLA (the latent is replicated, not sharded: stored once per rank), shadow checks (sampled per rank)."""
+    MLA next to other groups or at more than two ranks (rank 0's one copy of the latent is loaded by every
+    rank, :mod:`.replica`; the latent is proven identical on every rank at two only), shadow checks (sampled
+    per rank)."""
     if world_size == 1:
         return
-    why = {GroupKind.STATE: "recurrent state", GroupKind.MLA: "MLA latent pages (replicated on every rank)"}
+    prefix = f"kvengine vLLM connector: tensor_parallel_size={world_size} with"
     for plan in plans:
-        if plan.kind in why:
-            raise UnsupportedModelError(f"kvengine vLLM connector: tensor_parallel_size={world_size} with "
-                                        f"{why[plan.kind]} (KV cache group {plan.group_id}) has not been validated")
+        if plan.kind is GroupKind.STATE:
+            raise UnsupportedModelError(f"{prefix} recurrent state (KV cache group {plan.group_id}) has not been "
+                                        "validated")
+    mla = [p.group_id for p in plans if p.kind is GroupKind.MLA]
+    if mla and len(mla) < len(plans):
+        raise UnsupportedModelError(f"{prefix} MLA latent pages (KV cache groups {mla}) next to other KV cache "
+                                    "groups has not been validated")
+    if mla and world_size > 2:
+        raise UnsupportedModelError(
+            f"{prefix} MLA latent pages has not been validated: rank 0 stores the one copy of the replicated latent "
+            "and every rank loads it, which is exact only where every rank computes the same latent bytes; that is "
+            "proven at tensor_parallel_size=2, while with more ranks the all-reduce may add partial sums in "
+            "another order on each rank")
     if options.engine.shadow.enabled:
         raise UnsupportedModelError(f"kvengine vLLM connector: shadow checks with tensor_parallel_size={world_size} "
                                     "are not supported (each rank would sample its own hits)")
@@ -150,6 +162,7 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         options = check_config(vllm_config)
         plans = plan_groups(kv_cache_config)
         check_tensor_parallel(plans, options, vllm_config.parallel_config.tensor_parallel_size)
+        self._plans = plans
         requested = options.chunk_size
         options = options.with_chunk_size(resolve_chunk_size(plans, requested))
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not per half
@@ -262,9 +275,10 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
             return
         addresses = [metadata[rank] for rank in sorted(metadata) if isinstance(metadata[rank], ChannelAddress)]
         world = self._vllm_config.parallel_config.tensor_parallel_size
-        if len(addresses) != world:
-            raise UnsupportedModelError(f"kvengine vLLM connector: expected a worker channel per tensor-parallel "
-                                        f"rank ({world}), got {len(addresses)}")
+        expected = 1 if shares_one_copy(self._plans, world) else world  # MLA at TP > 1: rank 0 alone answers
+        if len(addresses) != expected:
+            raise UnsupportedModelError(f"kvengine vLLM connector: expected {expected} worker channel(s) for "
+                                        f"tensor_parallel_size={world}, got {len(addresses)}")
         self._scheduler.connect(addresses)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:

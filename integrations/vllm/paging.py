@@ -18,8 +18,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvengine.types import ChunkView
-
 from .layout import BlockIds, PagedLayout, PagedTensor
 
 
@@ -101,10 +99,12 @@ class PagedCopier:
         if src:
             out[torch.tensor(src)] = cache.index_select(0, torch.tensor(dst))
 
-    def scatter_from(self, i: int, view: ChunkView, block_ids: BlockIds, null: int, lo: int, hi: int) -> None:
-        """Write tensor ``i``'s pages of ``view`` that hold tokens in ``[lo, hi)`` into the request's blocks."""
-        t, cache, tensor = self.layout.tensors[i], self._caches[i], view.tensors[i]
-        src, dst = self._pages(t, view.token_range[0], block_ids, null, lo, hi)
+    def scatter_tensor(self, i: int, tensor: torch.Tensor, start: int, block_ids: BlockIds, null: int, lo: int,
+                       hi: int) -> None:
+        """Write the pages of ``tensor`` (tensor ``i`` of the chunk starting at token ``start``) that hold
+        tokens in ``[lo, hi)`` into the request's blocks."""
+        t, cache = self.layout.tensors[i], self._caches[i]
+        src, dst = self._pages(t, start, block_ids, null, lo, hi)
         if not src:
             return
         d, s = _as_index(dst), _as_index(src)

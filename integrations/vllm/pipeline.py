@@ -19,6 +19,7 @@ later chunk of the request failed, whatever the layer.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from .paging import PagedCopier
 
 if TYPE_CHECKING:  # importable without vLLM (unit tests in the main environment)
     from .metadata import LoadSpec, SaveSpec
+    from .replica import LatentBroadcast
 
 logger = logging.getLogger("vllm.kvengine")
 
@@ -52,6 +54,13 @@ class LoadJob:
     def __post_init__(self) -> None:
         self.loaded = len(self.views)
 
+    @classmethod
+    def mirrored(cls, spec: LoadSpec, null_block_id: int) -> LoadJob:
+        """A job on a rank that loads the chunks rank 0 sends it (:mod:`.replica`): as many as come."""
+        job = cls(spec, None, (), null_block_id)
+        job.loaded = sys.maxsize
+        return job
+
 
 @dataclass(eq=False)
 class SaveJob:
@@ -66,14 +75,22 @@ class SaveJob:
 class LayerPipeline:
     """Runs the copies of one step at a time on a background thread (see the module docs)."""
 
-    def __init__(self, copier: PagedCopier, forward_order: Sequence[int]) -> None:
+    def __init__(self, copier: PagedCopier, forward_order: Sequence[int],
+                 broadcast: LatentBroadcast | None = None) -> None:
         self._copier = copier
         self._order = tuple(forward_order)
+        #: MLA under tensor parallelism: loads are shared from rank 0 (:mod:`.replica`)
+        self._broadcast = broadcast
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvengine-layers")
         self._loads: dict[int, Future[None]] = {}
         self._load_jobs: list[LoadJob] = []
         self._saves: dict[int, Future[None]] = {}
         self._save_jobs: list[SaveJob] | None = None
+
+    @property
+    def shares_loads(self) -> bool:
+        """Whether loads are shared from rank 0 (MLA under tensor parallelism)."""
+        return self._broadcast is not None
 
     # -- loads -------------------------------------------------------------------------
     def begin_loads(self, jobs: list[LoadJob]) -> None:
@@ -95,20 +112,27 @@ class LayerPipeline:
         return jobs
 
     def _load_stage(self, i: int, jobs: list[LoadJob]) -> None:
+        if self._broadcast is not None:
+            self._broadcast.load_stage(i, jobs, self._copy_in)
+            return
         for job in jobs:
-            spec = job.spec
             for view in job.views[: job.loaded]:
-                lo, hi = view.token_range
-                if hi <= spec.start:
-                    continue
-                try:
-                    self._copier.scatter_from(i, view, spec.block_ids, job.null_block_id, max(lo, spec.start),
-                                              min(hi, spec.end))
-                except Exception as exc:  # a fault is a recompute, never an error in the forward
-                    logger.warning("kvengine: load of %s failed at chunk %d (%s: %s); recomputed from there",
-                                   spec.request_id, view.index, type(exc).__name__, exc)
+                if view.token_range[1] > job.spec.start and not self._copy_in(i, job, view.tensors[i],
+                                                                               view.token_range[0]):
                     job.loaded = min(job.loaded, view.index)
                     break
+
+    def _copy_in(self, i: int, job: LoadJob, tensor: torch.Tensor, start: int) -> bool:
+        """Stage ``i`` of the chunk starting at token ``start`` into the job's blocks (the part vLLM lacks)."""
+        spec = job.spec
+        try:
+            self._copier.scatter_tensor(i, tensor, start, spec.block_ids, job.null_block_id, max(start, spec.start),
+                                        min(start + self._copier.layout.chunk.chunk_size, spec.end))
+        except Exception as exc:  # a fault is a recompute, never an error in the forward
+            logger.warning("kvengine: load of %s failed at token %d (%s: %s); recomputed from there",
+                           spec.request_id, start, type(exc).__name__, exc)
+            return False
+        return True
 
     # -- saves -------------------------------------------------------------------------
     @property

@@ -13,6 +13,8 @@ Lifecycle:
   (``save_kv_layer``) stages the step's complete chunks in the engine and
   queues the finished layer's copy; ``save`` (``wait_for_save``) waits for
   every copy, ends the loads and commits the staged chunks.
+* MLA under tensor parallelism: only rank 0 runs a cache engine; the other
+  ranks copy in the chunks rank 0 loads, shared by broadcast (:mod:`.replica`).
 * Hybrid models (a recurrent-state group, e.g. Qwen3-Next): lookups are cut
   back to the last chunk boundary whose state is stored, loads install that
   state, and a step that ends on a chunk boundary stores the state it
@@ -30,17 +32,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
-from prometheus_client import Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvengine import Reservation
 from kvengine.chunks.keys import Namespace
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
+from kvengine.metrics import serve_registry
 from kvengine.trust.provenance import ShadowSampler, compare_kv, settle, worst
 from kvengine.types import ModelBinding
 
@@ -50,6 +53,7 @@ from .metadata import ChannelAddress, SaveSpec, StepMetadata
 from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
 from .pipeline import LayerPipeline, LoadJob, SaveJob
+from .replica import LatentBroadcast
 from .state import BoundaryState, BoundaryStates, state_block
 
 logger = logging.getLogger("vllm.kvengine")
@@ -71,9 +75,11 @@ class ReservationDesk:
     """
 
     def __init__(self, engine: KVEngine, namespace: Namespace, layout: ChunkLayout,
-                 states: BoundaryStates | None = None) -> None:
+                 states: BoundaryStates | None = None, broadcast: LatentBroadcast | None = None) -> None:
         self.engine = engine
         self.states = states
+        #: MLA under tensor parallelism: no hit is offered once sharing with the other ranks broke
+        self._broadcast = broadcast
         self._namespace = namespace
         self._layout = layout
         self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout)}
@@ -130,7 +136,7 @@ class ReservationDesk:
     def _answer(self, binding: ModelBinding, request_id: str, res: Reservation | None,
                 state: BoundaryState | None) -> Answer:
         """Hold ``res`` for the request's load (or sample it for a shadow check) and say what it offers."""
-        if res is None or res.matched_tokens == 0:
+        if res is None or res.matched_tokens == 0 or (self._broadcast is not None and self._broadcast.broken):
             if res is not None:
                 self.engine.release(res)
             with self._lock:
@@ -217,6 +223,9 @@ class WorkerSide:
         self._copier: PagedCopier | None = None
         self._pipeline: LayerPipeline | None = None
         self._stage_of: dict[str, int] = {}
+        #: MLA under tensor parallelism: a rank other than 0 (no engine; copies in what rank 0 shares)
+        self._follower = False
+        self._stop_metrics: Callable[[], None] | None = None  # a follower's own metrics server
         self._service: LookupService | None = None
         self._error_blocks: set[int] = set()
         self._finished: set[str] = set()
@@ -241,14 +250,28 @@ class WorkerSide:
         self._stage_of = {name: i for name in kv_caches if (i := self.layout.tensor_index(name)) is not None}
         forward_order = list(dict.fromkeys(self._stage_of.values()))  # kv_caches lists layers in forward order
         forward_order += [i for i in range(len(self.layout.tensors)) if i not in forward_order]
-        self._pipeline = LayerPipeline(self._copier, forward_order)
         namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint,
                                   explicit_fingerprint=self._options.model_fingerprint)
-        self.engine = build_engine(self._options.for_rank(namespace.rank, namespace.world_size))
+        broadcast = None
+        if shares_one_copy(self._plans, namespace.world_size):
+            broadcast = LatentBroadcast.create(namespace.rank, self.layout.chunk)
+            self._follower = not broadcast.is_source
+        self._pipeline = LayerPipeline(self._copier, forward_order, broadcast)
+        options = self._options.for_rank(namespace.rank, namespace.world_size)
+        if self._follower:
+            self._step_metrics(CollectorRegistry(auto_describe=True))
+            if options.engine.metrics_port is not None:
+                self._stop_metrics = serve_registry(self._registry, options.engine.metrics_port,
+                                                    options.engine.metrics_host)
+            logger.info("kvengine: rank %d of %d loads the MLA chunks rank 0 shares (no cache engine here)",
+                        namespace.rank, namespace.world_size)
+            return
+        self.engine = build_engine(options)
         try:
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
-            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states)
+            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast)
             self._metrics()
+            self._step_metrics(self.engine.metrics.registry)
             self._service = LookupService(self.desk)
             self._service.start()
         except BaseException:
@@ -278,6 +301,10 @@ class WorkerSide:
               registry=r).set_function(lambda: len(desk))
         Gauge("kvengine_vllm_pinned_chunks", "Pins on memory-tier chunks (reservations and queued writes)",
               registry=r).set_function(self.engine.core.memory.total_pins)
+
+    def _step_metrics(self, r: CollectorRegistry) -> None:
+        """The per-step counters, in the engine's registry (or, on a rank without one, a registry of their own)."""
+        self._registry = r
         self._m_loads = Counter("kvengine_vllm_loads", "Loads into vLLM blocks", ["outcome"], registry=r)
         self._m_error_blocks = Counter("kvengine_vllm_load_error_blocks", "Blocks reported to vLLM for recompute",
                                        registry=r)
@@ -287,11 +314,19 @@ class WorkerSide:
         self._m_save_stages = Counter("kvengine_vllm_save_stages",
                                       "Layer copies into staged chunks, queued by save_kv_layer (layer) or "
                                       "left for wait_for_save (step_end)", ["via"], registry=r)
+        self._m_shared_tokens = Counter("kvengine_vllm_shared_load_tokens",
+                                        "MLA under tensor parallelism: tokens loaded through rank 0's broadcast "
+                                        "(sent by rank 0, copied in by the others)", registry=r)
 
     # -- per step ----------------------------------------------------------------------------
     def load(self, meta: StepMetadata) -> None:
         """Begin the step's loads; the pipeline copies them in layer by layer."""
-        assert self.engine is not None and self.desk is not None and self._pipeline is not None
+        assert self._pipeline is not None
+        if self._follower:
+            if meta.loads:
+                self._pipeline.begin_loads([LoadJob.mirrored(spec, meta.null_block_id) for spec in meta.loads])
+            return
+        assert self.engine is not None and self.desk is not None
         jobs = []
         for spec in meta.loads:
             res, state = self.desk.take(spec.request_id) or (None, None)
@@ -310,15 +345,18 @@ class WorkerSide:
     def save_layer(self, layer_name: str, meta: StepMetadata) -> None:
         """The forward finished ``layer_name``: queue its copy into the step's staged chunks."""
         assert self._pipeline is not None
-        if meta.saves:
+        if meta.saves and not self._follower:
             self._begin_saves(meta)
             if self._pipeline.save_layer(self._stage_of.get(layer_name)):
                 self._m_save_stages.labels(via="layer").inc()
 
     def save(self, meta: StepMetadata) -> None:
         """End of the step's forward: finish loads, copy what is left of the saves, commit them."""
-        assert self.engine is not None and self._pipeline is not None
+        assert self._pipeline is not None
         self._end_loads()
+        if self._follower:
+            return  # rank 0 stores the one copy
+        assert self.engine is not None
         if meta.saves:
             self._begin_saves(meta)
         jobs, late = self._pipeline.end_saves()
@@ -435,11 +473,16 @@ class WorkerSide:
             self._m_loads.labels(outcome="ok" if ok else "failed").inc()
 
     def _finish_load(self, job: LoadJob) -> bool:
-        assert self.engine is not None and self.layout is not None
+        assert self.layout is not None
         spec = job.spec
         loaded = spec.start
         if job.reservation is not None:
+            assert self.engine is not None
             loaded = max(loaded, self.engine.finish_load(job.reservation, job.loaded).loaded_tokens)
+        elif self._follower:  # every chunk before the job's ``loaded``-th came from rank 0 and is in
+            loaded = max(loaded, min(spec.end, job.loaded * self.layout.chunk.chunk_size))
+        if self._pipeline is not None and self._pipeline.shares_loads:
+            self._m_shared_tokens.inc(loaded - spec.start)
         if loaded >= spec.end and not self._install_state(job):
             loaded = spec.start  # the pages without their state are no hit: recompute it all
         if loaded >= spec.end:
@@ -486,6 +529,14 @@ class WorkerSide:
             self.engine.close(flush=True)  # queued disk writes are completed
             self.engine = None
             logger.info("kvengine: worker cache engine closed")
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+            self._stop_metrics = None
+
+
+def shares_one_copy(plans: tuple[GroupPlan, ...], world_size: int) -> bool:
+    """Whether rank 0 stores the only copy and shares its loads (MLA under tensor parallelism, :mod:`.replica`)."""
+    return world_size > 1 and all(p.kind is GroupKind.MLA for p in plans)
 
 
 def _conv_state_layout() -> str:

@@ -100,16 +100,17 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
         return Verdict(v, Support.REFUSED, "; ".join(reasons))
     if KVCategory.MLA_LATENT in categories:
         return Verdict(v, Support.AT_START_UP, "MLA latent pages (MLAAttentionSpec, one latent per token) are "
-                                               "reused on vLLM's AMX_MLA backend (CPUs with AMX, bf16); the "
-                                               "reference CPU_MLA backend vLLM picks elsewhere is refused: it has "
-                                               "no prefill-with-context path")
+                                               "reused on vLLM's AMX_MLA backend (CPUs with AMX, bf16), at tensor "
+                                               "parallel size 1 or 2 (rank 0 stores one copy, every rank loads "
+                                               "it); the reference CPU_MLA backend vLLM picks elsewhere is "
+                                               "refused: it has no prefill-with-context path")
     if KVCategory.ATTENTION_SINK in categories:
         return Verdict(v, Support.AT_START_UP, "learned attention sinks (weights, not KV): accepted where vLLM "
                                                "declares the layers as FullAttentionSpec / SlidingWindowSpec on a "
                                                f"validated backend {sorted(ATTENTION_BACKENDS)}, as for gpt-oss "
                                                "(validated exact)")
     conditions = [f"attention backend in {sorted(ATTENTION_BACKENDS)}", "kv_cache_dtype 'auto'",
-                  "pipeline parallel size 1 (tensor parallelism only without recurrent state or MLA)",
+                  "pipeline parallel size 1 (tensor parallelism only without recurrent state)",
                   "no speculative decoding"]
     if state_kinds:
         conditions.insert(0, "prefix caching on (mamba_cache_mode 'align')")

@@ -280,11 +280,12 @@ def test_tensor_parallel_ranks_store_and_load_their_shards_exactly(tp):
         assert rank["kvengine_vllm_pinned_chunks"] == 0 and rank["kvengine_reservations_active"] == 0
         assert rank["kvengine_vllm_reservations_held"] == 0
         assert rank["kvengine_loaded_tokens_total"] == r["rank_metrics"][0]["kvengine_loaded_tokens_total"] > 0
-    # The TP=1 engine looked up every prompt and kvengine served it nothing (its pages hold both heads). Its
-    # own prefix cache may still hit within the pass (a shared prompt scheduled after its base prompt's prefill).
-    tp1 = r["tp1_metrics"][0]
+    # The TP=1 engine, given the base prompts alone (no shared prefix among them), looked each up and was served
+    # nothing from the TP=2 cache (its pages hold both heads). The shared prompts after them may hit what this
+    # engine stored itself, in its own namespace.
+    tp1 = r["tp1_base_metrics"][0]
     assert tokens(r["tp1"]) == ref
-    assert tp1["kvengine_lookups_total"] >= len(ref) and tp1["kvengine_hit_tokens_total"] == 0
+    assert tp1["kvengine_lookups_total"] >= len(r["base"]) and tp1["kvengine_hit_tokens_total"] == 0
     assert tp1["kvengine_loaded_tokens_total"] == 0
     prompts = r["base"] + r["shared"]
     assert tokens(r["fresh"]) == ref
@@ -411,6 +412,47 @@ def test_deepseek_v2_mla_latent_pages_are_exact_and_a_fresh_process_hits_the_dis
     pairs = [(o, p) for o, p in zip(warm + shared + fresh, own * 2) if o["cached"] == p["cached"]]
     assert len(pairs) >= 6, [(o["cached"], p["cached"]) for o, p in zip(warm + shared + fresh, own * 2)]
     assert all((o["tokens"], o["logprobs"]) == (p["tokens"], p["logprobs"]) for o, p in pairs)
+
+
+@pytest.fixture(scope="module")
+def mla_tp(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("mla_tp", workdir)
+
+
+def test_deepseek_v2_at_two_ranks_stores_one_latent_copy_that_both_ranks_load_exactly(mla_tp):
+    """DeepSeek-V2 (MLA, bf16) at tensor_parallel_size=2: rank 0 alone stores (one disk directory) and every
+    load reaches rank 1 through rank 0's broadcast (the same tokens copied in on both ranks, no load error on
+    either). Cold outputs equal vLLM's at TP=2 bit for bit, hits equal vLLM's own prefix cache hitting the same
+    prefix (tokens and log-probabilities), in the writer and in a fresh TP=2 engine reading the disk; after
+    requests aborted mid-way rank 0 holds no reservation and no pin."""
+    r, _ = mla_tp
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    first, fresh = r["first"], r["fresh"]
+    chunk = chunk_of(first["metrics"])
+    cold, warm, shared = first["passes"]
+    assert [(o["tokens"], o["logprobs"], o["cached"]) for o in cold] == [(o["tokens"], o["logprobs"], 0)
+                                                                           for o in r["ref_cold"]]
+    assert [o["cached"] for o in warm] == [expected_hit(len(p), chunk) for p in r["base"]]
+    assert [o["cached"] for o in shared] == [expected_hit(len(p), chunk, len(os.path.commonprefix([p, b])))
+                                             for p, b in zip(r["shared"], r["base"])]
+    (again,) = fresh["passes"]
+    assert [o["cached"] for o in again] == [expected_hit(len(p), chunk) for p in r["base"] + r["shared"]]
+    own = r["ref_hits"]  # vLLM's own prefix cache, base warmed
+    pairs = [(o, p) for o, p in zip(warm + shared + again, own * 2) if o["cached"] == p["cached"]]
+    assert len(pairs) >= 6, [(o["cached"], p["cached"]) for o, p in zip(warm + shared + again, own * 2)]
+    assert all((o["tokens"], o["logprobs"]) == (p["tokens"], p["logprobs"]) for o, p in pairs)
+    for phase in (first, fresh):
+        keeper, follower = phase["metrics"], phase["follower_metrics"]
+        assert keeper["kvengine_vllm_shared_load_tokens_total"] == follower["kvengine_vllm_shared_load_tokens_total"] > 0
+        assert keeper["kvengine_vllm_load_error_blocks_total"] == follower["kvengine_vllm_load_error_blocks_total"] == 0
+        assert "kvengine_lookups_total" not in follower  # no cache engine on rank 1
+    loaded = sum(o["cached"] for o in again)  # a fresh engine: vLLM's own prefix cache held nothing yet
+    assert fresh["metrics"]["kvengine_loaded_tokens_total"] == fresh["metrics"]["kvengine_vllm_shared_load_tokens_total"] \
+        == loaded
+    assert first["aborted"] == [None, None]
+    assert first["metrics"]["kvengine_reservations_active"] == first["metrics"]["kvengine_vllm_pinned_chunks"] == 0
+    assert r["disk_dirs"] == ["tp0-of-2"]
 
 
 @pytest.fixture(scope="module")

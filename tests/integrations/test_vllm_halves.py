@@ -288,9 +288,8 @@ def test_pages_round_trip_through_every_kv_cache_layout(layout_name, kernel_toke
     reader, writer = PagedCopier(paged, src), PagedCopier(paged, dst)
     for i in range(len(paged.tensors)):
         reader.gather_into(i, 0, src_ids, -1, out[i])
-    writer_view = SimpleNamespace(token_range=(0, 2 * BS), tensors=tuple(out))  # a loaded chunk's view
     for i in range(len(paged.tensors)):
-        writer.scatter_from(i, writer_view, dst_ids, -1, 0, 2 * BS)
+        writer.scatter_tensor(i, out[i], 0, dst_ids, -1, 0, 2 * BS)
 
     def page(cache: torch.Tensor, block: int) -> torch.Tensor:  # one manager block's bits: [heads, tokens, content]
         ratio = cache.shape[0] // blocks_n
@@ -457,20 +456,30 @@ def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follo
 
 
 def test_tensor_parallel_refuses_what_is_not_validated_across_ranks():
-    """Several ranks: full attention passes; recurrent state, MLA pages and shadow checks are refused by name."""
+    """Several ranks: full attention passes, and MLA alone at two ranks (rank 0's one copy, loaded by both);
+    recurrent state, MLA next to another group or at more than two ranks, and shadow checks are refused by
+    name. Only MLA alone at several ranks shares one copy."""
     from kvengine.errors import UnsupportedModelError
     from kvengine.integrations.vllm.connector import check_tensor_parallel
     from kvengine.integrations.vllm.layout import plan_groups
     from kvengine.integrations.vllm.options import ConnectorOptions
+    from kvengine.integrations.vllm.worker import shares_one_copy
 
     options = ConnectorOptions.from_extra_config({})
     full = plan_groups(config_of(spec("FullAttentionSpec")))
+    mla = spec("MLAAttentionSpec", num_kv_heads=1, head_size=576)
     check_tensor_parallel(full, options, 2)
-    for group, match in ((spec("MambaSpec", mamba_cache_mode="align"), "recurrent state"),
-                         (spec("MLAAttentionSpec", num_kv_heads=1, head_size=576), "MLA")):
-        check_tensor_parallel(plan_groups(config_of(group)), options, 1)
-        with pytest.raises(UnsupportedModelError, match=f"tensor_parallel_size=2 with {match}"):
-            check_tensor_parallel(plan_groups(config_of(group)), options, 2)
+    check_tensor_parallel(plan_groups(config_of(mla)), options, 2)
+    assert shares_one_copy(plan_groups(config_of(mla)), 2) and not shares_one_copy(plan_groups(config_of(mla)), 1)
+    assert not shares_one_copy(full, 2)
+    state = spec("MambaSpec", mamba_cache_mode="align")
+    for groups, world, match in (((state,), 2, "recurrent state"),
+                                 ((mla, spec("FullAttentionSpec")), 2, r"MLA latent pages \(KV cache groups \[0\]\) "
+                                                                       "next to other"),
+                                 ((mla,), 3, "MLA latent pages has not been validated: rank 0 stores the one copy")):
+        check_tensor_parallel(plan_groups(config_of(*groups)), options, 1)
+        with pytest.raises(UnsupportedModelError, match=f"tensor_parallel_size={world} with {match}"):
+            check_tensor_parallel(plan_groups(config_of(*groups)), options, world)
     shadowed = ConnectorOptions.from_extra_config({"kvengine": {"shadow": {"first_hits": 1}}})
     with pytest.raises(UnsupportedModelError, match="shadow checks"):
         check_tensor_parallel(full, shadowed, 2)

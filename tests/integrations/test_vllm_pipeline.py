@@ -57,13 +57,13 @@ def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup):
     stage in forward order: full attention whole, the sliding window only within the window; no pin left."""
     layout, backing, copier, eng, binding = setup
     order: list[int] = []
-    scatter_from = copier.scatter_from
+    scatter = copier.scatter_tensor
 
     def recording(i, *args):
         order.append(i)
-        scatter_from(i, *args)
+        scatter(i, *args)
 
-    copier.scatter_from = recording  # type: ignore[method-assign]
+    copier.scatter_tensor = recording  # type: ignore[method-assign]
     pipe = LayerPipeline(copier, forward_order=[1, 0])
     try:
         job = save(eng, binding, pipe, copier, layers_done=[1])
@@ -85,14 +85,14 @@ def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(se
     pipe = LayerPipeline(copier, forward_order=[0, 1])
     try:
         save(eng, binding, pipe, copier)
-        scatter_from = copier.scatter_from
+        scatter = copier.scatter_tensor
 
-        def failing(i, view, *args):
-            if i == 1 and view.index == 1:
+        def failing(i, tensor, start, *args):
+            if i == 1 and start == CHUNK:
                 raise OSError("injected")
-            scatter_from(i, view, *args)
+            scatter(i, tensor, start, *args)
 
-        copier.scatter_from = failing  # type: ignore[method-assign]
+        copier.scatter_tensor = failing  # type: ignore[method-assign]
         job = load(eng, binding, pipe)
     finally:
         pipe.close()

@@ -260,7 +260,7 @@ def gather(copier: PagedCopier, layout: PagedLayout, start: int, block_ids, null
 
 def scatter(copier: PagedCopier, view: ChunkView, block_ids, lo: int, hi: int, null: int = 0) -> None:
     for i in range(len(view.tensors)):
-        copier.scatter_from(i, view, block_ids, null, lo, hi)
+        copier.scatter_tensor(i, view.tensors[i], view.token_range[0], block_ids, null, lo, hi)
 
 
 def test_gather_then_scatter_moves_pages_between_different_blocks():

@@ -286,20 +286,20 @@ def scenario_first(work: Path) -> dict[str, Any]:
         ReservationDesk.lookup, ReservationDesk.lookup_now = lookup, lookup_now  # type: ignore[method-assign]
         shutdown(engine)
     # Loads that fail part-way (the copy of every second chunk raises): vLLM recomputes from there.
-    scatter = PagedCopier.scatter_from
+    scatter = PagedCopier.scatter_tensor
 
-    def failing_scatter(self: Any, i: int, view: Any, *args: Any) -> None:
-        if view.index % 2 == 1:
+    def failing_scatter(self: Any, i: int, tensor: Any, start: int, *args: Any) -> None:
+        if (start // self.layout.chunk.chunk_size) % 2 == 1:
             raise OSError("injected copy fault")
-        scatter(self, i, view, *args)
+        scatter(self, i, tensor, start, *args)
 
     port = free_port()
     engine = start(engine_args(model, connector={"kvengine": {"metrics_port": port}}))
-    PagedCopier.scatter_from = failing_scatter  # type: ignore[method-assign]
+    PagedCopier.scatter_tensor = failing_scatter  # type: ignore[method-assign]
     try:
         report["faults"] = {"cold": run(engine, base), "warm": run(engine, base), "metrics": scrape(port)}
     finally:
-        PagedCopier.scatter_from = scatter  # type: ignore[method-assign]
+        PagedCopier.scatter_tensor = scatter  # type: ignore[method-assign]
         shutdown(engine)
     return report
 
@@ -431,7 +431,11 @@ def scenario_tp(work: Path) -> dict[str, Any]:
         port = free_port(2)
         engine = start(engine_args(model, tensor_parallel_size=tp, connector=connector(port)))
         try:
-            report[phase] = run(engine, base + shared)
+            # The base prompts share no prefix with one another, so what this engine is served while it runs
+            # them alone can only come from the TP=2 cache (its own stores cannot hit yet).
+            report[phase] = run(engine, base)
+            report[f"{phase}_base_metrics"] = [scrape(port + r) for r in range(tp)]
+            report[phase] += run(engine, shared)
             report[f"{phase}_metrics"] = [scrape(port + r) for r in range(tp)]
         finally:
             shutdown(engine)
@@ -507,6 +511,52 @@ def scenario_mla(work: Path) -> dict[str, Any]:
                                  "metrics": scrape(port)}
             finally:
                 shutdown(engine)
+    return report
+
+
+def scenario_mla_tp(work: Path) -> dict[str, Any]:
+    """DeepSeek-V2 at tensor_parallel_size=2 (AMX_MLA, bf16; OpenMP bound to one core per worker): vLLM with its
+    own prefix cache as the reference (cold pass, then hits); a connector engine with a disk tier: cold, warm
+    and shared-prefix passes, then requests aborted mid-way; a fresh TP=2 engine on the same disk. Only rank 0
+    stores (one copy of the latent); both ranks load it. Skipped (empty report) without AMX."""
+    import torch
+
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    if not torch.cpu._is_amx_tile_supported():
+        return {"skipped": "no AMX: vLLM picks the refused CPU_MLA backend"}
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    model = str(build_model_dir(work / "deepseek_v2_tp", "deepseek_v2", dtype="bfloat16"))
+    base = [prompt(91, 600), prompt(92, 1100)]  # as scenario_mla: lengths just past multiples of 256
+    shared = [prompt(93, 900, base[0][:550]), prompt(94, 1000, base[1][:1030])]
+    aborted = [prompt(95, 700, base[1][:520]), prompt(96, 400)]
+    report: dict[str, Any] = {"base": base, "shared": shared}
+    margs = dict(dtype="bfloat16", max_num_seqs=1, tensor_parallel_size=2,
+                 compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    set_topology(in_process=False)
+    engine = start(engine_args(model, **margs, enable_prefix_caching=True))  # vLLM's own prefix cache
+    try:
+        report["ref_cold"] = run(engine, base, logprobs=True)
+        report["ref_hits"] = run(engine, base + shared, logprobs=True)
+    finally:
+        shutdown(engine)
+    disk = work / "mla_tp_disk"
+    for phase, prompts in (("first", [base, base, shared]), ("fresh", [base + shared])):
+        port = free_port(2)
+        engine = start(engine_args(model, **margs, connector={"kvengine": {
+            "metrics_port": port, "write_mode": "write_through", "memory": {"capacity_bytes": "64MiB"},
+            "disk": {"path": str(disk)}}}))
+        try:
+            report[phase] = {"passes": [run(engine, batch, logprobs=True) for batch in prompts]}
+            if phase == "first":
+                report[phase]["aborted"] = run(engine, aborted, max_tokens=16, prefix="abort", abort_at_step=2,
+                                               abort=frozenset({0, 1}))
+            report[phase]["metrics"] = unpinned([port])[0]
+            report[phase]["follower_metrics"] = scrape(port + 1)
+        finally:
+            shutdown(engine)
+    report["disk_dirs"] = sorted(p.name for p in disk.iterdir())
     return report
 
 
@@ -678,6 +728,7 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
 
 
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
+             "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake}
 
