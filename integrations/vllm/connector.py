@@ -99,17 +99,12 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
 
 def check_tensor_parallel(plans: tuple[GroupPlan, ...], options: ConnectorOptions, world_size: int) -> None:
     """Refuse what has not been validated with several tensor-parallel ranks (one engine per rank, the hit
-    is what every rank holds): recurrent state (each rank would cut its hit back to its own stored states),
-    MLA next to other groups or at more than two ranks (rank 0's one copy of the latent is loaded by every
-    rank, :mod:`.replica`; the latent is proven identical on every rank at two only), shadow checks (sampled
-    per rank)."""
+    is what every rank holds): MLA next to other groups or at more than two ranks (rank 0's one copy of the
+    latent is loaded by every rank, :mod:`.replica`; the latent is proven identical on every rank at two
+    only), shadow checks (sampled per rank)."""
     if world_size == 1:
         return
     prefix = f"kvengine vLLM connector: tensor_parallel_size={world_size} with"
-    for plan in plans:
-        if plan.kind is GroupKind.STATE:
-            raise UnsupportedModelError(f"{prefix} recurrent state (KV cache group {plan.group_id}) has not been "
-                                        "validated")
     mla = [p.group_id for p in plans if p.kind is GroupKind.MLA]
     if mla and len(mla) < len(plans):
         raise UnsupportedModelError(f"{prefix} MLA latent pages (KV cache groups {mla}) next to other KV cache "

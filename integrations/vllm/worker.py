@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,6 +65,15 @@ def build_engine(options: ConnectorOptions) -> KVEngine:
     return KVEngine(options.engine)
 
 
+@dataclass(frozen=True, slots=True)
+class _HeldState:
+    """A hybrid model's recurrent state at a held reservation's end (a copy), and the prefix it ends."""
+
+    state: BoundaryState
+    binding: ModelBinding
+    tokens: np.ndarray
+
+
 class ReservationDesk:
     """The worker's answers to the scheduler (:class:`~.channel.LookupHandler`), and their reservations.
 
@@ -84,8 +94,8 @@ class ReservationDesk:
         self._layout = layout
         self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout)}
         self._held: dict[str, Reservation] = {}
-        #: hybrid models: the recurrent state at each held reservation's end (a copy)
-        self._held_states: dict[str, BoundaryState] = {}
+        #: hybrid models: the recurrent state at each held reservation's end
+        self._held_states: dict[str, _HeldState] = {}
         #: requests whose hit is shadow-checked instead of loaded, and its tokens (asked again: same answer)
         self._shadowed: dict[str, int] = {}
         self._sampler = ShadowSampler(engine.config.shadow)
@@ -115,7 +125,7 @@ class ReservationDesk:
         state = None
         if self.states is not None and found.matched_tokens:
             res, state = self._resumable(binding, request_id, ids, found)
-        return self._answer(binding, request_id, res, state)
+        return self._answer(binding, request_id, res, None if state is None else _HeldState(state, binding, ids))
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread; None: call :meth:`lookup`.
@@ -134,7 +144,7 @@ class ReservationDesk:
         return None if res is None else self._answer(binding, request_id, res, None)
 
     def _answer(self, binding: ModelBinding, request_id: str, res: Reservation | None,
-                state: BoundaryState | None) -> Answer:
+                state: _HeldState | None) -> Answer:
         """Hold ``res`` for the request's load (or sample it for a shadow check) and say what it offers."""
         if res is None or res.matched_tokens == 0 or (self._broadcast is not None and self._broadcast.broken):
             if res is not None:
@@ -183,13 +193,23 @@ class ReservationDesk:
         if res is not None:
             self.engine.release(res)
 
-    def take(self, request_id: str) -> tuple[Reservation, BoundaryState | None] | None:
-        """The request's reservation (and recurrent state), now the caller's to load (or None: never
-        made, released, replaced)."""
+    def take(self, request_id: str, end: int | None = None) -> tuple[Reservation, BoundaryState | None] | None:
+        """The request's reservation, now the caller's to load (or None: never made, released, replaced),
+        and a hybrid model's recurrent state at ``end`` (default: the reservation's end).
+
+        Under tensor parallelism vLLM is offered the least hit over the ranks, which may end before this
+        rank's: the state at that earlier boundary is looked up then (None if this rank has none there:
+        the load fails and every rank recomputes)."""
         with self._lock:
             res = self._held.pop(request_id, None)
-            state = self._held_states.pop(request_id, None)
-        return None if res is None else (res, state)
+            held = self._held_states.pop(request_id, None)
+        if res is None:
+            return None
+        if held is None or end is None or end == res.matched_tokens:
+            return res, None if held is None else held.state
+        assert self.states is not None
+        n, state = self.states.find(held.binding, held.tokens, end)
+        return res, state if n == end else None
 
     def release_all(self) -> None:
         with self._lock:
@@ -329,7 +349,7 @@ class WorkerSide:
         assert self.engine is not None and self.desk is not None
         jobs = []
         for spec in meta.loads:
-            res, state = self.desk.take(spec.request_id) or (None, None)
+            res, state = self.desk.take(spec.request_id, spec.end) or (None, None)
             if res is None:
                 logger.warning("kvengine: no reservation for %s (lease expired?); it is recomputed", spec.request_id)
             views = self.engine.begin_load(res) if res is not None else ()

@@ -110,7 +110,7 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
                                                f"validated backend {sorted(ATTENTION_BACKENDS)}, as for gpt-oss "
                                                "(validated exact)")
     conditions = [f"attention backend in {sorted(ATTENTION_BACKENDS)}", "kv_cache_dtype 'auto'",
-                  "pipeline parallel size 1 (tensor parallelism only without recurrent state)",
+                  "pipeline parallel size 1",
                   "no speculative decoding"]
     if state_kinds:
         conditions.insert(0, "prefix caching on (mamba_cache_mode 'align')")

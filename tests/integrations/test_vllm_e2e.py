@@ -370,6 +370,37 @@ def test_qwen3_next_resumes_from_stored_recurrent_state_exactly_across_processes
     assert m['kvengine_loaded_bytes_total{tier="local_disk"}'] > 0
 
 
+@pytest.fixture(scope="module")
+def hybrid_tp(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("hybrid_tp", workdir)
+
+
+def test_qwen3_next_at_two_ranks_resumes_each_ranks_state_shard_exactly(hybrid_tp):
+    """Qwen3-Next at tensor_parallel_size=2: each rank stores its own shard of the recurrent state and KV (its
+    own disk directory); a fresh TP=2 engine resumes each prompt from the largest chunk boundary below it,
+    both ranks loading the same tokens; every output equals vLLM at TP=2 without the connector (tokens and
+    log-probabilities within the bf16 split-prefill bound of the TP=1 test); after requests aborted mid-way
+    neither rank holds a reservation or a pin."""
+    s, _ = hybrid_tp
+    ref = s["ref"]
+    first, fresh = s["first"], s["fresh"]
+    chunk = chunk_of(fresh["rank_metrics"][0])
+    block = block_sizes_of(fresh["rank_metrics"][0])["recurrent_state"]
+    for phase in (first, fresh):
+        outs = phase["base"] + phase["turn2"]
+        assert tokens(outs) == tokens(ref)
+        assert max(abs(a - b) for o, r in zip(outs, ref) for a, b in zip(o["logprobs"], r["logprobs"])) <= 2e-3
+        for rank in phase["rank_metrics"]:
+            assert rank["kvengine_reservations_active"] == rank["kvengine_vllm_pinned_chunks"] == 0
+            assert rank["kvengine_load_failed_tokens_total"] == 0
+            assert rank["kvengine_loaded_tokens_total"] == phase["rank_metrics"][0]["kvengine_loaded_tokens_total"]
+    ends = [(len(p) - 1) // block * block for p in s["base"]]
+    assert [o["cached"] for o in fresh["base"]] == [e if e % chunk == 0 else 0 for e in ends] and any(ends)
+    assert fresh["rank_metrics"][0]["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in fresh["base"])
+    assert first["aborted"] == [None, None]
+    assert s["disk_dirs"] == ["tp0-of-2", "tp1-of-2"]
+
+
 def test_a_recurrent_state_written_in_another_conv_layout_is_a_miss(hybrid):
     """A reader whose conv state layout differs (VLLM_SSM_CONV_STATE_LAYOUT=DS, as a different CPU or
     connector may make vLLM choose) shares the disk but never the chunks: no hit, correct outputs."""

@@ -456,8 +456,8 @@ def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follo
 
 
 def test_tensor_parallel_refuses_what_is_not_validated_across_ranks():
-    """Several ranks: full attention passes, and MLA alone at two ranks (rank 0's one copy, loaded by both);
-    recurrent state, MLA next to another group or at more than two ranks, and shadow checks are refused by
+    """Several ranks: full attention and recurrent state pass, and MLA alone at two ranks (rank 0's one copy,
+    loaded by both); MLA next to another group or at more than two ranks, and shadow checks are refused by
     name. Only MLA alone at several ranks shares one copy."""
     from kvengine.errors import UnsupportedModelError
     from kvengine.integrations.vllm.connector import check_tensor_parallel
@@ -472,9 +472,8 @@ def test_tensor_parallel_refuses_what_is_not_validated_across_ranks():
     check_tensor_parallel(plan_groups(config_of(mla)), options, 2)
     assert shares_one_copy(plan_groups(config_of(mla)), 2) and not shares_one_copy(plan_groups(config_of(mla)), 1)
     assert not shares_one_copy(full, 2)
-    state = spec("MambaSpec", mamba_cache_mode="align")
-    for groups, world, match in (((state,), 2, "recurrent state"),
-                                 ((mla, spec("FullAttentionSpec")), 2, r"MLA latent pages \(KV cache groups \[0\]\) "
+    check_tensor_parallel(plan_groups(config_of(spec("MambaSpec", mamba_cache_mode="align"))), options, 2)
+    for groups, world, match in (((mla, spec("FullAttentionSpec")), 2, r"MLA latent pages \(KV cache groups \[0\]\) "
                                                                        "next to other"),
                                  ((mla,), 3, "MLA latent pages has not been validated: rank 0 stores the one copy")):
         check_tensor_parallel(plan_groups(config_of(*groups)), options, 1)
@@ -642,6 +641,28 @@ def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
     h.states.install(state, 3)
     assert torch.equal(h.cache[3], h.cache[5])
     h.engine.release(res)
+    assert h.engine.core.memory.total_pins() == 0
+
+
+def test_hybrid_load_offered_less_than_this_ranks_hit_gets_the_state_at_the_offered_end(state_desk):
+    """Tensor parallelism offers vLLM the least hit over the ranks: a rank whose own hit (2 chunks) is longer
+    hands its load the state at the offered end (1 chunk), looked up then; at an end with no stored state,
+    none (the load fails: every rank recomputes); asked for its own end, the state it held."""
+    import numpy as np
+
+    from kvengine.integrations.vllm.scheduler import token_bytes
+
+    h = state_desk
+    ids = np.array(h.tokens, dtype="<u4")
+    for block, chunks, value in ((5, 2, 7), (6, 1, 3)):
+        h.cache[block].fill_(value)
+        assert h.states.save(h.desk.binding(""), ids[:chunks * CHUNK], block_id=block)
+    for end, want in ((CHUNK, 3), (2 * CHUNK, 7), (CHUNK + BS, None)):
+        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 2 * CHUNK
+        res, state = h.desk.take("r", end)
+        assert res.matched_tokens == 2 * CHUNK
+        assert (state is None) if want is None else state[0].eq(want).all()
+        h.engine.release(res)
     assert h.engine.core.memory.total_pins() == 0
 
 

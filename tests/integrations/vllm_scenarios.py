@@ -387,6 +387,48 @@ def scenario_hybrid(work: Path) -> dict[str, Any]:
     return report
 
 
+def scenario_hybrid_tp(work: Path) -> dict[str, Any]:
+    """Qwen3-Next (linear-attention state + full attention, prefix caching on) at tensor_parallel_size=2 (each
+    rank holds half of the linear-attention heads and of the KV heads; OpenMP bound to one core per worker):
+    vLLM at TP=2 without the connector as the reference; a connector engine with a disk tier (first and second
+    turns, then requests aborted mid-way); a fresh TP=2 engine on the same disk."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
+    # two linear-attention key heads (and four value heads), one per rank, where the TP=1 model has one
+    qwen = str(build_model_dir(work / "qwen3_next_tp", "qwen3_next", dtype="bfloat16", linear_num_key_heads=2,
+                               linear_num_value_heads=4))
+    base = [prompt(141, 700), prompt(142, 1100)]
+    turn2 = [base[0] + prompt(143, 300), base[1][:900] + prompt(144, 200)]
+    aborted = [prompt(145, 800, base[1][:600]), prompt(146, 500)]
+    report: dict[str, Any] = {"base": base, "turn2": turn2}
+    qargs = dict(dtype="bfloat16", enable_prefix_caching=True, tensor_parallel_size=2)
+    set_topology(in_process=False)
+    engine = start(engine_args(qwen, **qargs))
+    try:
+        report["ref"] = run(engine, base, logprobs=True) + run(engine, turn2, logprobs=True)
+    finally:
+        shutdown(engine)
+    disk = work / "qwen_tp_disk"
+    for phase in ("first", "fresh"):
+        port = free_port(2)
+        engine = start(engine_args(qwen, **qargs, connector={"kvengine": {
+            "metrics_port": port, "write_mode": "write_through", "memory": {"capacity_bytes": "64MiB"},
+            "disk": {"path": str(disk)}}}))
+        try:
+            report[phase] = {"base": run(engine, base, logprobs=True), "turn2": run(engine, turn2, logprobs=True)}
+            if phase == "first":
+                report[phase]["aborted"] = run(engine, aborted, prefix="abort", abort_at_step=2,
+                                               abort=frozenset({0, 1}))
+            report[phase]["rank_metrics"] = unpinned([port, port + 1])
+        finally:
+            shutdown(engine)
+    report["disk_dirs"] = sorted(p.name for p in disk.iterdir())
+    return report
+
+
 def scenario_tp(work: Path) -> dict[str, Any]:
     """Llama at tensor_parallel_size=2 (two worker processes, one KV head each; OpenMP bound to one core per
     worker): reference outputs of vLLM at TP=2 without the connector; a connector engine at TP=2 with a disk
@@ -730,6 +772,7 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
+             "hybrid_tp": scenario_hybrid_tp,
              "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake}
 
 
