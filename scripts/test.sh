@@ -16,7 +16,7 @@ bash scripts/lint_imports.sh || status=$?
 .venv/bin/python -m pytest -q "$@" || status=$?
 if [ -z "${KVENGINE_SKIP_SGLANG:-}" ]; then
   bash scripts/setup_sglang.sh
-  .venv-sglang/bin/python -m pytest -q tests/integrations/test_sglang_backend.py || status=$?
+  .venv-sglang/bin/python -m pytest -q tests/integrations/test_sglang_*.py || status=$?
 fi
 if [ -z "${KVENGINE_SKIP_VLLM:-}" ] && ls tests/integrations/test_vllm_*.py >/dev/null 2>&1; then
   bash scripts/setup_vllm.sh
