@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import sys
 import threading
 import types
@@ -186,10 +185,8 @@ def init_single_process_parallel() -> None:
     """gloo world of one and SGLang's parallel context pinned to tp=pp=cp=1 (idempotent)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # an address of its own (not the environment's: child processes inherit it)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     from sglang.srt.runtime_context import get_parallel
 
     get_parallel().override_permanently(

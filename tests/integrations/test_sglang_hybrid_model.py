@@ -1,13 +1,13 @@
 """A tiny hybrid model (Qwen3-Next: linear-attention state + full attention) resumed exactly through SGLang's
-pools and the kvengine backend's v2 methods, across processes.
+HybridCacheController, its host pools and the kvengine backend, across processes.
 
 SGLang's own model runner needs its CUDA kernels, so the forward passes are transformers' Qwen3-Next (its
 plain-torch gated-delta-rule path). Between the model's cache and the disk everything is SGLang's: the host
 pools (``MHATokenToKVPoolHost`` for the attention KV, ``MambaPoolHost`` for the linear-attention state; their
 copies from and to device pools need SGLang's CUDA kernels, so the test writes and reads their host slots
-directly, in the page-first layout those copies use), SGLang's page hash chain, and the backend's
-``batch_set_v1`` / ``batch_set_v2`` / ``batch_exists_v2`` / ``batch_get_v1`` / ``batch_get_v2`` called as
-``HybridCacheController`` calls them (a node's state keyed by its last page hash).
+directly, in the page-first layout those copies use), SGLang's page hash chain, and the controller's own
+``write_storage`` and ``prefetch`` paths (which call the backend's v1 and v2 methods). The test stands in for
+the radix cache only where it hands the controller host slots.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -37,6 +38,8 @@ STATE_PAGES = (2, 4)  # radix nodes end at these pages: each backs up its state 
 KV_PAGES = 5  # pages written back (the fifth belongs to a node whose state was not stored)
 PROMPT = 6 * PAGE
 NEW_TOKENS = 8
+GEOMETRY = sglang_env.PoolGeometry(layers=1, heads=2, head_dim=16, page=PAGE, device_tokens=8 * PAGE,
+                                   dtype=torch.float32)
 #: tiny Qwen3-Next: layer 0 linear attention (conv + recurrent state), layer 1 full attention
 MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
@@ -83,25 +86,25 @@ def linear_state(cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pools(recurrent: torch.Tensor, conv: torch.Tensor) -> tuple[Any, Any]:
     """SGLang's host pools: KV for the attention layer, Mamba state for the linear-attention layer."""
-    geometry = sglang_env.PoolGeometry(layers=1, heads=MODEL["num_key_value_heads"], head_dim=MODEL["head_dim"],
-                                       page=PAGE, device_tokens=8 * PAGE, dtype=torch.float32)
-    _, host = sglang_env.make_mha_pools("page_first", geometry)
+    _, host = sglang_env.make_mha_pools("page_first", GEOMETRY)
     mamba = sglang_env.make_mamba_host_pool(layers=1, slots=8, temporal_shape=tuple(recurrent.shape),
                                             conv_shapes=(tuple(conv.shape),), temporal_dtype=recurrent.dtype,
                                             conv_dtype=conv.dtype)
     return host, mamba
 
 
-def backend_for(host: Any, mamba: Any, disk: Path) -> KVEngineHiCacheStorage:
-    config = sglang_env.storage_config(extra=extra_config(
-        kvengine_config={"memory": {"capacity_bytes": "16MiB"}, "disk": {"path": str(disk), "fsync": "data"}},
-        model_fingerprint="tiny-qwen3-next"))
-    backend = KVEngineHiCacheStorage(config, {})
-    backend.register_mem_pool_host(host)
-    backend.register_mem_host_pool_v2(host, PoolName.KV)
-    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
-    backend.on_host_pools_registered()
-    return backend
+def controller_for(host: Any, mamba: Any, disk: Path) -> Any:
+    """SGLang's HybridCacheController over the KV and Mamba host pools, with the kvengine backend attached
+    (the Mamba pool's device side is never touched: its copies need CUDA kernels)."""
+    device = SimpleNamespace(layer_num=1)
+    controller = sglang_env.make_controller(
+        sglang_env.make_mha_pools("page_first", GEOMETRY)[0], host, backend="dynamic", hybrid=True,
+        extra_config=extra_config(kvengine_config={"memory": {"capacity_bytes": "16MiB"},
+                                                   "disk": {"path": str(disk), "fsync": "data"}},
+                                  model_fingerprint="tiny-qwen3-next"),
+        extra_pools={PoolName.MAMBA: (device, mamba)})
+    assert isinstance(controller.storage_backend, KVEngineHiCacheStorage)
+    return controller
 
 
 def state_of(mamba: Any, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +115,6 @@ def state_of(mamba: Any, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
 def kv_of(host: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention layer's K and V at token ``slots`` of a page-first KV host pool: [kv, slot, layer, ...]."""
     return host.kv_buffer[0, slots, 0], host.kv_buffer[1, slots, 0]
-
-
-def state_transfer(key: str, slot: int) -> PoolTransfer:
-    return PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=[key],
-                        hit_policy=PoolHitPolicy.TRAILING_PAGES)
 
 
 def write(model_dir: str, disk: str) -> None:
@@ -132,40 +130,58 @@ def write(model_dir: str, disk: str) -> None:
         done = end
         states[end] = tuple(t.clone() for t in linear_state(cache))
     host, mamba = pools(*states[STATE_PAGES[0]])
-    backend = backend_for(host, mamba, Path(disk))
+    controller = controller_for(host, mamba, Path(disk))
     try:
-        for slot, end in enumerate(STATE_PAGES, start=3):
-            for dst, src in zip(state_of(mamba, slot), states[end]):
-                dst.copy_(src)
-            assert backend.batch_set_v2([state_transfer(keys[end - 1], slot)]) == {PoolName.MAMBA: [True]}
-        slots = torch.arange(KV_PAGES * PAGE)
+        slots = host.alloc(KV_PAGES * PAGE)
         layer = cache.layers[1]
         host.kv_buffer[0, slots, 0] = layer.keys[0].transpose(0, 1)  # [heads, T, D] -> [T, heads, D]
         host.kv_buffer[1, slots, 0] = layer.values[0].transpose(0, 1)
-        assert backend.batch_set_v1(keys[:KV_PAGES], slots) == [True] * KV_PAGES
+        state_slots = mamba.alloc(len(STATE_PAGES))
+        for slot, end in zip(state_slots.tolist(), STATE_PAGES):
+            for dst, src in zip(state_of(mamba, slot), states[end]):
+                dst.copy_(src)
+        # each node's state under its last page hash, then the KV pages, as the radix cache backs a path up
+        states_transfer = PoolTransfer(name=PoolName.MAMBA, host_indices=state_slots,
+                                       keys=[keys[end - 1] for end in STATE_PAGES],
+                                       hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        controller.write_storage(slots, tokens[:KV_PAGES * PAGE], hash_value=keys[:KV_PAGES],
+                                 extra_pools=[states_transfer])
+        assert controller.ack_backup_queue.get(timeout=60).completed_tokens == KV_PAGES * PAGE
     finally:
-        backend.close()
+        controller.detach_storage_backend()
 
 
-def restore(model: Any, tokens: list[int], disk: Path, *, state_page: int | None = None) -> tuple[int, Any]:
+def restore(model: Any, tokens: list[int], disk: Path) -> tuple[int, Any]:
     """The reader: find the longest restorable prefix, load its KV pages and its state through SGLang's pools,
     and put them into a transformers cache whose every tensor was first computed for other tokens (so that
-    anything not restored would show). ``state_page`` forces the state of another prefix (a wrong one)."""
-    keys = get_hash_str(tokens, None, page_size=PAGE)
+    anything not restored would show)."""
     other = torch.randint(2, 512, (PROMPT,), generator=torch.Generator().manual_seed(99)).tolist()
     _, shell = forward(model, other[:STATE_PAGES[-1] * PAGE])
     host, mamba = pools(*linear_state(shell))
-    backend = backend_for(host, mamba, disk)
+    host.alloc(PAGE)  # other host slots than the writer's
+    controller = controller_for(host, mamba, disk)
     try:
-        found = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=["_"],
-                                                            hit_policy=PoolHitPolicy.TRAILING_PAGES)])
-        pages = max(found.restorable_prefix_pages)
-        slots = torch.arange(pages * PAGE) + PAGE  # other host slots than the writer's
-        assert backend.batch_get_v1(keys[:pages], slots) == [True] * pages
-        assert backend.batch_get_v2([state_transfer(keys[(state_page or pages) - 1], 5)]) == {PoolName.MAMBA: [True]}
+        trailing = PoolTransfer(name=PoolName.MAMBA, keys=["_"], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        hit = controller.prefetch(sglang_env.RequestHandle("reader"), tokens, extra_pools=[trailing])
+        assert controller.prefetch_hit_queue.get(timeout=60) is hit
+        pages = hit.storage_hit_count // PAGE
+        slots, _ = controller.allocate_storage_hit(hit, hit.storage_hit_count, allow_partial=False, min_tokens=0,
+                                                   evict_host=lambda n: 0)
+        # What the radix cache does for a trailing pool: a host slot for the state (the controller keys it).
+        (transfer,) = hit.pool_transfers
+        transfer.host_indices = mamba.alloc(1)
+        hit.host_indices = slots
+        controller.prefetch_buffer.put(hit)
+        completed = 0
+        while True:
+            ack = controller.ack_prefetch_queue.get(timeout=60)
+            completed = max(completed, ack.completed_tokens or 0)
+            if ack.completed_req:
+                break
+        assert completed == pages * PAGE
     finally:
-        backend.close()
-    for dst, src in zip(linear_state(shell), state_of(mamba, 5)):
+        controller.detach_storage_backend()
+    for dst, src in zip(linear_state(shell), state_of(mamba, int(transfer.host_indices[0]))):
         dst.copy_(src)
     layer = shell.layers[1]
     k, v = kv_of(host, slots)
@@ -209,12 +225,15 @@ def test_a_fresh_process_resumes_the_hybrid_model_from_stored_kv_and_state_exact
 
 
 def test_a_state_of_another_prefix_changes_the_answer(written):
-    """The control: the same KV pages with the state stored for 2 pages instead of 4 give other logits (the
-    test above would see a state restored at the wrong position)."""
+    """The control: the 4-page prefix's KV with the state restored for the 2-page prefix gives other logits
+    (the test above would see a state restored at the wrong position)."""
     model, disk = written
     tokens = prompt_tokens()
-    n, cache = restore(model, tokens, disk, state_page=STATE_PAGES[0])
+    n, cache = restore(model, tokens, disk)
+    ref_logits, _ = forward(model, tokens[n:], restore(model, tokens, disk)[1])
+    short, short_cache = restore(model, tokens[:3 * PAGE], disk)
+    assert short == STATE_PAGES[0] * PAGE
+    for dst, src in zip(linear_state(cache), linear_state(short_cache)):
+        dst.copy_(src)
     logits, _ = forward(model, tokens[n:], cache)
-    ref_n, ref_cache = restore(model, tokens, disk)
-    ref_logits, _ = forward(model, tokens[ref_n:], ref_cache)
     assert (logits - ref_logits).abs().max() > 1e-2
