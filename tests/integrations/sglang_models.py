@@ -8,6 +8,9 @@ kvengine backend; the tests stand in for the radix cache only where it hands the
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +25,16 @@ NEW_TOKENS = 8
 #: one attention layer per pool, float32 (the tiny models' dtype)
 GEOMETRY = sglang_env.PoolGeometry(layers=1, heads=2, head_dim=16, page=PAGE, device_tokens=8 * PAGE,
                                    dtype=torch.float32)
+
+
+def write_in_subprocess(module: str, work: Path) -> tuple[Path, Path]:
+    """Run ``module.write(model_dir, disk)`` in a fresh Python process (the writer); return both paths."""
+    model_dir, disk = work / "model", work / "disk"
+    code = f"from {module} import write; write({json.dumps(str(model_dir))}, {json.dumps(str(disk))})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return model_dir, disk
 
 
 def load_model(path: Path, family: str, **config: Any) -> Any:

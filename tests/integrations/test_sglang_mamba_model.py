@@ -6,9 +6,6 @@ The forward passes are transformers' (see :mod:`tests.integrations.sglang_models
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +30,9 @@ from tests.integrations.sglang_models import (
     load_model,
     prefetch,
     put_kv,
+    write_in_subprocess,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 STATE_PAGES = (2, 4)  # radix nodes end at these pages: each backs up its state there
 KV_PAGES = 5  # pages written back (the fifth belongs to a node whose state was not stored)
 PROMPT = 6 * PAGE
@@ -118,12 +115,7 @@ def restore(model: Any, tokens: list[int], disk: Path) -> tuple[int, Any]:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    work = tmp_path_factory.mktemp("mamba_model")
-    model_dir, disk = work / "model", work / "disk"
-    code = (f"from tests.integrations.test_sglang_mamba_model import write; "
-            f"write({json.dumps(str(model_dir))}, {json.dumps(str(disk))})")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    model_dir, disk = write_in_subprocess(__name__, tmp_path_factory.mktemp("mamba_model"))
     return load_model(model_dir, "qwen3_next", **MODEL), disk
 
 

@@ -8,9 +8,6 @@ The forward passes are transformers' (see :mod:`tests.integrations.sglang_models
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +32,9 @@ from tests.integrations.sglang_models import (
     load_model,
     prefetch,
     put_kv,
+    write_in_subprocess,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 WINDOW = 2 * PAGE  # the sliding window: a prefix needs its last two SWA pages
 KV_PAGES = 5  # full-attention pages backed up
 SWA_PAGES = 4  # sliding-window pages backed up: the fifth's is missing, so 5 pages are not restorable
@@ -101,12 +98,7 @@ def restore(model: Any, tokens: list[int], disk: Path) -> tuple[int, Any]:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    work = tmp_path_factory.mktemp("swa_model")
-    model_dir, disk = work / "model", work / "disk"
-    code = (f"from tests.integrations.test_sglang_swa_model import write; "
-            f"write({json.dumps(str(model_dir))}, {json.dumps(str(disk))})")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    model_dir, disk = write_in_subprocess(__name__, tmp_path_factory.mktemp("swa_model"))
     return load_model(model_dir, "gemma2", **MODEL), disk
 
 

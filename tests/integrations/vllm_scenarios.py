@@ -343,6 +343,13 @@ def scenario_second(work: Path) -> dict[str, Any]:
     return report
 
 
+def bind_two_workers() -> None:
+    """Tensor parallelism on this 2-core machine: OpenMP bound to one core per worker (vLLM's default wants a
+    NUMA node each), none reserved (read by the spawned worker processes)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+
+
 def scenario_hybrid(work: Path) -> dict[str, Any]:
     """Qwen3-Next: linear-attention state + full attention, in vLLM's default topology (scheduler and
     worker in separate processes). With prefix caching on (vLLM's mamba_cache_mode 'align') the state at
@@ -394,8 +401,7 @@ def scenario_hybrid_tp(work: Path) -> dict[str, Any]:
     turns, then requests aborted mid-way); a fresh TP=2 engine on the same disk."""
     from kvengine.integrations.vllm.tiny_models import build_model_dir
 
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    bind_two_workers()
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
     # two linear-attention key heads (and four value heads), one per rank, where the TP=1 model has one
     qwen = str(build_model_dir(work / "qwen3_next_tp", "qwen3_next", dtype="bfloat16", linear_num_key_heads=2,
@@ -437,8 +443,7 @@ def scenario_tp(work: Path) -> dict[str, Any]:
     each rank's disk directory)."""
     from kvengine.integrations.vllm.tiny_models import build_model_dir
 
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (vLLM's default wants a NUMA node each)
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    bind_two_workers()
     model = str(build_model_dir(work / "llama", "llama"))
     disk = str(work / "tp_disk")
     base = [prompt(1, 700), prompt(2, 300), prompt(3, 1100)]
@@ -567,8 +572,7 @@ def scenario_mla_tp(work: Path) -> dict[str, Any]:
 
     if not torch.cpu._is_amx_tile_supported():
         return {"skipped": "no AMX: vLLM picks the refused CPU_MLA backend"}
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    bind_two_workers()
     model = str(build_model_dir(work / "deepseek_v2_tp", "deepseek_v2", dtype="bfloat16"))
     base = [prompt(91, 600), prompt(92, 1100)]  # as scenario_mla: lengths just past multiples of 256
     shared = [prompt(93, 900, base[0][:550]), prompt(94, 1000, base[1][:1030])]
