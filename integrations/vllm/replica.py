@@ -17,9 +17,9 @@ sums in another order on each rank; that is not proven, so it is refused
 Collective order: every rank gets the same step metadata, so it builds the
 same load jobs and runs their stages in the same forward order on its
 pipeline thread. Per stage, rank 0 broadcasts a header (per job: how many
-chunks it sends, the first one's start, the last one's end), then each of
-those chunks. A rank whose copy of a chunk fails keeps receiving but stops
-copying; it reports the blocks from that chunk on and vLLM, which takes the
+chunks it sends, the first one's start, the last one's end), then all of
+those chunks packed in one buffer. A rank whose copy of a chunk fails stops
+copying that job; it reports the blocks from that chunk on and vLLM, which takes the
 union of every rank's failed blocks, recomputes them on all ranks. A failed
 broadcast (a peer gone, :data:`GROUP_TIMEOUT` passed) ends sharing for good:
 this rank copies nothing more, and rank 0 then answers every lookup with a
@@ -114,22 +114,41 @@ class LatentBroadcast:
 
     def load_stage(self, stage: int, jobs: Sequence[LoadJob], copy_in: CopyIn) -> None:
         """Share and copy in ``stage`` of every job; cut each job's ``loaded`` (in chunks) to what this rank
-        copied in whole. Rank 0 sends even after its own copy of a chunk failed, so every rank stays in step."""
+        copied in whole. The stage's chunks travel as one broadcast (a few large messages move several times
+        faster over gloo than many chunk-sized ones); rank 0 packs them, the others receive into one buffer.
+        Every rank copies in what was sent even after its own copy of an earlier chunk failed elsewhere: the
+        broadcasts stay in step whatever each rank's copies do."""
         header = self._header(stage, jobs)
-        chunk = self._layout.chunk_size
+        chunk, dtype = self._layout.chunk_size, self._layout.tensors[stage].dtype
+        plan = []  # (job, first chunk index, [(chunk start, shape)]) per job
         for n, job in enumerate(jobs):
             count, lo0, hi_last = header[n] if header is not None else (0, job.spec.start, 0)
-            first, copied = lo0 // chunk, 0
-            for k in range(count):
-                lo = lo0 + k * chunk
-                hi = min(lo + chunk, hi_last)
-                if self.is_source:
-                    tensor = job.views[first + k].tensors[stage]
-                else:
-                    spec = self._layout.tensors[stage]
-                    tensor = torch.empty(self._layout.shapes(hi - lo)[stage], dtype=spec.dtype)
-                if not self._share(tensor):
+            starts = [lo0 + k * chunk for k in range(count)]
+            plan.append((job, lo0 // chunk, [(lo, self._layout.shapes(min(lo + chunk, hi_last) - lo)[stage])
+                                              for lo in starts]))
+        sizes = [shape.numel() for _, _, chunks in plan for _, shape in chunks]
+        flat = self._pack(stage, plan, sum(sizes), dtype) if sizes else None
+        received = flat is not None and self._share(flat)
+        pieces = iter(flat.split(sizes) if received and flat is not None else ())
+        for job, first, chunks in plan:
+            copied = 0
+            for k, (lo, shape) in enumerate(chunks):
+                piece = next(pieces, None)
+                if piece is None:
                     break
+                tensor = job.views[first + k].tensors[stage] if self.is_source else piece.view(shape)
                 if copied == k and copy_in(stage, job, tensor, lo):
                     copied += 1
             job.loaded = min(job.loaded, first + copied)
+
+    def _pack(self, stage: int, plan: list[tuple[LoadJob, int, list[tuple[int, torch.Size]]]], numel: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        """The stage's chunks in one buffer: rank 0 fills it from its views, the others receive into it."""
+        flat = torch.empty(numel, dtype=dtype)
+        if self.is_source:
+            offset = 0
+            for job, first, chunks in plan:
+                for k, (_, shape) in enumerate(chunks):
+                    flat[offset:offset + shape.numel()].view(shape).copy_(job.views[first + k].tensors[stage])
+                    offset += shape.numel()
+        return flat
