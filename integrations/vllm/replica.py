@@ -19,8 +19,8 @@ same load jobs and runs their stages in the same forward order on its
 pipeline thread. Per stage, rank 0 broadcasts a header (per job: how many
 chunks it sends, the first one's start, the last one's end), then all of
 those chunks packed in one buffer. A rank whose copy of a chunk fails stops
-copying that job; it reports the blocks from that chunk on and vLLM, which takes the
-union of every rank's failed blocks, recomputes them on all ranks. A failed
+copying that job and reports the blocks from that chunk on; vLLM takes the
+union of every rank's failed blocks and recomputes them on all ranks. A failed
 broadcast (a peer gone, :data:`GROUP_TIMEOUT` passed) ends sharing for good:
 this rank copies nothing more, and rank 0 then answers every lookup with a
 miss (:attr:`LatentBroadcast.broken`).
@@ -116,8 +116,8 @@ class LatentBroadcast:
         """Share and copy in ``stage`` of every job; cut each job's ``loaded`` (in chunks) to what this rank
         copied in whole. The stage's chunks travel as one broadcast (a few large messages move several times
         faster over gloo than many chunk-sized ones); rank 0 packs them, the others receive into one buffer.
-        Every rank copies in what was sent even after its own copy of an earlier chunk failed elsewhere: the
-        broadcasts stay in step whatever each rank's copies do."""
+        A failed copy stops only that job's copies on this rank: what is sent, and so every rank's next
+        broadcast, never depends on a copy."""
         header = self._header(stage, jobs)
         chunk, dtype = self._layout.chunk_size, self._layout.tensors[stage].dtype
         plan = []  # (job, first chunk index, [(chunk start, shape)]) per job
