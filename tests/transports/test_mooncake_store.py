@@ -191,6 +191,17 @@ def _eventually(ask: Any, until: Any, timeout: float = 15.0) -> dict[str, Any]:
         time.sleep(0.2)
 
 
+def _stopped(pid: int, timeout: float = 5.0) -> bool:
+    """Whether every thread of ``pid`` has entered the stopped state (a SIGSTOP is delivered, not only sent)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [Path(t, "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+        if all(state in ("T", "t") for state in states):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_a_chunk_stored_on_one_node_is_served_exactly_on_the_other(cluster: Cluster) -> None:
     assert cluster.a.ask(op="store", seed=1, forget=True)["stored"] == 4
     assert cluster.a.ask(op="exists", seed=1)["exists"] == [True] * 4
@@ -224,6 +235,7 @@ def test_a_stalled_master_is_a_miss_within_the_deadline_and_serving_resumes(clus
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)
     try:
+        assert _stopped(proc.pid), "the master did not stop"
         got = cluster.b.ask(op="lookup", seed=4, forget=True)
         assert got["loaded"] == 0 and got["seconds"] < TIMEOUT + 0.5
         again = cluster.b.ask(op="lookup", seed=4, forget=True)  # the stuck call still runs: answered at once
