@@ -279,10 +279,10 @@ class WorkerSide:
         self._pipeline = LayerPipeline(self._copier, forward_order, broadcast)
         options = self._options.for_rank(namespace.rank, namespace.world_size)
         if self._follower:
-            self._step_metrics(CollectorRegistry(auto_describe=True))
+            registry = CollectorRegistry(auto_describe=True)
+            self._step_metrics(registry)
             if options.engine.metrics_port is not None:
-                self._stop_metrics = serve_registry(self._registry, options.engine.metrics_port,
-                                                    options.engine.metrics_host)
+                self._stop_metrics = serve_registry(registry, options.engine.metrics_port, options.engine.metrics_host)
             logger.info("kvengine: rank %d of %d loads the MLA chunks rank 0 shares (no cache engine here)",
                         namespace.rank, namespace.world_size)
             return
@@ -324,7 +324,6 @@ class WorkerSide:
 
     def _step_metrics(self, r: CollectorRegistry) -> None:
         """The per-step counters, in the engine's registry (or, on a rank without one, a registry of their own)."""
-        self._registry = r
         self._m_loads = Counter("kvengine_vllm_loads", "Loads into vLLM blocks", ["outcome"], registry=r)
         self._m_error_blocks = Counter("kvengine_vllm_load_error_blocks", "Blocks reported to vLLM for recompute",
                                        registry=r)
