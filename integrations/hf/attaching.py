@@ -4,15 +4,19 @@
 :class:`~kvengine.errors.UnsupportedModelError`), checks it against the
 cache the model really builds, then runs the attach canary:
 
-1. plain prefill of a probe prompt (reference logits and per-layer states);
+1. a plain transformers run of a probe prompt (reference logits and per-layer
+   states), split where the cached path splits it: the stored prefix, then the
+   suffix over the model's own cache;
 2. the store path over the probe's chunk-aligned prefix, into a canary namespace;
 3. a fresh lookup + load of that prefix into a new cache, compared bit for bit
    with the in-memory cache it was stored from;
-4. continuing the probe over the restored cache, compared with step 1 within
-   the dtype's tolerance, layer by layer.
+4. continuing the probe over the restored cache, compared bit for bit with
+   step 1, layer by layer (same kernels, shapes and order: an exact path has no
+   rounding to allow for; :mod:`.verify`).
 
 Any difference raises :class:`~kvengine.errors.AttachError` naming the layer
-group, and nothing is bound.
+group, and nothing is bound. The same verification runs again when the model
+later changes dtype or device (:meth:`AttachedModel.check_weights`).
 
 Lossy codecs are opt-in: an engine whose lower tiers write with a lossy codec
 (``disk.codec: int8-channel``, ...) serves KV that differs from what was
@@ -26,40 +30,33 @@ then a second restore of the probe whose chunks pass through the tiers' codec
 promoter use: exactly the KV a disk or peer hit holds, without waiting for the
 write to land), which must be within the codec's error bound of the stored
 cache (:func:`kvengine.compression.error_bound`: int8 1/127, fp8 1/16,
-int4 1/7 of each tensor's largest magnitude). The continuation over that
+int4 1/7 of each tensor's largest magnitude): the canary's only tolerance,
+because that path changes the KV by design. The continuation over that
 cache is measured and reported (largest logit error, greedy agreement), not
-judged: its quality is what the user opted into. ``debug_unverified=True`` skips the canary,
-logs loudly and binds under ``Namespace(verified=False)``, whose chunks
-never reach verified readers.
+judged: its quality is what the user opted into. ``debug_unverified=True``
+skips the canary, logs loudly and binds under ``Namespace(verified=False)``,
+whose chunks never reach verified readers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
-import math
 from typing import Any
-
-import torch
 
 from kvengine import KVEngine, Namespace
 from kvengine.chunks.codecs import Codec
-from kvengine.chunks.record import descriptors_for
 from kvengine.compression import LOSSLESS_FAMILY, codec_family, error_bound
-from kvengine.compression.quality import roundtrip
 from kvengine.errors import InvalidRequestError
-from kvengine.semantics.canary import CanaryReport, LossyProbe, judge
 from kvengine.semantics.families import derive_spec
-from kvengine.types import ChunkView
 
 from .generator import AttachedModel
-from .proof import probe_tokens, prove_namespace
+from .proof import prove_namespace
+from .verify import CANARY_KEY, check_real_cache, probe_lengths, run_canary, through_codec, verify
 from .weights_watch import model_fingerprint as model_fingerprint
 
-logger = logging.getLogger("kvengine.hf")
+__all__ = ["CANARY_KEY", "attach", "model_fingerprint", "probe_lengths", "run_canary", "through_codec"]
 
-CANARY_KEY = "kvengine-attach-canary"
+logger = logging.getLogger("kvengine.hf")
 
 
 def attach(
@@ -97,8 +94,8 @@ def attach(
     )
     attached = AttachedModel(model, engine, spec, layout, namespace, content_fingerprint=content,
                              explicit_fingerprint=fingerprint is not None)
-    _check_real_cache(attached)
     if debug_unverified:
+        check_real_cache(attached)
         logger.warning(
             "\n" + "!" * 78 + "\n"
             "kvengine: ATTACH VERIFICATION SKIPPED for %r (debug_unverified=True).\n"
@@ -107,19 +104,7 @@ def attach(
             + "!" * 78, name,
         )
     else:
-        report = run_canary(attached)
-        report.raise_if_failed()
-        attached.canary = report
-        if report.lossy:
-            logger.info("kvengine: attach canary passed for %r under lossy codec %s: exact restore (max logit "
-                        "error %.3g); restore through %s within %.3g of the stored KV (bound %.3g, relative to "
-                        "each tensor's max), continuation max logit error %.3g, greedy next token agrees at "
-                        "%.0f%% of probe positions", name, report.codec, report.max_logit_error, report.codec,
-                        report.restored_error, report.restored_bound, report.lossy_logit_error,
-                        100 * (report.lossy_greedy_agreement or 0.0))
-        else:
-            logger.info("kvengine: attach canary passed for %r (max logit error %.3g)", name,
-                        report.max_logit_error)
+        attached.canary = verify(attached)
     attached.binding = engine.bind(namespace, layout)
     if not debug_unverified:
         attached.proof = prove_namespace(attached)
@@ -146,110 +131,3 @@ def _lossy_codec(engine: KVEngine, lossy_kv: bool) -> Codec | None:
         raise InvalidRequestError(f"lossy codec {codec.name!r} has no known error bound: the attach canary "
                                   "cannot judge KV restored through it")
     return codec
-
-
-def through_codec(codec: Codec, view: ChunkView) -> ChunkView:
-    """``view`` as a lower tier would deliver it: its payload encoded and decoded by ``codec``, with the
-    descriptors the tier writer records for it (:func:`~kvengine.chunks.record.descriptors_for`), which
-    are also those the promoter decodes with."""
-    descriptors = descriptors_for(view.layout, view.token_range[1] - view.token_range[0])
-    decoded, _ = roundtrip(codec, view.tensors, descriptors)
-    return dataclasses.replace(view, tensors=tuple(d.to(t.device) for d, t in zip(decoded, view.tensors)))
-
-
-def _check_real_cache(attached: AttachedModel) -> None:
-    """Prefill a few tokens and compare the cache the model builds with the spec."""
-    ids = _probe_tokens(attached, 3)
-    ctx = attached.context(_probe_tokens(attached, 5, seed=1) if attached.spec.encoder_decoder else None,
-                           binding=_canary_binding(attached))
-    cache = attached.codec.new_cache()
-    attached.runner.forward(ids, cache, 0, encoder_outputs=ctx.encoder_outputs)
-    attached.codec.check_cache(cache)
-
-
-def _probe_tokens(attached: AttachedModel, n: int, *, seed: int = 0) -> torch.Tensor:
-    return probe_tokens(attached.model, n, seed=seed)
-
-
-def _canary_binding(attached: AttachedModel):  # -> ModelBinding
-    """The attach canary's own namespace: its own root too, so that it checks this process's reuse path
-    even when the model's namespace is quarantined (it never reads anything another process wrote:
-    it stores its probe first, and memory answers before the lower tiers)."""
-    ns = attached.namespace
-    ns = ns.with_updates(model_fingerprint=f"{ns.model_fingerprint}#{CANARY_KEY}",
-                         extra_keys=(*ns.extra_keys, CANARY_KEY))
-    return attached.engine.bind(ns, attached.layout)
-
-
-def probe_lengths(attached: AttachedModel) -> tuple[int, int]:
-    """(stored prefix, total) probe lengths: >= 2 chunks, past every window, >= 2 suffix tokens."""
-    c = attached.chunk_size
-    chunks = max(2, math.ceil(attached.spec.max_window / c) + 1)
-    prefix = chunks * c
-    return prefix, prefix + max(2, min(c // 2, 32))
-
-
-def run_canary(attached: AttachedModel) -> CanaryReport:
-    """Store -> fresh load -> continue a probe and compare with a plain prefill (see module docstring)."""
-    codec, runner = attached.codec, attached.runner
-    prefix, total = probe_lengths(attached)
-    ids = _probe_tokens(attached, total)
-    if attached.spec.encoder_decoder:
-        start = getattr(attached.model.config, "decoder_start_token_id", None)
-        if start is not None:
-            ids[0] = int(start)
-    encoder_ids = _probe_tokens(attached, attached.chunk_size + 3, seed=1) if attached.spec.encoder_decoder else None
-    ctx = attached.context(encoder_ids, binding=_canary_binding(attached))
-
-    reference = codec.new_cache()
-    ref_logits = runner.forward(ids, reference, 0, encoder_outputs=ctx.encoder_outputs, all_logits=True)
-
-    in_memory = codec.new_cache()
-    codec.record(in_memory)
-    snapshots: dict = {}
-    attached.prefill(ctx, ids[:prefix], in_memory, 0, snapshots)
-    attached.store(ctx, ids[:prefix], in_memory, snapshots)
-
-    restored, matched, load_ok = attached.restore(ctx, ids, "kvengine-attach-canary")
-    if not load_ok:  # nothing to compare: a restore path that cannot load is refused as it is
-        return _load_failed(attached, total, matched, f"store -> fresh load failed: {matched} of {prefix} stored "
-                                                      "tokens usable")
-    restored_states = codec.comparable(restored)
-    in_memory_states = codec.comparable(in_memory)
-    lossy: LossyProbe | None = None
-    tier_codec = attached.engine.lossy_codec if attached.namespace.codec_family != LOSSLESS_FAMILY else None
-    if tier_codec is not None:  # a hit from the lower tiers: the same chunks, through their codec
-        through = functools.partial(through_codec, tier_codec)
-        lossy_cache, lossy_matched, lossy_ok = attached.restore(ctx, ids, f"{CANARY_KEY}-lossy", through=through)
-        if not lossy_ok:
-            return _load_failed(attached, total, lossy_matched, f"store -> load through codec {tier_codec.name} "
-                                f"failed: {lossy_matched} of {prefix} stored tokens usable", codec=tier_codec.name)
-        lossy_states = codec.comparable(lossy_cache)
-        lossy_logits = runner.forward(ids[lossy_matched:], lossy_cache, lossy_matched,
-                                      encoder_outputs=ctx.encoder_outputs, all_logits=True)
-        lossy = LossyProbe(codec=tier_codec.name, bound=error_bound(tier_codec) or 0.0, matched_tokens=lossy_matched,
-                           restored=lossy_states, cached_logits=lossy_logits[-(total - prefix):])
-    cached_logits = runner.forward(ids[matched:], restored, matched, encoder_outputs=ctx.encoder_outputs,
-                                   all_logits=True)
-    return judge(
-        spec=attached.spec,
-        model=attached.namespace.model,
-        probe_tokens=total,
-        expected_match=prefix,
-        matched_tokens=matched,
-        in_memory=in_memory_states,
-        restored=restored_states,
-        reference_logits=ref_logits[matched:] if matched == prefix else ref_logits[prefix:],
-        cached_logits=cached_logits if matched == prefix else cached_logits[-(total - prefix):],
-        reference_states=codec.comparable(reference),
-        continued_states=codec.comparable(restored),
-        lossy=lossy,
-    )
-
-
-def _load_failed(attached: AttachedModel, total: int, matched: int, failure: str,
-                 codec: str | None = None) -> CanaryReport:
-    """The canary's report when a restore could not load its probe: nothing was compared."""
-    return CanaryReport(model=attached.namespace.model, probe_tokens=total, matched_tokens=matched,
-                        restored_exact=False, max_logit_error=float("nan"), logit_bound=float("nan"),
-                        codec=codec, failure=failure)

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from .canary import CanaryReport, CanaryTolerance, GroupMismatch, compare_states, tolerance_for
+from .canary import EXACT, CanaryReport, CanaryTolerance, GroupMismatch, compare_states
 from .families import (
     REFUSED_FAMILIES,
     ModelConfigError,
@@ -21,8 +21,7 @@ from .policies import POLICIES, MatchRule, ReusePolicy, Storage, policy_for
 from .spec import AttentionPart, LayerGroup, LayerSpec, ModelKVSpec, StatePart
 
 __all__ = [
-    "POLICIES", "REFUSED_FAMILIES", "AttentionPart", "CanaryReport", "CanaryTolerance", "GroupMismatch",
+    "EXACT", "POLICIES", "REFUSED_FAMILIES", "AttentionPart", "CanaryReport", "CanaryTolerance", "GroupMismatch",
     "LayerGroup", "LayerSpec", "MatchRule", "ModelConfigError", "ModelKVSpec", "ReusePolicy", "StatePart", "Storage",
     "compare_states", "derive_spec", "known_model_types", "load_model_config", "policy_for", "refusal_reasons",
-    "tolerance_for",
 ]

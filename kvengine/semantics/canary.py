@@ -1,11 +1,15 @@
 """The attach-time canary: is a cached continuation the same as a plain prefill?
 
-An integration runs a short probe prompt twice: once as a plain prefill, once
-as store -> fresh load -> continue. This module holds the framework-free
-parts: tolerances per dtype, the per-layer state comparison that names the
-first layer group whose state differs, and the report. It never decides to
-"serve anyway": :meth:`CanaryReport.raise_if_failed` raises
-:class:`~kvengine.errors.AttachError`.
+An integration runs a short probe prompt twice: once through the framework
+alone (a plain prefill split at the same boundaries as the cached path: the
+stored prefix, then the suffix over the framework's own cache), once as
+store -> fresh load -> continue. The two run the same kernels on the same
+shapes, so an exact reuse path is bitwise equal to the plain run: no
+tolerance is needed, and none hides a fault smaller than a rounding bound.
+This module holds the framework-free parts: the per-layer state comparison
+that names the first layer group whose state differs, and the report. It
+never decides to "serve anyway": :meth:`CanaryReport.raise_if_failed`
+raises :class:`~kvengine.errors.AttachError`.
 
 States are compared as ``{(layer, kind): [tensors]}`` with ``kind`` one of
 ``"attention"`` or ``"state"``; a layer's cache bookkeeping (e.g. a sliding
@@ -31,7 +35,8 @@ LayerStates = Mapping[StateKey, Sequence[torch.Tensor]]
 
 @dataclass(frozen=True, slots=True)
 class CanaryTolerance:
-    """``|got - want| <= atol + rtol * max|want|`` element-wise maximum."""
+    """``|got - want| <= atol + rtol * max|want|`` element-wise maximum (:data:`EXACT`, or a lossy codec's
+    relative bound)."""
 
     atol: float
     rtol: float
@@ -43,29 +48,10 @@ class CanaryTolerance:
         return self.atol + self.rtol * scale
 
 
+#: The lossless canary's tolerance: none. Its reference is a plain run split at the same boundaries as
+#: the cached continuation (same kernels, shapes and accumulation order), so an exact reuse path is
+#: bitwise equal to it in every dtype; the only tolerance left is a lossy codec's bound (:func:`judge`).
 EXACT = CanaryTolerance(0.0, 0.0)
-
-# A cached continuation differs from a plain prefill only by rounding: the restored cache is bitwise
-# equal to the one stored (checked separately), and the suffix runs as a separate, shorter forward
-# (stateful families also prefill in chunk-sized pieces), which changes accumulation order. Measured
-# worst logit errors over the 14 families of the exactness matrix (AVX-512 bf16 CPU): fp32 1.4e-6
-# (GraniteMoeHybrid; 0 for most attention-only families); bf16 0.0156 = 1 ulp at logit magnitude 4
-# (Mistral). On AVX2 machines Qwen3-Next's split prefill was seen at 1.4e-5 in fp32. The bounds below
-# leave about 2x that in fp32 (2e-5 + 2e-6 * max|logit|) and about 2 ulp in 16-bit floats.
-_TOLERANCES = {
-    torch.float32: CanaryTolerance(2e-5, 2e-6),
-    torch.float64: CanaryTolerance(1e-10, 1e-10),
-    torch.float16: CanaryTolerance(4e-3, 2e-3),
-    torch.bfloat16: CanaryTolerance(3.2e-2, 1.6e-2),
-}
-
-
-def tolerance_for(dtype: torch.dtype) -> CanaryTolerance:
-    """Tolerance for outputs computed in ``dtype`` (different accumulation order only)."""
-    try:
-        return _TOLERANCES[dtype]
-    except KeyError:
-        raise AttachError(f"no canary tolerance for dtype {dtype}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +190,9 @@ def judge(
 
     1. the lookup matched the stored prefix;
     2. the restored cache equals, bit for bit, the in-memory cache it was stored from;
-    3. after continuing, every layer's state is within tolerance of a plain prefill's;
-    4. the continuation's logits are within tolerance of the plain prefill's.
+    3. after continuing, every layer's state equals, bit for bit, the plain run's (``reference_states``:
+       a plain prefill split at the same boundaries, so an exact path has no rounding to allow for);
+    4. the continuation's logits equal the plain run's, bit for bit.
 
     With ``lossy`` (a lossy attach, whose hits are exact from memory or lossy from the lower tiers),
     checks 1-4 run as above on the exact restore, then:
@@ -217,9 +204,8 @@ def judge(
     6. the continuation over that cache is measured, not judged: its largest logit error and how
        often its greedy next token agrees with a plain prefill's are reported.
     """
-    tol = tolerance_for(spec.dtype)
     logit_err = _max_error(cached_logits, reference_logits)
-    bound = tol.bound(reference_logits)
+    bound = EXACT.bound(reference_logits)
     common: dict[str, Any] = dict(model=model, probe_tokens=probe_tokens, matched_tokens=matched_tokens,
                   max_logit_error=logit_err, logit_bound=bound)
     if matched_tokens != expected_match:
@@ -230,7 +216,7 @@ def judge(
         return CanaryReport(**common, restored_exact=False, mismatch=exact,
                             failure=f"{exact.group}: restored cache differs from the in-memory cache it was stored "
                                     f"from at layer {exact.layer} ({exact.kind}): {exact.detail}")
-    drift = compare_states(spec, reference_states, continued_states, tol)
+    drift = compare_states(spec, reference_states, continued_states, EXACT)
     if drift is not None:
         return CanaryReport(**common, restored_exact=True, mismatch=drift,
                             failure=f"{drift.group}: cached continuation differs from a plain prefill at layer "

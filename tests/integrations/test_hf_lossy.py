@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from kvengine import AttachError, InvalidRequestError
 from kvengine.compression import error_bound
 from kvengine.integrations.hf import attach
-from kvengine.integrations.hf import attaching as attach_mod
+from kvengine.integrations.hf import verify as verify_mod
 from kvengine.integrations.hf.codec import Restorer
 from kvengine.integrations.hf.runner import ModelRunner
 from kvengine.semantics.canary import CanaryReport
@@ -113,13 +113,13 @@ def _flipped_tokens(codec, view):
                           tuple(t.flip(1) if t.dim() == 3 else t for t in back.tensors), back.layout)
 
 
-_real_through = attach_mod.through_codec
+_real_through = verify_mod.through_codec
 
 LOSSY_FAULTS = [
     pytest.param(Restorer, "copy_attention", _token_major_copy, "restored cache differs", id="wrong-layout"),
     pytest.param(ModelRunner, "forward", _positions_restart_after_restore, "cached continuation differs",
                  id="wrong-positions"),
-    pytest.param(attach_mod, "through_codec", _flipped_tokens, f"restored through codec {LOSSY}",
+    pytest.param(verify_mod, "through_codec", _flipped_tokens, f"restored through codec {LOSSY}",
                  id="wrong-layout-on-the-lossy-path"),
 ]
 
