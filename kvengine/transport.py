@@ -10,7 +10,10 @@ Guarantees a transport must give:
   either nothing or the whole record, never a torn one.
 * ``get`` returns the stored bytes or None. It may return corrupt bytes; the
   engine verifies every record with :func:`kvengine.chunks.record.unpack_record`
-  before use, and removes a corrupt one with ``delete``.
+  (and its token position, layout and verification flag) before use, and
+  removes a bad copy where it was read: with :meth:`RejectsCopies.reject` on a
+  transport holding several copies of a chunk (the next copy is then tried),
+  else with ``delete`` (the one copy).
 * Faults (I/O errors, timeouts, full disks, dead peers) are reported as
   False / None results, never raised, except for caller mistakes.
 * A transport with a read deadline counts it from :func:`read_deadline`: the
@@ -146,6 +149,34 @@ class WritesGathered(ChunkTransport, Protocol):
     gathered_writes: bool
 
     async def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[Buffer]]]) -> list[bool]: ...
+
+
+@runtime_checkable
+class RejectsCopies(ChunkTransport, Protocol):
+    """Optional: a transport holding several copies of a chunk (replicas at several owners) that knows where
+    each copy ``get`` returned came from.
+
+    ``reject(key, copy)`` is the engine's verdict on ``copy``, the very buffer a ``get`` returned for
+    ``key``, which failed the engine's checks: the transport removes that copy at its source only (the
+    other copies are good until shown otherwise) and returns the next source's copy of ``key``, passed
+    through the transport's own checks and read within the same :func:`read_deadline`, or None when no
+    source is left. Each source of a key is offered at most once per ``get``, so a chain of rejections
+    ends after at most the number of copies. A ``copy`` whose source the transport no longer knows is
+    left where it is (None). The engine then uses ``reject``, never ``delete``, for a bad copy; a
+    transport without it holds one copy of each chunk, and ``delete`` removes that.
+
+    Placed reads (:class:`ReadsInPlace`) return no buffer to name a copy by: a transport offering both
+    has its placed reads' bad copies removed with ``delete``.
+    """
+
+    rejects_copies: bool
+
+    async def reject(self, key: ChunkKey, copy: Buffer) -> Buffer | None: ...
+
+
+def rejects_copies(transport: ChunkTransport) -> TypeGuard[RejectsCopies]:
+    """Whether ``transport`` discards bad copies at their source and says so (``rejects_copies`` True)."""
+    return isinstance(transport, RejectsCopies) and transport.rejects_copies is True
 
 
 def reads_in_place(transport: ChunkTransport) -> TypeGuard[ReadsInPlace]:

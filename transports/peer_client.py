@@ -17,6 +17,11 @@ rendezvous winners over the current membership, minus peers in cool-down.
   from the start of the engine's lookup (:func:`kvengine.transport.read_scope`):
   one lookup's ``exists`` and every ``get`` window share one deadline.
 * ``delete`` goes to every live owner.
+* ``reject`` (:class:`kvengine.transport.RejectsCopies`): a copy ``get``
+  returned that the engine refused (wrong token position, layout, ...) is
+  deleted at the owner that served it only, and the next owner's copy is
+  read in its place, within the same read deadline. A copy this client
+  refuses itself (header, checksum, MAC) is handled the same way in ``get``.
 
 Faults: a request that gets no answer within its timeout, or whose peer
 disconnects, is a miss and puts the peer in cool-down. A reply that is
@@ -53,6 +58,8 @@ from .placement import Membership, Peer, PeerHealth, rendezvous_owners
 Answer = tuple[Message, list[Buffer]]
 
 _HINTS = 4096
+#: Copies returned by ``get`` whose owner is remembered (for :meth:`PeerTransport.reject`).
+_SOURCES = 4096
 #: Records up to this size are verified on the event loop (under 0.15 ms even with a MAC), larger ones in a
 #: worker thread (a thread hop costs about as much as checking a small record).
 _INLINE_CHECK_BYTES = 256 << 10
@@ -186,8 +193,20 @@ def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = F
     return membership, options
 
 
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where a copy returned by ``get`` came from, and the owners not yet asked for that key, in order."""
+
+    peer: Peer
+    rest: tuple[Peer, ...]
+
+
 class PeerTransport:
-    """A :class:`kvengine.transport.ChunkTransport` over peer servers."""
+    """A :class:`kvengine.transport.ChunkTransport` over peer servers; a bad copy is discarded at the owner
+    that served it (:class:`kvengine.transport.RejectsCopies`)."""
+
+    #: :meth:`reject` discards a copy at its source and reads the next owner's.
+    rejects_copies = True
 
     def __init__(
         self, connector: Connector, membership: Membership, options: PeerClientOptions | None = None,
@@ -200,6 +219,7 @@ class PeerTransport:
         self.health = PeerHealth(self.options.cooldown)
         self.counts: Counter[str] = Counter()
         self._hints: OrderedDict[ChunkKey, Peer] = OrderedDict()
+        self._sources: OrderedDict[tuple[ChunkKey, int], _Source] = OrderedDict()
         self._budget = ByteBudget(self.options.max_inflight_write_bytes)
         self._known: tuple[Peer, ...] = ()
 
@@ -294,6 +314,7 @@ class PeerTransport:
     async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         deadline = read_deadline(self.options.read_deadline)
         out: list[Buffer | None] = [None] * len(keys)
+        served_by: list[int] = [0] * len(keys)  # the rank of the owner whose copy is in ``out``
         candidates = []
         for key, owners in zip(keys, await self._owners(keys)):
             hinted = self._hints.pop(key, None)
@@ -302,24 +323,10 @@ class PeerTransport:
                 owners.insert(0, hinted)
             candidates.append(owners)
 
-        async def fetch(peer: Peer, batch: list[int]) -> None:
-            reply = await self._call(peer, Op.GET, [keys[i] for i in batch], (), deadline)
-            if reply is None:
-                return
-            msg, records = reply
-            bad: list[ChunkKey] = []
-            for i, present, record in zip(batch, msg.flags, records):
-                if not present:
-                    continue
-                reason = await self._rejects(keys[i], record)
-                if reason is None:
-                    out[i] = record
-                    self.counts["bytes_received"] += len(record)
-                else:  # this owner's copy only: the next owner is asked below
-                    self.counts[f"wrong_record_{reason}"] += 1
-                    bad.append(keys[i])
-            if bad:
-                await self._call(peer, Op.DELETE, bad, (), deadline)
+        async def fetch(peer: Peer, batch: list[int], rank: int) -> None:
+            for i, record in zip(batch, await self._fetch(peer, [keys[i] for i in batch], deadline)):
+                if record is not None:
+                    out[i], served_by[i] = record, rank
 
         for rank in range(self.options.replicas):
             by_peer: dict[Peer, list[int]] = defaultdict(list)
@@ -328,11 +335,77 @@ class PeerTransport:
                     by_peer[owners[rank]].append(i)
             if not by_peer or time.monotonic() >= deadline:
                 break
-            await asyncio.gather(*(fetch(p, b) for p, idx in by_peer.items() for b in self._batches(idx)))
+            await asyncio.gather(*(fetch(p, b, rank) for p, idx in by_peer.items() for b in self._batches(idx)))
+        for key, record, owners, rank in zip(keys, out, candidates, served_by):
+            if record is not None:
+                self._remember(key, record, owners[rank], owners[rank + 1 :])
         hits = sum(r is not None for r in out)
         self.counts["hits"] += hits
         self.counts["misses"] += len(keys) - hits
         return out
+
+    async def reject(self, key: ChunkKey, copy: Buffer) -> Buffer | None:
+        """The engine found ``copy`` (returned by :meth:`get` for ``key``) bad: delete it at the owner that
+        served it, and return the next owner's copy of ``key`` (checked here like any other), if one has it
+        (:class:`kvengine.transport.RejectsCopies`). The other owners' copies are not touched."""
+        source = self._sources.pop((key, id(copy)), None)
+        if source is None:  # too many reads since: not known where it came from, so deleted nowhere
+            self.counts["rejected_source_unknown"] += 1
+            return None
+        self.counts["rejected_by_engine"] += 1  # why is counted by the engine (its integrity failures)
+        deadline = read_deadline(self.options.read_deadline)
+        deleting = asyncio.ensure_future(self._discard_at(source.peer, [key], time.monotonic()
+                                                          + self.options.write_timeout))
+        try:
+            rest = [p for p in source.rest if self.health.usable(p)]
+            for n, peer in enumerate(rest):
+                if time.monotonic() >= deadline:
+                    break
+                record = (await self._fetch(peer, [key], deadline))[0]
+                if record is not None:
+                    self._remember(key, record, peer, rest[n + 1 :])
+                    self.counts["hits_after_reject"] += 1
+                    return record
+            return None
+        finally:
+            await deleting
+
+    def _remember(self, key: ChunkKey, record: Buffer, peer: Peer, rest: Sequence[Peer]) -> None:
+        """Note where the copy ``record`` of ``key`` came from, for :meth:`reject`. Named by the buffer's
+        identity: two reads of one key at once may be served by different owners."""
+        self._sources[(key, id(record))] = _Source(peer, tuple(rest))
+        self._sources.move_to_end((key, id(record)))
+        if len(self._sources) > _SOURCES:
+            self._sources.popitem(last=False)
+
+    async def _fetch(self, peer: Peer, keys: Sequence[ChunkKey], deadline: float) -> list[Buffer | None]:
+        """``peer``'s copies of ``keys`` that pass :meth:`_rejects` (None where it has none or a bad one);
+        a bad copy is counted and deleted at ``peer``, never elsewhere."""
+        out: list[Buffer | None] = [None] * len(keys)
+        reply = await self._call(peer, Op.GET, keys, (), deadline)
+        if reply is None:
+            return out
+        msg, records = reply
+        bad: list[ChunkKey] = []
+        for i, (key, present, record) in enumerate(zip(keys, msg.flags, records)):
+            if not present:
+                continue
+            reason = await self._rejects(key, record)
+            if reason is None:
+                out[i] = record
+                self.counts["bytes_received"] += len(record)
+            else:
+                self.counts[f"wrong_record_{reason}"] += 1
+                bad.append(key)
+        if bad:
+            await self._discard_at(peer, bad, deadline)
+        return out
+
+    async def _discard_at(self, peer: Peer, keys: Sequence[ChunkKey], deadline: float) -> None:
+        """Delete bad copies of ``keys`` at ``peer`` only, the owner that served them."""
+        for key in keys:
+            self._hints.pop(key, None)
+        await self._call(peer, Op.DELETE, keys, (), deadline)
 
     async def _rejects(self, key: ChunkKey, record: Buffer) -> str | None:
         """Why a received record must not be used (None: use it): its header, its checksum and, with a

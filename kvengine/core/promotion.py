@@ -3,10 +3,12 @@
 :meth:`Promoter.promote` serves a lookup: the longest prefix of the asked
 chunks that some tier holds, each record verified (integrity, its key, its
 token position, the model's layout, the verification flag) before its bytes
-are admitted. A record that fails is a counted miss and is deleted where it
-was found; a tier that fails a call is a counted miss (:class:`TierSet`);
-nothing here raises for a cache fault. The chunks come back pinned, for the
-caller's reservation.
+are admitted. A record that fails is counted and discarded where it was
+read, and the tier's next copy, if it holds several, is tried in its place
+(one rule for every path: :meth:`Promoter._discard`); a chunk with no good
+copy is a miss. A tier that fails a call is a counted miss
+(:class:`TierSet`); nothing here raises for a cache fault. The chunks come
+back pinned, for the caller's reservation.
 
 Two read paths: windows of whole records (any transport), or, for
 :class:`~kvengine.transport.ReadsInPlace` transports, reads straight into
@@ -40,7 +42,7 @@ from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import IntegrityError
 from kvengine.metrics import EngineMetrics
-from kvengine.transport import Buffer, ChunkTransport, ReadsInPlace, reads_in_place
+from kvengine.transport import Buffer, ChunkTransport, ReadsInPlace, reads_in_place, rejects_copies
 from kvengine.types import ModelBinding
 
 _T = TypeVar("_T")
@@ -191,17 +193,35 @@ class Promoter:
                     await pending
         return True
 
-    async def admit(self, binding: ModelBinding, transport: ChunkTransport, key: ChunkKey, blob: object,
+    async def admit(self, binding: ModelBinding, transport: ChunkTransport, key: ChunkKey, blob: Buffer,
                     start: int) -> MemoryEntry | AdmitRejected:
-        """:meth:`admit_record` off the loop, single-flight per chunk; a corrupt record is deleted from
-        ``transport``."""
+        """:meth:`admit_record` off the loop, single-flight per chunk; a copy that fails is discarded where
+        it was read and the tier's next copy, if any, admitted instead (:meth:`_discard`)."""
         async def admit() -> MemoryEntry | AdmitRejected:
-            entry = await asyncio.to_thread(self.admit_record, binding, key, blob, start, transport.name)
-            if entry is AdmitRejected.CORRUPT:
-                await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
-            return entry
+            copy: Buffer | None = blob
+            while True:  # ends: a tier offers each of its copies at most once (RejectsCopies)
+                entry = await asyncio.to_thread(self.admit_record, binding, key, copy, start, transport.name)
+                if entry is not AdmitRejected.CORRUPT:
+                    return entry
+                copy = await self._discard(transport, key, copy)
+                if copy is None:
+                    return entry
 
         return await self._once(key, admit)
+
+    async def _discard(self, transport: ChunkTransport, key: ChunkKey, copy: Buffer | None) -> Buffer | None:
+        """Remove a copy of ``key`` that failed verification where it was read; the tier's next copy, or None.
+
+        The one rule for every rejection: a tier holding several copies
+        (:class:`~kvengine.transport.RejectsCopies`) drops the bad one at its
+        source and hands over the next; any other tier holds one copy, deleted.
+        ``copy`` is the buffer ``transport.get`` returned (None for a placed
+        read, which has none to name the copy by).
+        """
+        if copy is not None and rejects_copies(transport):
+            return await self.tiers.guarded(transport, "reject", transport.reject(key, copy), None)
+        await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
+        return None
 
     async def _once(self, key: ChunkKey, promote: Callable[[], Awaitable[_T]]) -> _T | MemoryEntry | AdmitRejected:
         """``promote()`` unless another promotion of ``key`` is in flight: then what that one admitted."""
@@ -338,13 +358,13 @@ class Promoter:
     async def promote_one(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
                           start: int) -> MemoryEntry | AdmitRejected | None:
         """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
-        deleted from ``transport``. Used for keyed chunks."""
+        discarded (:meth:`_discard`). Used for keyed chunks."""
         read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
         return await self._once(key, lambda: self._settle(transport, read, transport.get_into(key, read.place)))
 
     async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
                       pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:
-        """Wait for a placed read and admit it; a corrupt record is deleted from ``transport``; a read
+        """Wait for a placed read and admit it; a corrupt record is discarded (:meth:`_discard`); a read
         that fails is a miss (counted)."""
         try:
             header = await pending
@@ -357,7 +377,7 @@ class Promoter:
             raise
         entry = await read.admit(header)
         if entry is AdmitRejected.CORRUPT:
-            await self.tiers.guarded(transport, "delete", transport.delete([read.key]), None)
+            await self._discard(transport, read.key, None)
         return entry
 
 

@@ -739,3 +739,69 @@ async def test_lookup_resident_answers_only_what_memory_alone_decides(layout):
     await eng.release(res)
     assert eng.memory.total_pins() == 0 and len(eng.reservations) == 0
     await eng.close()
+
+
+class TwoCopies(DictTransport):
+    """A tier holding two copies of each record (scripted: ``first`` is what ``get`` serves where set,
+    ``blobs`` the second copy), with :class:`~kvengine.transport.RejectsCopies`."""
+
+    name = "two_copies"
+    rejects_copies = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: dict[ChunkKey, bytes] = {}
+        self.rejected: list[ChunkKey] = []
+        self.fail_reject = False
+
+    async def get(self, keys):
+        return [self.first.get(k, self.blobs.get(k)) for k in keys]
+
+    async def reject(self, key, copy):
+        self.rejected.append(key)
+        if self.fail_reject:
+            raise TransportError("reject failed")
+        if self.first.get(key) != copy:
+            return None  # the second copy is the last one
+        del self.first[key]
+        return self.blobs.get(key)
+
+
+def _at_wrong_position(blob: bytes) -> bytes:
+    """``blob`` (a record) moved one chunk on, header resealed: it verifies but is at the wrong position."""
+    from kvengine.chunks.record import encode_header
+
+    header, payload = unpack_record(blob)
+    return encode_header(header.key, (header.token_start + CHUNK, header.token_end + CHUNK), header.tensors,
+                         codec_id=header.codec_id, raw_length=header.raw_length, payload=payload,
+                         flags=header.flags) + bytes(payload)
+
+
+@pytest.mark.parametrize("fail_reject", [False, True])
+async def test_a_bad_copy_on_a_tier_with_copies_is_rejected_there_and_the_next_copy_admitted(layout, fail_reject):
+    """Regression: the engine deleted a copy that failed its checks with ``delete`` (every copy the tier
+    holds, good ones included) and stopped the lookup there. Now it hands the bad copy back with
+    ``reject`` and admits the copy that returns; a ``reject`` that raises is a counted fault and a miss."""
+    t = TwoCopies()
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks, kv = list(range(3 * CHUNK)), FakeKV(3 * CHUNK)
+    await eng.store(b, toks, kv.source)
+    await only_below(eng, t)
+    keys = t.in_prompt_order()
+    t.first[keys[1]] = _at_wrong_position(t.blobs[keys[1]])
+    t.fail_reject = fail_reject
+    res = await eng.lookup(b, "r", toks)
+    out = [torch.zeros_like(x) for x in kv.layers]
+    loaded = await eng.load(res, copier(out))
+
+    assert t.rejected == [keys[1]] and t.deleted == []
+    assert eng.metrics.value("kvengine_integrity_failures_total", tier="two_copies", reason="wrong_position") == 1
+    if fail_reject:
+        assert res.matched_tokens == CHUNK
+        assert eng.metrics.value("kvengine_tier_errors_total", tier="two_copies", op="reject") == 1
+    else:
+        assert res.matched_tokens == loaded.loaded_tokens == 3 * CHUNK
+        assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+    assert eng.memory.total_pins() == 0
+    await eng.close()
