@@ -6,8 +6,8 @@ import logging
 import re
 import threading
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,6 +25,16 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 #: Tier calls counted in ``kvengine_tier_errors_total{op}`` (present at 0 per lower tier from the start).
 TIER_OPS = ("exists", "get", "delete")
+
+
+@runtime_checkable
+class ReportsCallFailures(Protocol):
+    """Optional part of a tier's ``stats()``: calls it answered with a default (a miss) instead of raising,
+    by op (``exists``, ``get``, ``delete``), e.g. a read past its deadline. Exported with the calls that
+    raised, in ``kvengine_tier_errors_total{tier,op}``."""
+
+    @property
+    def call_failures(self) -> Mapping[str, int]: ...
 
 
 class MemoryGauges(Protocol):
@@ -68,8 +78,6 @@ class EngineMetrics:
                                  "their pins dropped", ["op"], registry=r)
         self.write_waits = Counter("kvengine_write_waits", "Stores that waited for room in the tier write queue "
                                    "(write_behind backpressure)", registry=r)
-        self.tier_errors = Counter("kvengine_tier_errors", "Tier calls that failed (served as misses)", ["tier", "op"],
-                                   registry=r)
         self.namespace_changes = Counter("kvengine_namespace_changes",
                                          "Attached models whose weights changed, moved to a new namespace",
                                          registry=r)
@@ -102,8 +110,10 @@ class EngineMetrics:
         self.tier_write_seconds = Histogram("kvengine_tier_write_seconds", "Writes of one record to a lower tier",
                                             ["tier"], buckets=LATENCY_BUCKETS, registry=r)
         # Counted here and merged by TierStatsCollector with what the lower tiers count themselves: one
-        # family per concept, labelled by tier (the engine's own registry never exports these two).
+        # family per concept, labelled by tier (the engine's own registry never exports these three).
         self._own = CollectorRegistry(auto_describe=True)
+        self.tier_errors = Counter("kvengine_tier_errors", "Tier calls that failed (served as misses)", ["tier", "op"],
+                                   registry=self._own)
         self.evictions = Counter("kvengine_evictions", "Chunks evicted per tier", ["tier"], registry=self._own)
         self.integrity_failures = Counter("kvengine_integrity_failures", "Records that failed verification",
                                           ["tier", "reason"], registry=self._own)
@@ -317,6 +327,8 @@ class TierStatsCollector(Collector):
         for labels, v in self.metrics.own_samples("kvengine_integrity_failures"):
             key = (labels["tier"], labels["reason"])
             corrupt[key] = corrupt.get(key, 0.0) + v
+        faults: dict[tuple[str, str], float] = {(labels["tier"], labels["op"]): v
+                                                for labels, v in self.metrics.own_samples("kvengine_tier_errors")}
         if self.memory is not None:
             chunks.add_metric(["memory"], len(self.memory))
             used.add_metric(["memory"], self.memory.used_bytes)
@@ -333,6 +345,9 @@ class TierStatsCollector(Collector):
                 corrupt[(tier, reason)] = corrupt.get((tier, reason), 0.0) + n
             for reason, refused in (stats.put_failures or {"": 0}).items():
                 puts.add_metric([tier, reason], refused)
+            if isinstance(stats, ReportsCallFailures):
+                for op, n in stats.call_failures.items():
+                    faults[(tier, op)] = faults.get((tier, op), 0.0) + n
         evictions = CounterMetricFamily("kvengine_evictions", "Chunks evicted per tier", labels=["tier"])
         for tier, count in evicted.items():
             evictions.add_metric([tier], count)
@@ -341,4 +356,9 @@ class TierStatsCollector(Collector):
                                         labels=["tier", "reason"])
         for (tier, reason), count in sorted(corrupt.items()):
             integrity.add_metric([tier, reason], count)
-        yield from (chunks, used, capacity, evictions, integrity, puts)
+        errors = CounterMetricFamily("kvengine_tier_errors", "Tier calls that failed, served as misses (those that "
+                                     "raised, and those the tier answered with a miss itself, e.g. past its "
+                                     "deadline)", labels=["tier", "op"])
+        for (tier, op), count in sorted(faults.items()):
+            errors.add_metric([tier, op], count)
+        yield from (chunks, used, capacity, evictions, integrity, puts, errors)

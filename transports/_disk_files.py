@@ -40,7 +40,11 @@ Reads are buffered (kernel readahead measured faster than O_DIRECT reads
 there) into recycled buffers (:mod:`kvengine.core.buffers`) or straight into a
 caller's buffer (:meth:`RecordFiles.read_into`, whose destination may be
 chosen from the verified header), and large files are dropped from the page
-cache afterwards: the memory tier is the cache.
+cache afterwards: the memory tier is the cache. Other processes can write the
+directory, so every read (a get, the restart scan) opens its file through
+:func:`kvengine.untrusted_files.open_regular`: without blocking or following
+a link, and only a regular file is read. A FIFO named like a record would
+otherwise block the reader forever.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -70,6 +75,7 @@ from kvengine.chunks.record import (
 )
 from kvengine.core.buffers import BufferPool
 from kvengine.errors import IntegrityError, InvalidRequestError
+from kvengine.untrusted_files import UnsafeFileError, open_regular
 
 _T = TypeVar("_T")
 FsyncPolicy = Literal["never", "data", "always"]
@@ -158,6 +164,8 @@ class ScanResult:
     #: Records left alone: other format version, namespace or a foreign name.
     ignored: int = 0
     temps_removed: int = 0
+    #: What each record name that is not a regular file is (a FIFO, a link, ...): never opened, not indexed.
+    unsafe: list[str] = field(default_factory=list)
 
 
 class RecordFiles:
@@ -266,14 +274,15 @@ class RecordFiles:
     def read(self, key: ChunkKey, check: Callable[[memoryview], object], *, max_bytes: int) -> memoryview:
         """The whole file of ``key``, passed through ``check``.
 
-        Raises FileNotFoundError on a miss; if ``check`` raises
-        IntegrityError (or the file is over ``max_bytes``) the file is
-        deleted, unless a newer write replaced it meanwhile, and the error
-        propagates.
+        Raises FileNotFoundError on a miss and UnsafeFileError where the name
+        is not a regular file (a FIFO, a link: never read, left alone); if
+        ``check`` raises IntegrityError (or the file is over ``max_bytes``)
+        the file is deleted, unless a newer write replaced it meanwhile, and
+        the error propagates.
         """
-        fd = os.open(self.path_of(key), os.O_RDONLY | _O_CLOEXEC)
+        fd, st = open_regular(self.path_of(key))
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if size > max_bytes:
                 self._checked(fd, key, partial(_raise, IntegrityError("oversized", f"{size} B file")))
             buf = self.buffers.take(size)
@@ -293,7 +302,7 @@ class RecordFiles:
         destination, so a caller can choose it from what the record holds; if
         it returns None the read stops there and None is returned.
         """
-        fd = os.open(self.path_of(key), os.O_RDONLY | _O_CLOEXEC)
+        fd, _ = open_regular(self.path_of(key))
         try:
             header = self._checked(fd, key, lambda: _read_payload_into(fd, key, out))
             if header is not None and header.record_length >= DIRECT_MIN_BYTES:
@@ -318,6 +327,18 @@ class RecordFiles:
         """Remove the file of ``key``; whether there was one."""
         return _unlink_quiet(self.path_of(key))
 
+    def holds(self, key: ChunkKey, length: int) -> bool:
+        """Whether ``key``'s name is a regular file of ``length`` bytes (one ``lstat``: nothing is read)."""
+        try:
+            st = os.lstat(self.path_of(key))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == length
+
+    def names(self) -> set[str]:
+        """Every name in the directory (one listing: nothing is opened or stat'ed)."""
+        return set(os.listdir(self.root))
+
     def scan(self, accept: Callable[[NamespaceDigest], bool], *, workers: int = 8) -> ScanResult:
         """Index what is on disk from headers only; delete corrupt records and dead writers' temps.
 
@@ -331,7 +352,7 @@ class RecordFiles:
             with os.scandir(self.root) as entries:
                 for entry in entries:
                     name = entry.name
-                    if name.endswith(RECORD_SUFFIX) and len(name) == _KEY_HEX_LEN + len(RECORD_SUFFIX):
+                    if _is_record_name(name):
                         records.append((entry.inode(), name))
                     elif name.endswith(TEMP_SUFFIX):
                         parts = name.split(".")
@@ -344,26 +365,33 @@ class RecordFiles:
             names = [name for _, name in records]
             batches = [names[i : i + 512] for i in range(0, len(names), 512)]
             with ThreadPoolExecutor(max(1, min(workers, len(batches)))) as pool:
-                for part in pool.map(lambda batch: _scan_batch(dir_fd, batch, accept), batches):
+                for part in pool.map(lambda batch: _scan_batch(dir_fd, self.root, batch, accept), batches):
                     result.records += part.records
                     result.corrupt += part.corrupt
                     result.ignored += part.ignored
+                    result.unsafe += part.unsafe
         finally:
             os.close(dir_fd)
         result.records.sort(key=lambda r: r[2])
         return result
 
 
-def _scan_batch(dir_fd: int, names: list[str], accept: Callable[[NamespaceDigest], bool]) -> ScanResult:
+def _is_record_name(name: str) -> bool:
+    return name.endswith(RECORD_SUFFIX) and len(name) == _KEY_HEX_LEN + len(RECORD_SUFFIX)
+
+
+def _scan_batch(dir_fd: int, root: Path, names: list[str], accept: Callable[[NamespaceDigest], bool]) -> ScanResult:
     result = ScanResult()
     for name in names:
         try:
-            fd = os.open(name, os.O_RDONLY | _O_CLOEXEC, dir_fd=dir_fd)
+            fd, st = open_regular(name, dir_fd=dir_fd, where=root)
+        except UnsafeFileError as exc:  # a FIFO would block the scan forever; a link leads out of the directory
+            result.unsafe.append(str(exc))
+            continue
         except OSError:
             result.ignored += 1
             continue
         try:
-            st = os.fstat(fd)
             header = decode_header(_read_header(fd))
             if not accept(header.key.namespace):
                 result.ignored += 1

@@ -27,6 +27,19 @@ and counted; temp files of writers no longer alive are removed. Several
 processes may open one directory, but each enforces capacity on what it
 indexed at open: give one of them the writer role.
 
+Records can vanish behind the index (an operator's ``rm``, another process's
+eviction). A put of an indexed key first checks (one ``lstat``) that its file
+is still there, so it writes it again rather than claim it stored; every
+``reconcile_seconds`` one listing of the directory's names unindexes the
+records that are gone, so ``chunks`` and ``used_bytes`` say what is on disk
+(counted as ``vanished``); a get of one is a miss, as before.
+
+The directory is untrusted (:mod:`kvengine.untrusted_files`): a name that
+looks like a record but is not a regular file (a FIFO, a link, a device) is
+never opened for reading, so neither the restart scan nor a get can block on
+it; it is left alone, not indexed, and a get of it is a miss (counted in
+``read_errors``).
+
 Faults never raise: a full disk (ENOSPC/EDQUOT), a read-only directory
 (EROFS/EACCES/EPERM) or another I/O error makes ``put`` return False
 (counted per reason, logged once per reason) and reads keep working. Every
@@ -39,6 +52,7 @@ not matching its key, a namespace outside ``namespaces``, use after
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -59,8 +73,9 @@ from kvengine.chunks.record import RecordHeader, decode_header, unpack_record
 from kvengine.config import DiskConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError, TransportError
 from kvengine.transport import Buffer
+from kvengine.untrusted_files import UnsafeFileError
 
-from ._disk_files import RECORD_SUFFIX, FsyncPolicy, RecordFiles, ScanResult, footprint
+from ._disk_files import RECORD_SUFFIX, FsyncPolicy, RecordFiles, ScanResult, footprint, record_name
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -83,6 +98,9 @@ class LocalDiskOptions:
     io_threads: int = 4
     #: Idle read buffers kept for reuse (fresh memory costs a page fault per 4 KiB).
     read_pool_bytes: int = 256 * 2**20
+    #: How often indexed records are checked to be still on disk (another process may delete or evict
+    #: them), on a thread of its own; stretched to 20x the last check's duration (at most 5% of a core). 0: never.
+    reconcile_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -92,6 +110,8 @@ class LocalDiskOptions:
             raise ConfigError(f"local_disk fsync must be one of {get_args(FsyncPolicy)}, got {self.fsync!r}")
         if self.io_threads < 1:
             raise ConfigError(f"local_disk io_threads must be >= 1, got {self.io_threads}")
+        if not self.reconcile_seconds >= 0:
+            raise ConfigError(f"local_disk reconcile_seconds must be >= 0, got {self.reconcile_seconds}")
         if self.namespaces is not None and any(len(ns) != DIGEST_BYTES for ns in self.namespaces):
             raise ConfigError("local_disk namespaces must be 16-byte namespace digests")
 
@@ -110,23 +130,29 @@ class DiskStats:
     used_bytes: int  # gauge, including space reserved by in-flight puts
     capacity_bytes: int
     puts_ok: int
-    puts_deduplicated: int  # put of a key already stored: nothing written
+    puts_deduplicated: int  # put of a key already stored (its file checked to be there): nothing written
     puts_failed: int
     hits: int
     misses: int
-    read_errors: int  # I/O errors on reads (also counted as misses)
+    read_errors: int  # I/O errors on reads, names that are not regular files (also counted as misses)
     integrity_failures: int
     evictions: int
     bytes_written: int
     bytes_read: int
+    vanished: int  # indexed records whose file was gone (deleted, evicted by another process): unindexed
     put_failures: Mapping[str, int] = field(default_factory=dict)  # by reason
     integrity_reasons: Mapping[str, int] = field(default_factory=dict)
     direct_io: bool = False
     rebuild_seconds: float = 0.0
 
+    @property
+    def call_failures(self) -> Mapping[str, int]:
+        """Tier calls that failed and were answered as misses, by op (``kvengine_tier_errors_total``)."""
+        return {"get": self.read_errors}
+
 
 _COUNTERS = ("puts_ok", "puts_deduplicated", "puts_failed", "hits", "misses", "read_errors",
-             "integrity_failures", "evictions", "bytes_written", "bytes_read")
+             "integrity_failures", "evictions", "bytes_written", "bytes_read", "vanished")
 
 
 class LocalDiskTransport:
@@ -161,7 +187,13 @@ class LocalDiskTransport:
         self._warned: set[str] = set()
         self._rebuild_seconds = 0.0
         self._closed = False
+        #: Keys published since the running reconcile listed the directory (kept by it whatever it saw).
+        self._fresh: set[ChunkKey] | None = None
+        self._stopping = threading.Event()
+        self._reconciling = threading.Lock()  # one reconcile at a time: they share _fresh
         self._ready = self._pool.submit(self._rebuild)
+        if options.reconcile_seconds > 0:
+            threading.Thread(target=self._reconcile_loop, name="kvengine-disk-reconcile", daemon=True).start()
 
     # -- ChunkTransport -------------------------------------------------------
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
@@ -186,6 +218,7 @@ class LocalDiskTransport:
         if self._closed:
             return
         self._closed = True
+        self._stopping.set()
         await asyncio.to_thread(self._pool.shutdown, True)
 
     # -- extras ---------------------------------------------------------------
@@ -228,6 +261,12 @@ class LocalDiskTransport:
     async def wait_ready(self) -> None:
         """Wait for the startup index rebuild (every operation also waits for it)."""
         await asyncio.wrap_future(self._ready)
+
+    async def reconcile(self) -> int:
+        """Unindex records whose file is gone (what the background check does every
+        ``reconcile_seconds``); how many were."""
+        await self._begin()
+        return await self._run(self._reconcile)
 
     def stats(self) -> DiskStats:
         with self._cond:
@@ -282,6 +321,7 @@ class LocalDiskTransport:
         need = footprint(nbytes)
         if need > self.options.capacity_bytes:
             return self._put_failed("too_large", f"{nbytes} B record > capacity")
+        self._drop_if_vanished(key)  # a put of an indexed key whose file is gone must write it again
         if not self._reserve(key, need):
             return True  # already stored: content-addressed, nothing to write
         failure: OSError | None = None
@@ -296,6 +336,8 @@ class LocalDiskTransport:
                     self._forget_locked(key)
                     self._index[key] = nbytes
                     self._published += need
+                    if self._fresh is not None:
+                        self._fresh.add(key)
                     self._counts["puts_ok"] += 1
                     self._counts["bytes_written"] += nbytes
                 self._cond.notify_all()
@@ -303,8 +345,21 @@ class LocalDiskTransport:
             return self._put_failed(_PUT_REASONS.get(failure.errno or 0, "io_error"), str(failure))
         return True
 
+    def _drop_if_vanished(self, key: ChunkKey) -> None:
+        """Unindex ``key`` if it is indexed but its file is gone or not what was indexed (one ``lstat``)."""
+        with self._cond:
+            length = self._index.get(key)
+        if length is None or self._files.holds(key, length):
+            return
+        with self._cond:
+            if self._index.get(key) == length:  # not re-published meanwhile
+                self._forget_locked(key)
+                self._counts["vanished"] += 1
+                self._cond.notify_all()
+
     def _reserve(self, key: ChunkKey, need: int) -> bool:
-        """Reserve ``need`` bytes, evicting LRU records first; False if ``key`` is already stored."""
+        """Reserve ``need`` bytes, evicting LRU records first; False if ``key`` is already stored
+        (indexed: checked on disk by :meth:`_drop_if_vanished` just before, or published meanwhile)."""
         cap = self.options.capacity_bytes
         while True:
             with self._cond:
@@ -372,6 +427,10 @@ class LocalDiskTransport:
             return read()
         except FileNotFoundError:
             pass
+        except UnsafeFileError as exc:  # a FIFO, a link, a device under a record's name: never read
+            self._warn_once("unsafe", "%s; served as a miss", exc)
+            with self._cond:
+                self._counts["read_errors"] += 1
         except IntegrityError as exc:
             with self._cond:
                 self._counts["integrity_failures"] += 1
@@ -422,6 +481,9 @@ class LocalDiskTransport:
             self._counts["integrity_failures"] += len(found.corrupt)
         if found.corrupt:
             self._warn_once("integrity:scan", "deleted %d corrupt records in %s", len(found.corrupt), self.options.path)
+        if found.unsafe:
+            self._warn_once("unsafe", "%d names in %s that look like records are not regular files, left alone and "
+                            "not indexed (%s)", len(found.unsafe), self.options.path, found.unsafe[0])
         with self._cond:  # a smaller capacity than last time: trim, oldest first
             victims, freed = [], 0
             while self._published > self.options.capacity_bytes:
@@ -434,6 +496,48 @@ class LocalDiskTransport:
         log.info("local_disk: indexed %d records in %s in %.2f s (%d ignored, %d corrupt, %d temp files removed)",
                  len(found.records), self.options.path, self._rebuild_seconds, found.ignored,
                  len(found.corrupt), found.temps_removed)
+
+    def _reconcile(self) -> int:
+        """Unindex records whose name is gone from the directory (each confirmed by an ``lstat``); how many.
+
+        One listing of names, nothing opened: cheap next to stat'ing every record. A record published
+        while the listing runs may be missing from it, so those are kept (``_fresh``).
+        """
+        with self._reconciling:
+            with self._cond:
+                self._fresh = set()
+            try:
+                try:
+                    names = self._files.names()
+                except OSError as exc:
+                    self._warn_once("reconcile", "cannot list %s to find vanished records: %s", self.options.path, exc)
+                    return 0
+                with self._cond:
+                    indexed = list(self._index.items())
+                gone = [(key, size) for key, size in indexed
+                        if record_name(key) not in names and not self._files.holds(key, size)]
+                with self._cond:
+                    dropped = [key for key, size in gone if self._index.get(key) == size and key not in self._fresh]
+                    for key in dropped:
+                        self._forget_locked(key)
+                    self._counts["vanished"] += len(dropped)
+                    self._cond.notify_all()
+            finally:
+                with self._cond:
+                    self._fresh = None
+        if dropped:
+            self._warn_once("vanished", "%d indexed records are gone from %s (deleted, or evicted by another process "
+                            "on the directory); unindexed", len(dropped), self.options.path)
+        return len(dropped)
+
+    def _reconcile_loop(self) -> None:
+        """:meth:`_reconcile` every ``reconcile_seconds``, stretched to 20x its last duration (its own thread)."""
+        concurrent.futures.wait([self._ready])
+        interval = self.options.reconcile_seconds
+        while not self._stopping.wait(interval):
+            started = time.perf_counter()
+            self._reconcile()
+            interval = max(self.options.reconcile_seconds, 20 * (time.perf_counter() - started))
 
 
 def _writable(buf: Buffer) -> memoryview:
@@ -448,7 +552,7 @@ def _placed(place: Callable[[RecordHeader], Buffer | None], header: RecordHeader
     return None if dest is None else _writable(dest)
 
 
-_OPTION_KEYS = ("direct_io", "io_threads", "read_pool_bytes")
+_OPTION_KEYS = ("direct_io", "io_threads", "read_pool_bytes", "reconcile_seconds")
 _EXTRA_KEYS = ("namespaces", *_OPTION_KEYS)
 
 
@@ -480,7 +584,7 @@ def from_section(disk: DiskConfig, *, namespaces: Collection[NamespaceDigest] = 
     """The disk tier of an engine's typed ``disk`` section (what :func:`kvengine.tiers.build_tiers` calls).
 
     ``namespaces``: serve only these (default: all); ``extra``: ``direct_io``,
-    ``io_threads``, ``read_pool_bytes`` (see :class:`LocalDiskOptions`).
+    ``io_threads``, ``read_pool_bytes``, ``reconcile_seconds`` (see :class:`LocalDiskOptions`).
     """
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(_OPTION_KEYS))
@@ -494,8 +598,8 @@ def create_transport(config: Mapping[str, Any]) -> LocalDiskTransport:
 
     Keys: those of :class:`DiskConfig` (``path`` required, sizes like "64GiB"
     accepted; ``codec`` is the engine's business and ignored here), plus
-    ``namespaces`` (hex digests), ``direct_io``, ``io_threads`` and
-    ``read_pool_bytes`` (see :class:`LocalDiskOptions`).
+    ``namespaces`` (hex digests), ``direct_io``, ``io_threads``,
+    ``read_pool_bytes`` and ``reconcile_seconds`` (see :class:`LocalDiskOptions`).
     """
     disk_keys = {k: v for k, v in config.items() if k not in _EXTRA_KEYS}
     try:

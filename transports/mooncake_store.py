@@ -17,7 +17,10 @@ is left to finish on its thread, and until it has, every new call is answered
 at once as a miss (counted as ``stalled``): at most one stuck call, never a
 queue of them. A restarted master has lost every object; that is an empty
 cache, not an error. Until the client has reached the master (it keeps
-trying in the background) calls are misses too.
+trying in the background) calls are misses too. Every such miss is counted
+(:meth:`MooncakeStoreTransport.stats`): reads and deletes in
+``kvengine_tier_errors_total{tier="mooncake",op}``, puts in
+``kvengine_tier_put_failures_total{tier="mooncake",reason}``.
 
 One Mooncake client per process: its data connections bind the address in
 ``MC_TCP_BIND_ADDRESS``, set here to ``local_hostname`` (Mooncake would
@@ -45,7 +48,7 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import decode_header, seal_record, verify_seal
 from kvengine.config import MooncakeConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError
-from kvengine.transport import Buffer, RemoteTierStats, read_deadline
+from kvengine.transport import Buffer, read_deadline
 
 from .peer_buffers import BufferPool
 from .peer_client import is_loopback, read_secret
@@ -63,6 +66,11 @@ _RECONNECT_SECONDS = 1.0
 #: Why a put failed: Mooncake refused it (no space: until its eviction makes room), or it was not tried
 #: (no master yet, a stuck call), or it did not end in time, or the call raised.
 _PUT_FAILURES = ("refused", "not_connected", "stalled", "timeout", "error")
+#: Why a read (exists, get) or delete was answered with a default instead of asking the store, or instead
+#: of its answer: no master yet, a stuck call, past its deadline, or the call raised.
+_CALL_FAULTS = ("not_connected", "stalled", "timeout", "error")
+#: Tier calls whose faults are exported (``kvengine_tier_errors_total{tier="mooncake",op}``).
+_READ_OPS = ("exists", "get", "delete")
 #: Threads for calls to the store: one may be stuck past its deadline while another serves.
 _THREADS = 2
 
@@ -105,6 +113,23 @@ class MooncakeOptions:
         return cls(master=section.master, local_hostname=section.local_hostname,
                    segment_bytes=int(section.segment_bytes), replicas=section.replicas, timeout=section.timeout,
                    secret=secret)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MooncakeStats:
+    """The tier's :class:`~kvengine.transport.TierStats`: what it counted (it holds nothing here).
+
+    ``call_failures``: reads and deletes answered as misses, by op: not connected, stalled behind a stuck
+    call, past the deadline, raised, and (``exists``, ``get``) each record Mooncake failed to look up or
+    transfer (a negative result code other than "not found").
+    """
+
+    integrity_reasons: Mapping[str, int]
+    put_failures: Mapping[str, int]
+    call_failures: Mapping[str, int]
+    chunks: int = 0
+    used_bytes: int = 0
+    evictions: int = 0
 
 
 def _object_name(key: ChunkKey) -> str:
@@ -189,6 +214,10 @@ class MooncakeStoreTransport:
         names = [_object_name(k) for k in keys]
         codes = await self._call("exists", lambda: self._store().batch_is_exist(names), budget=budget,
                                  default=[0] * len(keys))
+        failed = Counter(f"exists_code_{-code}" for code in codes if code < 0)  # -900: the RPC failed
+        if failed:
+            with self._lock:
+                self.counts.update(failed)
         return [code == 1 for code in codes]
 
     async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -229,13 +258,17 @@ class MooncakeStoreTransport:
         """Block until the client has reached the master, at most ``timeout`` seconds; whether it has."""
         return self._connected.wait(timeout)
 
-    def stats(self) -> RemoteTierStats:
+    def stats(self) -> MooncakeStats:
         with self._lock:
             counts = dict(self.counts)
         prefix = "wrong_record_"
-        return RemoteTierStats(
+        failed = {op: sum(counts.get(f"{op}_{fault}", 0) for fault in _CALL_FAULTS) for op in _READ_OPS}
+        for op in ("exists", "get"):  # per record that Mooncake failed to look up or transfer
+            failed[op] += sum(n for k, n in counts.items() if k.startswith(f"{op}_code_"))
+        return MooncakeStats(
             integrity_reasons={k[len(prefix):]: v for k, v in counts.items() if k.startswith(prefix)},
-            put_failures={reason: counts.get(f"put_{reason}", 0) for reason in _PUT_FAILURES})
+            put_failures={reason: counts.get(f"put_{reason}", 0) for reason in _PUT_FAILURES},
+            call_failures=failed)
 
     # -- plumbing ---------------------------------------------------------------
     def _connect(self) -> None:

@@ -17,6 +17,12 @@ disk see it; the engine re-reads the folder periodically. Every binding also
 leaves a small note in ``<disk>/namespaces/`` (its digest, root and model),
 which is how an operator's purge finds every record under a root, whoever
 wrote it. Without a disk tier a quarantine lasts as long as the process.
+
+Those folders can be written by every process on the disk, so they are read
+as untrusted (:mod:`kvengine.untrusted_files`): a file that is not a regular
+file (a FIFO, a link), is over 64 KiB, nests its JSON more than 16 levels
+deep or does not parse is skipped and logged with its path, never a hang of
+the engine's start or of its lease reaper (which re-reads the markers).
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import xxhash
 
 from kvengine.chunks.keys import Namespace, NamespaceDigest
+from kvengine.untrusted_files import list_dir, open_dir, read_json, write_atomic
 
 T = TypeVar("T")
 
@@ -69,7 +76,11 @@ class QuarantineEntry:
 
     @classmethod
     def from_json(cls, text: str) -> QuarantineEntry:
-        data = json.loads(text)
+        return cls.from_data(json.loads(text))
+
+    @classmethod
+    def from_data(cls, data: Any) -> QuarantineEntry:
+        """The entry a parsed marker holds (KeyError, TypeError or ValueError if it holds none)."""
         return cls(root=str(data["root"]), model=str(data["model"]), reason=str(data["reason"]),
                    since=float(data["since"]),
                    details={str(k): str(v) for k, v in dict(data.get("details", {})).items()})
@@ -83,6 +94,7 @@ class Quarantine:
         self._lock = threading.Lock()
         self._entries: dict[str, QuarantineEntry] = {}
         self._noted: set[str] = set()
+        self._skipped: set[str] = set()  # unreadable markers already logged
         self.refresh()
 
     def __contains__(self, root: str) -> bool:
@@ -124,7 +136,11 @@ class Quarantine:
         """Re-read the markers on disk (another process may have quarantined a namespace)."""
         if self._disk is None:
             return
-        found = read_markers(self._disk)
+        found, skipped = _read_all(self._disk / FOLDER, QuarantineEntry.from_data)
+        for bad in skipped:  # refreshed every few seconds: each bad file is logged once
+            if bad.path not in self._skipped:
+                self._skipped.add(bad.path)
+                logger.warning("kvengine: unreadable quarantine marker %s, skipped: %s", bad.path, bad.why)
         with self._lock:
             for entry in found:
                 self._entries.setdefault(entry.root, entry)
@@ -136,28 +152,57 @@ class Quarantine:
 
 def _write_atomic(path: Path, text: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path.parent, path.name, text.encode())
     except OSError as exc:  # the engine goes on; the file only serves later processes and purges
         logger.error("kvengine: cannot write %s: %s", path, exc)
 
 
-def _read_all(folder: Path, parse: Callable[[str], T], what: str) -> list[T]:
-    """Every ``*.json`` file of ``folder`` parsed, in name order; unreadable ones skipped and logged."""
-    out = []
-    for path in sorted(folder.glob(f"*{_SUFFIX}")):
-        try:
-            out.append(parse(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("kvengine: unreadable %s %s: %s", what, path, exc)
-    return out
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A file of a quarantine folder that was skipped: its path and why."""
+
+    path: str
+    why: str
+
+
+def _read_all(folder: Path, parse: Callable[[object], T]) -> tuple[list[T], list[Unreadable]]:
+    """Every ``*.json`` file of ``folder`` parsed, in name order, and the ones skipped.
+
+    The folder is under the disk tier's directory, which other processes can write: each file is read
+    through :mod:`kvengine.untrusted_files` (a regular file only, never blocking, bounded size and JSON
+    depth), so a FIFO, a link or a huge or deeply nested file is skipped, never a hang or a crash.
+    """
+    try:
+        dir_fd = open_dir(folder)
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:
+        return [], [Unreadable(str(folder), str(exc))]
+    out: list[T] = []
+    skipped: list[Unreadable] = []
+    try:
+        for name in list_dir(dir_fd):
+            if not name.endswith(_SUFFIX) or name.startswith("."):  # ".<name>....tmp": a write in progress
+                continue
+            try:
+                out.append(parse(read_json(name, dir_fd=dir_fd, where=folder)))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                skipped.append(Unreadable(str(folder / name), str(exc)))
+    finally:
+        os.close(dir_fd)
+    return out, skipped
+
+
+def _logged(found: tuple[list[T], list[Unreadable]], what: str) -> list[T]:
+    parsed, skipped = found
+    for bad in skipped:
+        logger.warning("kvengine: unreadable %s %s, skipped: %s", what, bad.path, bad.why)
+    return parsed
 
 
 def read_markers(disk_path: Path) -> list[QuarantineEntry]:
     """The quarantine markers under a disk tier's directory (unreadable ones are skipped, logged)."""
-    return _read_all(Path(disk_path) / FOLDER, QuarantineEntry.from_json, "quarantine marker")
+    return _logged(_read_all(Path(disk_path) / FOLDER, QuarantineEntry.from_data), "quarantine marker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +215,11 @@ class NamespaceNote:
 
 
 def read_namespace_notes(disk_path: Path) -> list[NamespaceNote]:
-    def parse(text: str) -> NamespaceNote:
-        data = json.loads(text)
+    """The namespace notes under a disk tier's directory (unreadable ones are skipped, logged)."""
+    def parse(data: Any) -> NamespaceNote:
         return NamespaceNote(str(data["binding"]), str(data["root"]), str(data["model"]))
 
-    return _read_all(Path(disk_path) / NAMESPACES, parse, "namespace note")
+    return _logged(_read_all(Path(disk_path) / NAMESPACES, parse), "namespace note")
 
 
 def remove_marker(disk_path: Path, root: str) -> bool:

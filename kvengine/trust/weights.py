@@ -28,12 +28,15 @@ from pathlib import Path
 import xxhash
 
 from kvengine.errors import ConfigError
+from kvengine.untrusted_files import read_json
 
 logger = logging.getLogger("kvengine.trust.weights")
 
 #: Files that hold weights (or that change what the weights compute: adapters, GGUF).
 WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz"})
 _BLOCK = 8 << 20
+#: A digest sidecar holds about 150 B per weight file.
+_SIDECAR_MAX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,8 @@ class DigestSidecar:
 
     def _read(self) -> dict[str, str]:
         try:
-            data = json.loads(self.path.read_text())
+            # Read like any file another process can write: no FIFO, link or nesting stalls a start.
+            data = read_json(self.path, max_bytes=_SIDECAR_MAX_BYTES)
             return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}

@@ -153,3 +153,29 @@ async def test_a_put_of_a_record_that_does_not_match_its_key_is_refused(scripted
         await tier.put([(other, rec)])
     with pytest.raises(InvalidRequestError, match="malformed record"):
         await tier.put([(key, b"not a record")])
+
+
+async def test_reads_answered_as_misses_reach_the_tier_errors_metric(scripted: Any) -> None:
+    """Regression: the tier answers a read past its deadline, or stalled behind a stuck call, with a miss and
+    counted it only internally, so ``kvengine_tier_errors_total{tier="mooncake"}`` stayed 0 through a whole
+    pass with the master stopped (only put failures were exported). Now each read fault is exported under its
+    op, next to the put failures."""
+    from kvengine.metrics import EngineMetrics
+
+    tier, client = scripted
+    metrics = EngineMetrics()
+    metrics.watch_tiers([tier])
+    key, rec = record(8, 100)
+    assert await tier.put([(key, rec)]) == [True]
+    assert metrics.value("kvengine_tier_errors_total", tier="mooncake") == 0
+    client.hold.clear()  # the store stops answering
+    try:
+        assert await tier.get([key]) == [None]  # past its deadline
+        assert await tier.exists([key]) == [False] and await tier.get([key]) == [None]  # stalled behind it
+        assert await tier.put([(key, rec)]) == [False]
+    finally:
+        client.hold.set()
+    assert metrics.value("kvengine_tier_errors_total", tier="mooncake", op="get") == 2
+    assert metrics.value("kvengine_tier_errors_total", tier="mooncake", op="exists") == 1
+    assert metrics.value("kvengine_tier_errors_total", tier="mooncake", op="delete") == 0
+    assert metrics.value("kvengine_tier_put_failures_total", tier="mooncake", reason="stalled") == 1

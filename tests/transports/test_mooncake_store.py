@@ -82,6 +82,8 @@ def node_main(host: str, master: str, segment: str, secret_file: str, replicas: 
                     engine.core.memory.discard(key)
         elif cmd["op"] == "exists":
             reply = {"exists": engine.run(tier.exists(keys_of(tokens)))}
+        elif cmd["op"] == "get":  # the tier's own read, as a lookup window makes it
+            reply = {"got": [r is not None for r in engine.run(tier.get(keys_of(tokens)))]}
         elif cmd["op"] == "tamper":  # replace chunk 0's object by a bad one, bypassing the tier's sealing
             key = keys_of(tokens)[0]
             store = tier._store()
@@ -109,6 +111,8 @@ def node_main(host: str, master: str, segment: str, secret_file: str, replicas: 
             s.value for m in engine.metrics.registry.collect() for s in m.samples
             if s.name == "kvengine_integrity_failures_total")
         reply["tier"] = dict(tier.counts)
+        reply["tier_errors"] = {op: engine.metrics.value("kvengine_tier_errors_total", tier="mooncake", op=op)
+                                for op in ("exists", "get", "delete")}
         print(json.dumps(reply), flush=True)
     engine.close(flush=False)
 
@@ -246,6 +250,32 @@ def test_a_stalled_master_is_a_miss_within_the_deadline_and_serving_resumes(clus
         proc.send_signal(signal.SIGCONT)
     back = _eventually(lambda: cluster.b.ask(op="lookup", seed=4, forget=True), lambda r: r["loaded"] == TOKENS)
     assert back["loaded"] == TOKENS and back["digest"] == _expected_digest(4, TOKENS)
+
+
+def test_reads_a_stalled_master_leaves_unanswered_are_exported_as_tier_errors(cluster: Cluster) -> None:
+    """Regression: with the master stopped (SIGSTOP), nothing was read from Mooncake yet
+    ``kvengine_tier_errors_total{tier="mooncake"}`` stayed 0: the tier counted its timeouts and stalls only
+    internally. Now the lookup's ``exists`` past its deadline and a ``get`` stalled behind it are exported under
+    their ops in the node engine's metrics (what ``kvengine stats`` reads), and a healthy read adds nothing."""
+    cluster.a.ask(op="store", seed=12, forget=True)
+    before = cluster.b.ask(op="get", seed=12)
+    assert before["got"] == [True] * 4
+    proc = cluster.master.proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        assert _stopped(proc.pid), "the master did not stop"
+        assert cluster.b.ask(op="lookup", seed=12, forget=True)["loaded"] == 0  # its exists runs past the deadline
+        stalled = cluster.b.ask(op="get", seed=12)  # answered at once: the exists call is still stuck
+        assert stalled["got"] == [False] * 4
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    errors, was = stalled["tier_errors"], before["tier_errors"]
+    assert errors["exists"] == was["exists"] + 1 and errors["get"] == was["get"] + 1
+    assert errors["delete"] == was["delete"]
+    back = _eventually(lambda: cluster.b.ask(op="get", seed=12), lambda r: r["got"] == [True] * 4)
+    assert back["got"] == [True] * 4
+    assert cluster.b.ask(op="get", seed=12)["tier_errors"] == back["tier_errors"]  # a healthy read adds nothing
 
 
 def test_a_dead_master_is_a_miss_within_the_deadline_and_a_restarted_one_an_empty_cache(cluster: Cluster) -> None:
