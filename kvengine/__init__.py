@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         AttachError,
         CapacityError,
         ConfigError,
+        EngineClosedError,
         IntegrityError,
         InvalidRequestError,
         KVEngineError,
@@ -39,8 +40,8 @@ _EXPORTS = {
     "CacheEngine": "kvengine.core.engine",
     **dict.fromkeys(("Reservation", "ReservationState"), "kvengine.core.reservations"),
     "StagedStore": "kvengine.core.staging",
-    **dict.fromkeys(("AttachError", "CapacityError", "ConfigError", "IntegrityError", "InvalidRequestError",
-                     "KVEngineError", "TransportError", "UnsupportedModelError"), "kvengine.errors"),
+    **dict.fromkeys(("AttachError", "CapacityError", "ConfigError", "EngineClosedError", "IntegrityError",
+                     "InvalidRequestError", "KVEngineError", "TransportError", "UnsupportedModelError"), "kvengine.errors"),
     "KVEngine": "kvengine.facade",
     **dict.fromkeys(("ChunkSink", "ChunkSource", "ChunkView", "LoadResult", "ModelBinding", "StoreResult"),
                     "kvengine.types"),
@@ -64,7 +65,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttachError", "CacheEngine", "CapacityError", "ChunkHash", "ChunkKey", "ChunkLayout", "ChunkSink",
-    "ChunkSource", "ChunkView", "ConfigError", "DiskConfig", "EngineConfig", "IntegrityError",
+    "ChunkSource", "ChunkView", "ConfigError", "DiskConfig", "EngineClosedError", "EngineConfig", "IntegrityError",
     "InvalidRequestError", "KVCategory", "KVEngine", "KVEngineError", "LoadResult", "MemoryConfig",
     "ModelBinding", "Namespace", "NamespaceDigest", "Reservation", "ReservationState", "StagedStore", "StoreResult",
     "TensorSpec", "TransportError", "UnsupportedModelError", "load_config",

@@ -8,7 +8,9 @@ environment). Nested keys use ``__`` in the environment
 (``KVENGINE_MEMORY__CAPACITY_BYTES=8GiB``); list and mapping settings take
 JSON (``KVENGINE_PEERS__PEERS='["10.0.0.2:7400", "10.0.0.3:7400"]'``).
 Unknown keys (with did-you-mean suggestions) and invalid values raise
-:class:`ConfigError` naming the key and what is allowed. An
+:class:`ConfigError` naming the key and what is allowed. Numbers are numbers:
+``true`` / ``false`` are refused where a count, size or duration is expected
+(pydantic would read ``chunk_size: true`` as 1). An
 :class:`EngineConfig` is final: passing one again applies nothing more.
 
 This is hand-written rather than ``pydantic-settings``: that would ignore a
@@ -24,16 +26,41 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvengine.errors import ConfigError
 
 ENV_PREFIX = "KVENGINE_"
 #: The YAML file to read when no configuration source is given (not a key of the configuration).
 CONFIG_FILE_VAR = "KVENGINE_CONFIG_FILE"
+#: The least ``memory.capacity_bytes`` and ``memory.slab_bytes`` accepted: below it a size is almost
+#: surely a unit left out ("100" is 100 bytes), and no chunk of a real model fits.
+MIN_MEMORY_BYTES = 1024
+
+
+def _not_bool(value: object) -> object:
+    """Refuse a boolean where a number is expected (``bool`` is an ``int``: pydantic takes ``true`` as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got the boolean {value!r}")
+    return value
+
+
+#: Numeric setting types that refuse booleans (strings still convert: environment variables are strings).
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+Bytes = Annotated[ByteSize, BeforeValidator(_not_bool)]
 
 
 class _Section(BaseModel):
@@ -43,14 +70,24 @@ class _Section(BaseModel):
 class MemoryConfig(_Section):
     """L1 host-memory tier."""
 
-    capacity_bytes: ByteSize = Field(default=ByteSize(2 * 2**30), gt=0)
+    #: At least MIN_MEMORY_BYTES, and at most what this machine can allocate (checked when an engine
+    #: starts: a ConfigError naming this key).
+    capacity_bytes: Bytes = ByteSize(2 * 2**30)
     #: Allocation slab; every stored chunk must fit one. Default: capacity/16
-    #: clamped to [1 MiB, 256 MiB].
-    slab_bytes: ByteSize | None = Field(default=None, gt=0)
+    #: clamped to [1 MiB, 256 MiB]. At least MIN_MEMORY_BYTES.
+    slab_bytes: Bytes | None = None
     eviction: Literal["lru", "fifo"] = "lru"
     #: Touch the whole arena at start so the first stores take no page faults
     #: (costs about capacity / memory bandwidth at start-up).
     prefault: bool = False
+
+    @field_validator("capacity_bytes", "slab_bytes")
+    @classmethod
+    def _at_least_minimum(cls, value: ByteSize | None) -> ByteSize | None:
+        if value is not None and value < MIN_MEMORY_BYTES:
+            raise ValueError(f"must be at least {MIN_MEMORY_BYTES} B (1KiB), got {int(value)} B (a number "
+                             "without a unit is bytes: write e.g. '100MiB')")
+        return value
 
     def effective_slab_bytes(self) -> int:
         if self.slab_bytes is not None:
@@ -62,7 +99,7 @@ class DiskConfig(_Section):
     """Local-disk tier below memory (disabled when ``path`` is unset)."""
 
     path: Path | None = None
-    capacity_bytes: ByteSize = Field(default=ByteSize(64 * 2**30), gt=0)
+    capacity_bytes: Bytes = Field(default=ByteSize(64 * 2**30), gt=0)
     fsync: Literal["never", "data", "always"] = "data"
     #: Codec of the records written to disk (see kvengine.compression); also
     #: the codec of transports handed to the engine without a Tier.
@@ -78,11 +115,11 @@ class ShadowConfig(_Section):
     """
 
     #: The first this many hits of each namespace after start are shadowed.
-    first_hits: int = Field(default=0, ge=0)
+    first_hits: Int = Field(default=0, ge=0)
     #: Then each hit with this probability.
-    fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    fraction: Float = Field(default=0.0, ge=0.0, le=1.0)
     #: Seed of the sampling (a run is reproducible).
-    seed: int = 0
+    seed: Int = 0
 
     @property
     def enabled(self) -> bool:
@@ -101,16 +138,16 @@ class PeersConfig(_Section):
     peers: tuple[str, ...] = ()
     #: A file with one "host:port" a line, reloaded when it changes.
     peers_file: Path | None = None
-    reload_interval: float = Field(default=1.0, gt=0)
+    reload_interval: Float = Field(default=1.0, gt=0)
     #: Owners per chunk (rendezvous hashing over the peer list).
-    replicas: int = Field(default=2, ge=1)
-    request_timeout: float = Field(default=0.5, gt=0)
-    read_deadline: float = Field(default=1.0, gt=0)
-    write_timeout: float = Field(default=5.0, gt=0)
+    replicas: Int = Field(default=2, ge=1)
+    request_timeout: Float = Field(default=0.5, gt=0)
+    read_deadline: Float = Field(default=1.0, gt=0)
+    write_timeout: Float = Field(default=5.0, gt=0)
     #: A peer that failed is skipped this long.
-    cooldown: float = Field(default=5.0, gt=0)
+    cooldown: Float = Field(default=5.0, gt=0)
     #: Bound on bytes of writes in flight to peers (backpressure beyond it).
-    max_inflight_write_bytes: ByteSize = ByteSize(256 * 2**20)
+    max_inflight_write_bytes: Bytes = ByteSize(256 * 2**20)
     #: A file holding the peer group's shared secret (>= 16 bytes): records sent to peers carry a
     #: keyed MAC, records received must verify. Required for peers off loopback unless CURVE is on.
     secret_file: Path | None = None
@@ -135,13 +172,13 @@ class MooncakeConfig(_Section):
     #: This node's address in the cluster; Mooncake's data connections are bound to it too.
     local_hostname: str = "127.0.0.1"
     #: Memory this node contributes to the cluster's pool (0: a client only; others hold its chunks).
-    segment_bytes: ByteSize = ByteSize(1 * 2**30)
+    segment_bytes: Bytes = ByteSize(1 * 2**30)
     #: Copies Mooncake keeps of each chunk (on distinct nodes).
-    replicas: int = Field(default=1, ge=1)
+    replicas: Int = Field(default=1, ge=1)
     #: Codec of the records written to it. Must be of the disk codec's family.
     codec: str = "raw"
     #: Every call to the store ends within this time (a dead or stalled master: a miss, never a wait).
-    timeout: float = Field(default=1.0, gt=0)
+    timeout: Float = Field(default=1.0, gt=0)
     #: A file holding the cluster's shared secret (>= 16 bytes): records written carry a keyed MAC,
     #: records read must verify. Required when the master is off loopback.
     secret_file: Path | None = None
@@ -185,14 +222,14 @@ class EventsConfig(_Section):
     #: A ROUTER address (always bound) answering replay requests for missed batches, as vLLM's.
     replay_endpoint: str | None = None
     #: Batches kept for replay (only with ``replay_endpoint``).
-    buffer_steps: int = Field(default=1000, ge=1)
+    buffer_steps: Int = Field(default=1000, ge=1)
     #: Events queued for the publishing thread at most; beyond it they are dropped (counted).
-    queue_size: int = Field(default=10_000, gt=0)
+    queue_size: Int = Field(default=10_000, gt=0)
     #: Block hashes as kvengine's 16-byte hashes, or as vLLM's integer form (low 64 bits, big-endian;
     #: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) for routers that decode unsigned 64-bit hashes.
     hash_format: Literal["bytes", "int64"] = "bytes"
     #: ``data_parallel_rank`` of every batch.
-    data_parallel_rank: int = Field(default=0, ge=0)
+    data_parallel_rank: Int = Field(default=0, ge=0)
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -203,17 +240,17 @@ class EventsConfig(_Section):
 
 
 class EngineConfig(_Section):
-    chunk_size: int = Field(default=256, gt=0, le=1 << 20)
+    chunk_size: Int = Field(default=256, gt=0, le=1 << 20)
     #: Store a trailing partial chunk too (rarely matched; see hashing.py).
     store_partial_chunks: bool = False
     #: A reservation not loaded or released within this time is reclaimed.
-    lease_seconds: float = Field(default=30.0, gt=0)
+    lease_seconds: Float = Field(default=30.0, gt=0)
     #: write_behind: stores return once in memory, lower tiers fill in the
     #: background; write_through: stores return once every tier has the chunk
     #: (each chunk's tier writes start as soon as it is copied).
     write_mode: Literal["write_behind", "write_through"] = "write_behind"
     #: Bound on queued background writes (besides the few being written); beyond it they are dropped (counted).
-    max_pending_writes: int = Field(default=256, gt=0)
+    max_pending_writes: Int = Field(default=256, gt=0)
     memory: MemoryConfig = MemoryConfig()
     disk: DiskConfig = DiskConfig()
     peers: PeersConfig = PeersConfig()
@@ -224,7 +261,7 @@ class EngineConfig(_Section):
     #: KV cache events for KV-aware routers (off unless ``events.endpoint`` is set).
     events: EventsConfig = EventsConfig()
     #: Serve Prometheus metrics over HTTP on this port (off when unset).
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_port: Int | None = Field(default=None, ge=0, le=65535)
     #: Address the metrics exporter binds (loopback by default: metrics name models and tenants).
     metrics_host: str = "127.0.0.1"
     #: Level of kvengine's loggers ("kvengine" and below; debug adds a line per lookup and load). Unset:
@@ -239,7 +276,8 @@ class EngineConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
         if self.memory.effective_slab_bytes() > self.memory.capacity_bytes:
-            raise ValueError("memory.slab_bytes must not exceed memory.capacity_bytes")
+            raise ValueError(f"memory.slab_bytes ({self.memory.effective_slab_bytes()} B) must not exceed "
+                             f"memory.capacity_bytes ({int(self.memory.capacity_bytes)} B)")
         curve = (self.peers.curve_public_key, self.peers.curve_secret_key, self.peers.curve_server_key)
         if self.peers.transport != "zmq" and any(curve):
             raise ValueError(f"peers.curve_* keys are ZeroMQ-only, not for peers.transport={self.peers.transport}")
@@ -264,6 +302,8 @@ def _error(exc: ValidationError) -> ConfigError:
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"]
+        if err["type"] == "value_error":  # our own validators' messages, without pydantic's prefix
+            msg = msg.removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(err["loc"])
             close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)

@@ -22,6 +22,11 @@ class InvalidRequestError(KVEngineError, ValueError):
     """A caller passed tokens or tensors that cannot be cached as given."""
 
 
+class EngineClosedError(KVEngineError, RuntimeError):
+    """A call reached an engine after its ``close()`` (or while it was closing). A ``RuntimeError`` too,
+    which a closed event loop raised before."""
+
+
 class CapacityError(KVEngineError):
     """An object can never fit the configured capacity of a tier."""
 

@@ -4,6 +4,10 @@
 background thread. Its methods may be called from any number of threads
 (never from that loop's own thread); each call costs one thread hop, so the
 API is batched per request, not per chunk.
+
+After :meth:`KVEngine.close` every method raises :class:`EngineClosedError`
+(``close`` itself is idempotent); the check comes before anything is sent to
+the (stopped) loop, so no coroutine is left unawaited.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kvengine.core.caller_mode import in_callers_mode
 from kvengine.core.engine import CacheEngine
 from kvengine.core.reservations import Reservation
 from kvengine.core.staging import StagedStore
-from kvengine.errors import KVEngineError
+from kvengine.errors import EngineClosedError, KVEngineError
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier, build_tiers
 from kvengine.transport import ChunkTransport
@@ -68,6 +72,7 @@ class KVEngine:
         codecs: CodecRegistry | None = None,
     ) -> None:
         self.config = load_config(config)
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvengine-loop", daemon=True)
         self._thread.start()
@@ -87,7 +92,6 @@ class KVEngine:
         except BaseException:
             self._stop_loop()
             raise
-        self._closed = False
 
     # -- plumbing -------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -95,14 +99,34 @@ class KVEngine:
 
         A ``BaseException`` raised inside (``KeyboardInterrupt``, ``SystemExit`` from a caller's sink or
         source) reaches the caller here, in its own thread; the engine's loop keeps running.
+
+        :raises EngineClosedError: after :meth:`close` (``coro`` is closed, never run).
         """
+        if self._closed:
+            coro.close()
+            raise _closed_error()
+        return self._run(coro)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """:meth:`run`, also while :meth:`close` runs (which needs the loop one last time)."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise KVEngineError("KVEngine's blocking API was called from its own event loop; use .core")
-        outcome = asyncio.run_coroutine_threadsafe(_contained(coro), self._loop).result()
+        contained = _contained(coro)
+        try:
+            future = asyncio.run_coroutine_threadsafe(contained, self._loop)
+        except RuntimeError:  # the loop was closed after the check above: close() ran in another thread
+            contained.close()
+            coro.close()
+            raise _closed_error() from None
+        outcome = future.result()
         if isinstance(outcome, _Escaped):
             raise outcome.exc
         return outcome
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise _closed_error()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -115,7 +139,7 @@ class KVEngine:
             return
         self._closed = True
         try:
-            self.run(self.core.close(flush=flush))
+            self._run(self.core.close(flush=flush))
         finally:
             if self._stop_metrics is not None:
                 self._stop_metrics()
@@ -129,6 +153,11 @@ class KVEngine:
 
     # -- API ---------------------------------------------------------------------
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called (every method then raises :class:`EngineClosedError`)."""
+        return self._closed
+
+    @property
     def metrics(self) -> EngineMetrics:
         return self.core.metrics
 
@@ -140,6 +169,7 @@ class KVEngine:
         return self.core.tiers.lossy_codec
 
     def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+        self._check_open()
         return self.core.bind(namespace, layout)
 
     def lookup(
@@ -152,6 +182,7 @@ class KVEngine:
     ) -> Reservation | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread (no hop to the engine's
         loop); None where lower tiers must be asked (call :meth:`lookup`)."""
+        self._check_open()
         return self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens)
 
     def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
@@ -166,6 +197,7 @@ class KVEngine:
 
     def release(self, reservation: Reservation) -> None:
         """End a reservation without loading; in the calling thread (no hop to the engine's loop)."""
+        self._check_open()
         self.core.release_now(reservation)
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
@@ -187,6 +219,7 @@ class KVEngine:
 
     def is_quarantined(self, binding: ModelBinding) -> bool:
         """Whether ``binding``'s namespace failed a provenance check (nothing of it is served)."""
+        self._check_open()
         return self.core.is_quarantined(binding)
 
     def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
@@ -195,3 +228,7 @@ class KVEngine:
             self.core.quarantine_namespace(binding, reason, **details)
 
         self.run(quarantine())
+
+
+def _closed_error() -> EngineClosedError:
+    return EngineClosedError("kvengine: this KVEngine is closed; calls after close() are refused")

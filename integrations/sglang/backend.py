@@ -22,7 +22,10 @@ are filled from there per the write mode. The legacy
 
 Results are per key (True: stored / delivered). A fault inside kvengine (no
 room, corrupt record, dead disk) is a counted miss, never an exception;
-caller mistakes (key/index counts that do not match) raise.
+caller mistakes raise :class:`InvalidRequestError` naming the argument (key
+and index counts that do not match, host indices that are not an integer
+tensor, a flat page that is not a tensor of the pool's pages), and any data
+call after :meth:`close` raises :class:`EngineClosedError`.
 
 Hybrid models (SGLang's v2 methods): a KV pool plus a Mamba state pool
 (``MambaPoolHost``, one state per radix node, keyed by the node's last page
@@ -61,7 +64,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvengine.chunks.layout import KVCategory
 from kvengine.config import EngineConfig
 from kvengine.core.copies import copy_all
-from kvengine.errors import InvalidRequestError, UnsupportedModelError
+from kvengine.errors import EngineClosedError, InvalidRequestError, UnsupportedModelError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore
 from kvengine.tiers import build_tiers
@@ -113,6 +116,7 @@ class KVEngineHiCacheStorage(HiCacheStorage):
         self._extra: dict[str, _ExtraPool] = {}
         #: Set once the pool set is final (on_host_pools_registered, or the first data call).
         self._sealed = False
+        self._closed = False
         if not self.options.zero_copy:
             logger.warning("kvengine HiCache backend: 'interface_v1' is not set, so SGLang uses the copying "
                            "get/set path; add \"interface_v1\": 1 to the extra config")
@@ -226,6 +230,7 @@ class KVEngineHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Flush pending disk writes and stop the engine (SGLang calls this on detach). Idempotent."""
+        self._closed = True
         kv, self.kv, self._store, self._pages = self.kv, None, None, None
         for pool in self._extra.values():
             pool.store = None
@@ -237,6 +242,8 @@ class KVEngineHiCacheStorage(HiCacheStorage):
         return self._keyed().binding
 
     def _keyed(self) -> SyncKeyedStore:
+        if self._closed:
+            raise EngineClosedError("the kvengine HiCache backend is closed")
         if self._store is None:
             raise InvalidRequestError("the kvengine HiCache backend has no host pool yet (register_mem_pool_host)")
         self._sealed = True  # serving has begun: the pool set (and so the engine's namespaces) is final
@@ -286,15 +293,17 @@ class KVEngineHiCacheStorage(HiCacheStorage):
 
     # -- copying API (SGLang's flat pages) ---------------------------------------------------
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        _flat_page(target_location, "target_location")
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         store = self._keyed()
         if target_locations is None or len(target_locations) != len(keys):
-            raise InvalidRequestError("batch_get needs one flat target page per key")
+            raise InvalidRequestError("batch_get needs one flat target page per key (target_locations)")
         geometry = self._pages.geometry  # type: ignore[union-attr]
-        regions = [geometry.legacy_regions(t) for t in target_locations]
+        regions = [geometry.legacy_regions(_flat_page(t, f"target_locations[{i}]"))
+                   for i, t in enumerate(target_locations)]
 
         def sink(i: int, tensors: tuple[torch.Tensor, ...]) -> None:
             copy_all(regions[i], tensors)
@@ -303,17 +312,19 @@ class KVEngineHiCacheStorage(HiCacheStorage):
         return [t if o.ok else None for t, o in zip(target_locations, outcomes)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        _flat_page(value, "value")
         return self.batch_set([key], [value])
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         store = self._keyed()
         if values is None or len(values) != len(keys):
-            raise InvalidRequestError("batch_set needs one flat page per key")
+            raise InvalidRequestError("batch_set needs one flat page per key (values)")
+        pages = [_flat_page(v, f"values[{i}]") for i, v in enumerate(values)]
         if not self.is_writer:
             return True
         geometry = self._pages.geometry  # type: ignore[union-attr]
-        regions = [geometry.legacy_regions(v.contiguous()) for v in values]
+        regions = [geometry.legacy_regions(v.contiguous()) for v in pages]
         return all(o.ok for o in store.put(_key_bytes(keys), regions.__getitem__))
 
     # -- hybrid models (v2) ------------------------------------------------------------------
@@ -404,7 +415,7 @@ class KVEngineHiCacheStorage(HiCacheStorage):
 
     def _extra_store(self, pool: _ExtraPool) -> SyncKeyedStore:
         if pool.store is None:
-            raise InvalidRequestError("the kvengine HiCache backend is closed")
+            raise EngineClosedError("the kvengine HiCache backend is closed")
         return pool.store
 
     # -- misc -----------------------------------------------------------------------------
@@ -421,6 +432,15 @@ def _key_bytes(keys: list[str]) -> list[bytes]:
         return [k.encode() for k in keys]
     except AttributeError:
         raise InvalidRequestError("SGLang page keys must be strings") from None
+
+
+def _flat_page(page: Any, argument: str) -> torch.Tensor:
+    """``page``, a flat page of SGLang's copying API; :class:`InvalidRequestError` naming ``argument`` if
+    it is not a tensor (its dtype and size are checked against the pool by ``legacy_regions``)."""
+    if not isinstance(page, torch.Tensor):
+        raise InvalidRequestError(f"{argument} must be a torch.Tensor (a flat page of the host pool), "
+                                  f"got {type(page).__name__}")
+    return page
 
 
 def _indices(transfer: PoolTransfer) -> torch.Tensor:

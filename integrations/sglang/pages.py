@@ -36,6 +36,8 @@ from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.errors import InvalidRequestError, UnsupportedModelError
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+#: dtypes of host slot indices (SGLang's are int64): a float or bool tensor is a caller's mistake.
+_INDEX_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
 
 
 class PoolKind(enum.Enum):
@@ -198,6 +200,9 @@ class HostPages:
 
     def page_views(self, host_indices: torch.Tensor, num_pages: int) -> list[list[torch.Tensor]]:
         """For each page of ``host_indices`` (``num_pages`` x page_size slots), its regions' views."""
+        check_host_indices(host_indices)
+        if host_indices.dim() != 1:
+            raise InvalidRequestError(f"host_indices must be 1-D, got shape {tuple(host_indices.shape)}")
         if host_indices.numel() != num_pages * self.geometry.page_size:
             raise InvalidRequestError(
                 f"{num_pages} keys need {num_pages * self.geometry.page_size} host indices, "
@@ -221,6 +226,16 @@ class HostPages:
                 page.append(self._buffer.as_strided(self._shape, self._strides, self._storage_offset + offset // item))
             views.append(page)
         return views
+
+
+def check_host_indices(host_indices: object) -> None:
+    """Raise :class:`InvalidRequestError` unless ``host_indices`` is an integer tensor of host slots
+    (a float index would be truncated to some other page's slot)."""
+    if not isinstance(host_indices, torch.Tensor):
+        raise InvalidRequestError(f"host_indices must be a torch.Tensor of host slot indices, "
+                                  f"got {type(host_indices).__name__}")
+    if host_indices.dtype not in _INDEX_DTYPES:
+        raise InvalidRequestError(f"host_indices must be integers, got dtype {host_indices.dtype}")
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -306,6 +321,7 @@ class MambaStates:
 
     def page_views(self, host_indices: torch.Tensor, num_keys: int) -> list[list[torch.Tensor]]:
         """For each of ``num_keys`` state slots of ``host_indices`` (one slot per key), its regions' views."""
+        check_host_indices(host_indices)
         if host_indices.numel() != num_keys:
             raise InvalidRequestError(f"{num_keys} Mamba state keys need {num_keys} host slots, "
                                       f"got {host_indices.numel()}")

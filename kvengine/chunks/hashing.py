@@ -33,11 +33,18 @@ _TOKEN_BYTES = 4
 def token_bytes(tokens: TokenInput) -> memoryview:
     """Validate token ids and return them as contiguous little-endian uint32.
 
-    Raises :class:`InvalidRequestError` for empty input, non-integer values,
-    ids outside ``[0, 2**32)`` or more than one dimension.
+    Accepted: a 1-D integer ``torch.Tensor`` (on any device but ``meta``: it is
+    copied to the CPU), a 1-D integer numpy array, or a sequence of ints (list,
+    tuple, range, ``array.array``). Python's ``bool`` is an ``int``, so ``True``
+    in a list is token 1; a bool array or tensor is refused (it is a mask).
+
+    Raises :class:`InvalidRequestError` naming ``tokens`` for anything else:
+    ``None``, a scalar, text or bytes, a mapping or set (no order of ids), an
+    iterator or generator (checking it would consume it), empty input,
+    non-integer values, ids outside ``[0, 2**32)`` or more than one dimension.
     """
     if isinstance(tokens, torch.Tensor):
-        tokens = tokens.detach().cpu().numpy()
+        tokens = _tensor_to_numpy(tokens)
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise InvalidRequestError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
@@ -47,11 +54,15 @@ def token_bytes(tokens: TokenInput) -> memoryview:
             raise InvalidRequestError("tokens must not be empty")
         if tokens.dtype != _TOKEN_DTYPE:
             if int(tokens.min()) < 0 or int(tokens.max()) >= 2**32:
-                raise InvalidRequestError("token ids must be in [0, 2**32)")
+                raise InvalidRequestError("tokens: token ids must be in [0, 2**32)")
             tokens = tokens.astype(_TOKEN_DTYPE)
         return memoryview(np.ascontiguousarray(tokens).data).cast("B")
-    if isinstance(tokens, (str, bytes)):
-        raise InvalidRequestError("tokens must be a sequence of token ids, not text")
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        raise InvalidRequestError(f"tokens must be a sequence of token ids, not text or bytes "
+                                  f"(got {type(tokens).__name__})")
+    if not isinstance(tokens, Sequence):  # dict, set, None, int, generator, iterator, ...
+        raise InvalidRequestError(f"tokens must be a list, tuple, numpy array or 1-D integer tensor of token ids, "
+                                  f"got {type(tokens).__name__}")
     if len(tokens) == 0:
         raise InvalidRequestError("tokens must not be empty")
     try:
@@ -59,12 +70,40 @@ def token_bytes(tokens: TokenInput) -> memoryview:
         # 7 ns a token, far cheaper than numpy's conversion of a list.
         packed = array.array("I", tokens)
     except (TypeError, OverflowError) as exc:
-        raise InvalidRequestError(f"token ids must be integers in [0, 2**32): {exc}") from None
+        raise InvalidRequestError(f"tokens: token ids must be integers in [0, 2**32): {exc}") from None
     if packed.itemsize != _TOKEN_BYTES:  # pragma: no cover - exotic C ABI
         packed = array.array("L", tokens)
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         packed.byteswap()
     return memoryview(packed).cast("B")
+
+
+#: Tensor dtypes that hold token ids (bool is a mask, floats are not ids).
+_INTEGER_TENSOR_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64,
+                                    torch.uint8, torch.uint16, torch.uint32, torch.uint64))
+
+
+def _tensor_to_numpy(tokens: torch.Tensor) -> np.ndarray:
+    """A tensor of token ids as a numpy array (copied to the CPU first where it lives elsewhere)."""
+    if tokens.is_meta:
+        raise InvalidRequestError("tokens is a meta-device tensor, which holds no token ids")
+    if tokens.layout is not torch.strided:
+        raise InvalidRequestError(f"tokens must be a dense tensor, got layout {tokens.layout}")
+    if tokens.dtype not in _INTEGER_TENSOR_DTYPES:  # checked before a device copy of what would be refused
+        raise InvalidRequestError(f"tokens must be integers, got dtype {tokens.dtype}")
+    return tokens.detach().cpu().numpy()
+
+
+def check_max_tokens(max_tokens: object) -> int | None:
+    """``max_tokens`` as an int, or None; :class:`InvalidRequestError` unless it is a non-negative integer."""
+    if max_tokens is None:
+        return None
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+        raise InvalidRequestError(f"max_tokens must be an int or None, got {type(max_tokens).__name__} "
+                                  f"{max_tokens!r}")
+    if max_tokens < 0:
+        raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+    return int(max_tokens)
 
 
 def prefix_hashes(
@@ -82,6 +121,7 @@ def prefix_hashes(
     """
     if chunk_size <= 0:
         raise InvalidRequestError(f"chunk_size must be positive, got {chunk_size}")
+    max_tokens = check_max_tokens(max_tokens)
     data = token_bytes(tokens)
     n_tokens = len(data) // _TOKEN_BYTES
     if max_tokens is not None:

@@ -238,3 +238,5 @@ class ChunkLayout:
                 raise InvalidRequestError(
                     f"{spec.name}: expected {spec.dtype} {want}, got {tensor.dtype} {tuple(tensor.shape)}"
                 )
+            if tensor.is_meta:  # shaped right, but there are no bytes to copy
+                raise InvalidRequestError(f"{spec.name}: a meta-device tensor holds no data to store")

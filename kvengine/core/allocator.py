@@ -11,12 +11,16 @@ read them in place.
 A slab that empties returns to the shared free list and can take any class next, so free memory never stays stranded in a class: the
 pool does not fragment over time, whatever mix of sizes it sees.
 
+The arena is allocated up front; an arena larger than the machine's physical
+memory, or one the system refuses, is a :class:`CapacityError` naming its size.
+
 Not thread-safe: the owning tier serialises calls.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
@@ -53,8 +57,10 @@ class SlabAllocator:
     def __init__(
         self, capacity_bytes: int, slab_bytes: int, *, pin_memory: bool = False, prefault: bool = False
     ) -> None:
+        if slab_bytes < ALIGN:
+            raise CapacityError(f"a slab must be at least {ALIGN} B, got {slab_bytes} B")
         slab_bytes = _round_down(slab_bytes, PAGE if slab_bytes >= LARGE_SLOT else ALIGN)
-        if slab_bytes < ALIGN or capacity_bytes < slab_bytes:
+        if capacity_bytes < slab_bytes:
             raise CapacityError(f"capacity {capacity_bytes} B must hold at least one slab of {slab_bytes} B")
         self.slab_bytes = slab_bytes
         self.num_slabs = capacity_bytes // slab_bytes
@@ -168,8 +174,36 @@ def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
 
     torch only promises 64-byte alignment; CUDA's pinned host allocator and
     anonymous mappings give whole pages.
+
+    :raises CapacityError: ``nbytes`` exceeds physical memory (an anonymous mapping may be granted
+        lazily, and fail only when touched), or the system refuses the allocation.
     """
-    if pin_memory:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    # Private: a forked child gets a copy-on-write view, never a window into this cache.
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    physical = physical_memory_bytes()
+    if physical is not None and nbytes > physical:
+        raise CapacityError(f"a host arena of {_human(nbytes)} exceeds this machine's physical memory "
+                            f"({_human(physical)})")
+    try:
+        if pin_memory:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # Private: a forked child gets a copy-on-write view, never a window into this cache.
+        return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    except (OSError, RuntimeError) as exc:  # mmap: ENOMEM; CUDA's pinned allocator: RuntimeError
+        raise CapacityError(f"cannot allocate a host arena of {_human(nbytes)}: {exc}") from None
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
+        return None
+
+
+def _human(nbytes: int) -> str:
+    """``nbytes`` in binary units, e.g. "64.0 TiB"."""
+    value, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{value:.1f} {unit}" if unit != "B" else f"{nbytes} B"

@@ -26,7 +26,8 @@ it runs: the publisher is None and no event is built.
 
 Cache faults (corrupt records, dead tiers, no room) become counted misses.
 Caller mistakes (bad tokens, tensors that do not match the layout) raise
-:class:`InvalidRequestError` and leave the pool as it was.
+:class:`InvalidRequestError` and leave the pool as it was. After :meth:`close`
+every primitive raises :class:`EngineClosedError` (``close`` itself is idempotent).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from functools import partial
 import torch
 
 from kvengine.chunks.codecs import CodecRegistry
-from kvengine.chunks.hashing import TokenInput, prefix_hashes, token_bytes
+from kvengine.chunks.hashing import TokenInput, check_max_tokens, prefix_hashes, token_bytes
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.compression import default_codecs
@@ -58,7 +59,7 @@ from kvengine.core.stager import Stager
 from kvengine.core.staging import StagedStore
 from kvengine.core.tier_set import TierSet, resolve_codec
 from kvengine.core.tier_writer import TierWriter
-from kvengine.errors import InvalidRequestError
+from kvengine.errors import CapacityError, ConfigError, EngineClosedError, InvalidRequestError
 from kvengine.events import MEDIUM_MEMORY, AllBlocksCleared, BlockStored, KVEventPublisher
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
@@ -106,12 +107,15 @@ class CacheEngine:
         #: The codec of records this engine serves to peers from memory (see EngineStore).
         self.peer_codec = resolve_codec(self.codecs, config.peers.codec, "peers.codec")
         self._clock = clock
-        allocator = SlabAllocator(
-            int(config.memory.capacity_bytes),
-            config.memory.effective_slab_bytes(),
-            pin_memory=_cuda_available(),
-            prefault=config.memory.prefault,
-        )
+        try:
+            allocator = SlabAllocator(
+                int(config.memory.capacity_bytes),
+                config.memory.effective_slab_bytes(),
+                pin_memory=_cuda_available(),
+                prefault=config.memory.prefault,
+            )
+        except CapacityError as exc:  # the arena cannot be had on this machine: the setting is what is wrong
+            raise ConfigError(f"memory.capacity_bytes: {exc}") from None
         #: KV events for routers (None: off). Started and closed with the engine.
         self.events = KVEventPublisher.from_config(config.events)
         self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict,
@@ -142,6 +146,16 @@ class CacheEngine:
         return self.tiers.transports
 
     # -- lifecycle ---------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called (every primitive then raises :class:`EngineClosedError`)."""
+        return self._closed
+
+    def check_open(self) -> None:
+        """Raise :class:`EngineClosedError` once :meth:`close` has been called."""
+        if self._closed:
+            raise EngineClosedError("kvengine: the engine is closed; calls after close() are refused")
+
     async def start(self) -> None:
         """Start background tasks (lease reaper, tier writer, KV event publisher) on the running loop."""
         if self.events is not None:
@@ -161,6 +175,7 @@ class CacheEngine:
 
     async def flush(self) -> None:
         """Wait until every queued tier write has been attempted."""
+        self.check_open()
         await self.writer.flush()
 
     async def close(self, *, flush: bool = True) -> None:
@@ -185,6 +200,7 @@ class CacheEngine:
     # -- binding -------------------------------------------------------------
     def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
         """Validate a model's chunk layout against this engine; raise if it can never work."""
+        self.check_open()
         if layout.chunk_size != self.config.chunk_size:
             raise InvalidRequestError(
                 f"layout chunk_size {layout.chunk_size} differs from the engine's chunk_size "
@@ -208,10 +224,12 @@ class CacheEngine:
         return binding
 
     def is_quarantined(self, binding: ModelBinding) -> bool:
+        self.check_open()
         return binding.root in self.quarantine
 
     def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
         """Never serve or store ``binding``'s namespace root again (see :mod:`.quarantine`)."""
+        self.check_open()
         self.quarantine.add(binding.namespace, reason, details)
         for res in [r for r in self.reservations.all() if self._roots.get(r.namespace) == binding.root]:
             self._end(res)  # what was promised under it (any salt) is withdrawn: loads of it now fail
@@ -226,6 +244,7 @@ class CacheEngine:
         Idempotent per ``request_id``: the same question returns the same
         reservation with a renewed lease, pinning and counting nothing again.
         """
+        self.check_open()
         started = time.perf_counter()
         question = self._question(binding, request_id, tokens, max_tokens)
         if isinstance(question, Reservation):
@@ -252,8 +271,7 @@ class CacheEngine:
         reservation table, both locked), so a scheduler's channel can answer a
         warm request without a hop to the engine's loop.
         """
-        if self._closed:
-            return None
+        self.check_open()
         started = time.perf_counter()
         question = self._question(binding, request_id, tokens, max_tokens)
         if isinstance(question, Reservation):
@@ -269,8 +287,7 @@ class CacheEngine:
         """The lookup's chunk keys, or the request's live reservation for the same question (lease renewed)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
-        if max_tokens is not None and max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        max_tokens = check_max_tokens(max_tokens)
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens,
                                partial=self.config.store_partial_chunks)
         if self.is_quarantined(binding):
@@ -329,7 +346,7 @@ class CacheEngine:
             if views:
                 loaded = await asyncio.to_thread(self._run_sink, views, sink)
         finally:
-            result = await self.finish_load(res, loaded)
+            result = self._finish_load(res, loaded)  # also where close() ran meanwhile: it reports the load
         return result
 
     async def begin_load(self, res: Reservation) -> tuple[ChunkView, ...]:
@@ -339,6 +356,7 @@ class CacheEngine:
         which must follow. Empty when the reservation expired or ended (the
         load then fails whole).
         """
+        self.check_open()
         self._check_owner(res)
         now = self._clock()
         if not self.reservations.begin_load(res, now):
@@ -355,6 +373,11 @@ class CacheEngine:
         Counted once; a reservation that was not loading (its ``begin_load``
         failed, or it was finished before) reports nothing loaded.
         """
+        self.check_open()
+        return self._finish_load(res, loaded_chunks)
+
+    def _finish_load(self, res: Reservation, loaded_chunks: int) -> LoadResult:
+        """:meth:`finish_load`, of an engine open or closed."""
         self._check_owner(res)
         loading = res.state is ReservationState.LOADING
         loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
@@ -387,6 +410,7 @@ class CacheEngine:
         """:meth:`release`, in the calling thread: synchronous and thread-safe (it touches only the
         reservation table and the memory tier, both locked), so an engine's thread ends a request
         without a hop to the engine's loop."""
+        self.check_open()
         self._check_owner(res)
         self._end(res)
 
@@ -406,6 +430,11 @@ class CacheEngine:
     async def reclaim_expired(self) -> int:
         """End reservations whose lease ran out, loads and staged stores left unfinished for
         ``ABANDON_AFTER_LEASES`` leases; returns how many reservations (all counted in metrics)."""
+        self.check_open()
+        return self._reclaim_expired()
+
+    def _reclaim_expired(self) -> int:
+        """:meth:`reclaim_expired`, for the reaper (which may wake while :meth:`close` runs)."""
         now = self._clock()
         count = 0
         for res, was in self.reservations.end_expired(now):
@@ -429,7 +458,7 @@ class CacheEngine:
         ticks = 0
         while True:
             await asyncio.sleep(interval)
-            await self.reclaim_expired()
+            self._reclaim_expired()
             ticks += 1
             if ticks % 10 == 0:  # other processes on the same disk may have quarantined a namespace
                 await asyncio.to_thread(self.quarantine.refresh)
@@ -446,6 +475,7 @@ class CacheEngine:
         write mode, also when ``source`` raises (the error then reaches the
         caller once the copied chunks are handed on).
         """
+        self.check_open()
         started = time.perf_counter()
         try:
             return await self._store(binding, tokens, source)
@@ -499,6 +529,7 @@ class CacheEngine:
         any order, e.g. layer by layer) and then calls :meth:`commit_store`,
         which must follow. Preparing stops at the first chunk that finds no room.
         """
+        self.check_open()
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
         staged = self._stage(binding, hashes, len(tokens))
         # pinned until committed: abandoned ones are dropped by the reaper
@@ -512,6 +543,7 @@ class CacheEngine:
 
         :raises InvalidRequestError: if ``staged`` was already committed (or abandoned and dropped).
         """
+        self.check_open()
         events = self._staged_events.pop(staged, None)
         result, held = self.stager.commit(staged, filled_chunks)
         if events is not None:
@@ -546,7 +578,10 @@ class CacheEngine:
         return self.stager.prepare(binding, keys, [(i * size, min((i + 1) * size, total)) for i in range(len(keys))])
 
     def holds(self, key: ChunkKey) -> bool:
-        """Whether the memory tier holds ``key`` now (a later read may still miss: it can be evicted)."""
+        """Whether the memory tier holds ``key`` now (a later read may still miss: it can be evicted).
+
+        Answered after :meth:`close` too (False: memory is empty then), as is :meth:`resident_record`:
+        they serve other engines (a peer server), whose requests may arrive while this one shuts down."""
         return self.memory.contains(key)
 
     def resident_record(self, binding: ModelBinding, key: ChunkKey) -> bytes | None:
