@@ -129,9 +129,10 @@ class ShadowConfig(_Section):
 class PeersConfig(_Section):
     """Peer sharing tier (off unless ``peers`` or ``peers_file`` is set)."""
 
-    #: zmq (CURVE for identity), tcp (kvengine's own framing, bounded before buffering; TLS for identity)
+    #: tcp (kvengine's own framing, every message bounded before it is buffered; TLS for identity; the default,
+    #: as for `kvengine serve`), zmq (CURVE for identity; libzmq buffers a message whole before kvengine sees it)
     #: or ucx (RDMA / shared memory; no transport security).
-    transport: Literal["zmq", "tcp", "ucx"] = "zmq"
+    transport: Literal["zmq", "tcp", "ucx"] = "tcp"
     #: Codec of the records sent to peers. Must be of the disk codec's family.
     codec: str = "raw"
     #: Static peer list, "host:port" each.

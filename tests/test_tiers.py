@@ -111,9 +111,9 @@ def test_peers_without_a_disk_are_a_tier_and_the_order_is_disk_peers_plugins(tmp
                          environ={})
     tiers = build_tiers(config)
     assert [(t.transport.name, t.codec, t.setting) for t in tiers] == [
-        ("local_disk", "raw", "disk.codec"), ("peers_zmq", "raw", "peers.codec"), ("dict_tier", "lz4", "tiers[0].codec")]
+        ("local_disk", "raw", "disk.codec"), ("peers_tcp", "raw", "peers.codec"), ("dict_tier", "lz4", "tiers[0].codec")]
     only_peers = build_tiers(load_config({"peers": {"peers": ["127.0.0.2:1"]}}, environ={}))
-    assert [t.transport.name for t in only_peers] == ["peers_zmq"]
+    assert [t.transport.name for t in only_peers] == ["peers_tcp"]
 
 
 def test_bundled_tiers_are_built_from_their_typed_sections(tmp_path: Path) -> None:

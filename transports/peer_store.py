@@ -29,6 +29,9 @@ from kvengine.errors import InvalidRequestError
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
 
+#: Batches of more record bytes than this are copied into the store in a worker thread.
+_THREAD_COPY_BYTES = 1 << 20
+
 
 @runtime_checkable
 class RecordStore(Protocol):
@@ -48,9 +51,13 @@ class MemoryRecordStore:
 
     A record larger than the whole capacity is refused (``put`` -> False).
     ``put`` of a key already stored keeps the stored record (records are
-    content-addressed: same key, same chunk). Immutable records (``bytes``,
-    read-only views such as the peer protocol hands out) are kept as they
-    are; others are copied.
+    content-addressed: same key, same chunk). Every record is kept as a
+    ``bytes`` of exactly its length, copied from what was put unless it is
+    one already: a view would keep alive the buffer it views (a ZeroMQ
+    frame and its bookkeeping, a tcp read buffer shared by a whole batch, a
+    receive buffer rounded up to 2 MiB), so memory would exceed
+    ``capacity_bytes``, which counts record bytes. Large batches are copied
+    in a worker thread, off the event loop.
     """
 
     name = "peer_memory"
@@ -60,7 +67,7 @@ class MemoryRecordStore:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self._records: OrderedDict[ChunkKey, Buffer] = OrderedDict()
+        self._records: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -81,7 +88,9 @@ class MemoryRecordStore:
             return [k in self._records for k in keys]
 
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
-        return [self._put_one(key, record) for key, record in items]
+        if sum(len(record) for _, record in items) > _THREAD_COPY_BYTES:
+            return await asyncio.to_thread(self._put_all, items)
+        return self._put_all(items)
 
     async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
@@ -92,6 +101,9 @@ class MemoryRecordStore:
             self._records.clear()
             self.used_bytes = 0
 
+    def _put_all(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        return [self._put_one(key, record) for key, record in items]
+
     def _put_one(self, key: ChunkKey, record: Buffer) -> bool:
         if len(record) > self.capacity_bytes:
             return False
@@ -99,8 +111,7 @@ class MemoryRecordStore:
             if key in self._records:
                 self._records.move_to_end(key)
                 return True
-        readonly = isinstance(record, bytes) or (isinstance(record, memoryview) and record.readonly)
-        data = record if readonly else bytes(record)  # copy outside the lock
+        data = record if type(record) is bytes else bytes(record)  # copy outside the lock
         with self._lock:
             while self.used_bytes + len(data) > self.capacity_bytes:
                 self._drop_locked(next(iter(self._records)))

@@ -21,8 +21,13 @@ sender). A client keeps up to ``connections_per_peer`` connections per peer.
 Server bounds (:class:`TcpServerOptions`): connections in all and per
 client, a deadline for each message once its first byte arrived (a client
 that trickles bytes loses its connection), an idle time, and a budget of
-payload bytes being received at once across all clients (a request beyond
-it waits, unread, within its deadline).
+payload bytes being received at once, shared by the clients
+(:class:`SharedByteBudget`): a client holds at most its share of it (the
+budget divided among the connected clients, at most half of it), so one that
+announces a huge payload and sends nothing holds its share until its
+deadline, never the others' bytes. A payload beyond the client's share is refused at once
+(``TOO_LARGE``, connection closed); one within it that does not fit now
+waits, unread, within its deadline.
 
 TLS (:class:`TlsConfig`): servers present a certificate; clients verify it
 against the group's CA (peers are addressed by IP, so the chain is checked,
@@ -52,7 +57,7 @@ from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.transport import Buffer
 
-from .byte_budget import ByteBudget
+from .byte_budget import Grant, SharedByteBudget
 from .connection_pool import ConnectionPool
 from .peer_buffers import RECEIVE_BUFFERS
 from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
@@ -147,13 +152,18 @@ class TcpServerOptions:
     message_timeout: float = 5.0
     #: A connection with no request for this long is closed (clients reconnect on demand).
     idle_timeout: float = 60.0
-    #: Payload bytes being received at once, over all connections; a request beyond it waits unread.
+    #: Payload bytes being received at once, over all connections, shared by the clients: each holds at most
+    #: ``receive_budget_bytes // clients connected``, at least ``min_client_share_bytes``, at most half of it.
+    #: A request beyond its client's share is refused ``TOO_LARGE``; one within it waits unread for room.
     receive_budget_bytes: int = 1 << 30
+    #: The share a client keeps however many clients connect (capped at half the budget): a kvengine
+    #: client's largest batch (``PeerClientOptions.max_request_bytes``, 64 MiB) always fits.
+    min_client_share_bytes: int = 64 << 20
     tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
-        if min(self.max_connections, self.max_connections_per_client, self.receive_budget_bytes) < 1 or min(
-                self.message_timeout, self.idle_timeout) <= 0:
+        if min(self.max_connections, self.max_connections_per_client, self.receive_budget_bytes,
+               self.min_client_share_bytes) < 1 or min(self.message_timeout, self.idle_timeout) <= 0:
             raise ConfigError("tcp server limits and timeouts must be positive")
 
 
@@ -386,6 +396,7 @@ class _ServerConnection(_Framed):
         self.identity: bytes | None = None  # proven identity (TLS client certificate), for tenants
         self._timer: asyncio.TimerHandle | None = None
         self._held = 0  # receive budget held by the request being read
+        self._waiting: asyncio.Task[None] | None = None  # waiting for receive budget (reading paused)
         self._broken = False  # closed for breaking the protocol (counted once, as that)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -416,28 +427,46 @@ class _ServerConnection(_Framed):
         self._arm(self.server.options.message_timeout, "message_timeout")
 
     def on_header(self, msg: Message) -> bool:
-        if msg.payload_bytes == 0:
+        nbytes = msg.payload_bytes
+        if nbytes == 0:
             return True
-        if self.server.budget.try_take(msg.payload_bytes):
-            self._held = msg.payload_bytes
+        budget = self.server.budget
+        if nbytes > budget.share():
+            raise self._over_share(nbytes)
+        if budget.try_take(self.client, nbytes):
+            self._held = nbytes
             return True
         assert self.transport is not None
         self.transport.pause_reading()
-        self.server.spawn(self._wait_for_budget(msg.payload_bytes))
+        self._waiting = self.server.spawn(self._wait_for_budget(nbytes))
         return False
 
+    def _over_share(self, nbytes: int) -> ProtocolError:
+        self.server.counts["refused_over_client_share"] += 1
+        return ProtocolError(Status.TOO_LARGE, f"a payload of {nbytes} bytes, beyond this client's share of the "
+                                               f"receive budget ({self.server.budget.share()} bytes)")
+
     async def _wait_for_budget(self, nbytes: int) -> None:
-        await self.server.budget.take(nbytes)  # the message timer bounds the wait: it closes the connection
-        self._held = nbytes
+        # The message timer bounds the wait too (it closes the connection, which cancels this task).
+        grant = await self.server.budget.take(self.client, nbytes, self.server.options.message_timeout)
+        self._waiting = None
+        if grant is Grant.TAKEN:
+            self._held = nbytes
         if self.closed or self.transport is None:
             self._give_back()
             return
-        self.transport.resume_reading()
-        self.proceed()
+        if grant is Grant.OVER_SHARE:  # clients joined while it waited: its share shrank below it
+            self.on_bad(self._header, self._over_share(nbytes))
+            self.abort()
+        elif grant is Grant.TIMED_OUT:
+            self._expire("message_timeout")
+        else:
+            self.transport.resume_reading()
+            self.proceed()
 
     def _give_back(self) -> None:
         if self._held:
-            self.server.budget.give(self._held)
+            self.server.budget.give(self.client, self._held)
             self._held = 0
 
     def on_message(self, msg: Message, records: list[Buffer]) -> None:
@@ -480,6 +509,9 @@ class _ServerConnection(_Framed):
     def on_lost(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._waiting is not None:  # a request waiting for receive budget leaves the line
+            self._waiting.cancel()
+            self._waiting = None
         if self.mid_message and not self._broken:  # the sender hung up part-way through a message
             self.server.counts["dropped_partial_message"] += 1
         self._give_back()
@@ -495,7 +527,10 @@ class TcpPeerServer:
         self.options = tcp_options or TcpServerOptions()
         self.host, self.port = split_host_port(bind)
         self.address: str | None = None
-        self.budget = ByteBudget(self.options.receive_budget_bytes)
+        self._per_client: Counter[bytes] = Counter()  # connections per client
+        self.budget = SharedByteBudget(self.options.receive_budget_bytes,
+                                       min_share=self.options.min_client_share_bytes,
+                                       clients=lambda: len(self._per_client))
         tls = self.options.tls
         if self.service.options.tenants is not None:
             if tls is None or tls.ca is None:
@@ -507,7 +542,6 @@ class TcpPeerServer:
         self._ssl = tls.server_context() if tls is not None else None
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
-        self._per_client: Counter[bytes] = Counter()
         self._inflight: Counter[bytes] = Counter()
         self._slots = asyncio.Semaphore(self.service.options.max_concurrent)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -536,6 +570,8 @@ class TcpPeerServer:
             return False
         self._connections.add(conn)
         self._per_client[conn.client] += 1
+        if self._per_client[conn.client] == 1:
+            self.budget.reshare()  # one more client: shares shrink
         return True
 
     def forget(self, conn: _ServerConnection) -> None:
@@ -544,11 +580,13 @@ class TcpPeerServer:
             self._per_client[conn.client] -= 1
             if not self._per_client[conn.client]:
                 del self._per_client[conn.client]
+                self.budget.reshare()  # one client fewer: shares grow
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def blame(self, conn: _ServerConnection, what: str) -> None:
         if conn.client not in self._blamed:

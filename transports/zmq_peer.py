@@ -4,14 +4,15 @@
   DEALER socket per peer, many requests in flight on it, replies matched by
   request id. ``IMMEDIATE`` (nothing queues for a peer that is not
   connected), high-water marks on both directions, ``MAXMSGSIZE`` (a peer
-  sending an oversized frame is cut off), ``LINGER 0``. A disconnect seen by
+  sending an oversized frame is cut off; libzmq applies it to each part,
+  so it does not bound a multipart message), ``LINGER 0``. A disconnect seen by
   the socket monitor fails that peer's requests at once instead of at their
   deadline.
 * :class:`ZmqPeerServer` -- a ROUTER socket in front of a
   :class:`PeerService`; at most ``max_concurrent`` requests at once, after
   which it stops reading (the high-water marks push back to the senders).
   Runs on any event loop: embedded next to an engine, or standalone
-  (``kvengine serve``).
+  (``kvengine serve --transport zmq``; its default is the tcp wire).
 
 Records travel as frames of ``Limits.frame_bytes`` (~1 MiB; one 64 MiB frame
 is several times slower through libzmq) sent with ``copy=False``.
@@ -327,7 +328,7 @@ class ZmqPeerServer:
                 f"a ZeroMQ peer server on {bind} (off loopback) must admit only listed clients (CURVE with "
                 "allowed_clients; kvengine serve --curve-allow or --tenants): libzmq buffers each message whole "
                 "before kvengine can check it, so any client that connects could stall the server. For clients "
-                "you do not all trust, use the tcp wire (kvengine serve --transport tcp)")
+                "you do not all trust, use the tcp wire (kvengine serve's default, --transport tcp)")
         if self.service.options.tenants is not None and (
                 self.zmq_options.curve is None or self.zmq_options.curve.allowed_clients is None):
             raise ConfigError("tenants need CURVE with an allow-list (the wire must prove each client's key); "
@@ -459,19 +460,24 @@ class ZmqPeerServer:
                 await sock.poll(zmq.POLLIN)
 
     async def _discard(self, sock: zmq.asyncio.Socket, reader: zmq.Socket[Any]) -> None:
-        """Read and drop the rest of the message being read (copies are cheaper than frames for the tiny
-        parts of a flood), yielding to other work now and then."""
+        """Read and drop the rest of the message being read, yielding to other work now and then.
+
+        Each part is taken as a frame (no copy) and its ``more`` flag read from it: one call into libzmq per
+        part, about 0.5 µs, where a copy plus a ``RCVMORE`` query cost 0.85 µs. Other clients' requests wait
+        meanwhile (libzmq hands over the parts of one message before the next message), so this is what a
+        flood of tiny frames costs them."""
         dropped = 0
+        recv, noblock = reader.recv, zmq.NOBLOCK
         while True:
             try:
-                reader.recv(zmq.NOBLOCK)
+                more = recv(noblock, copy=False).more
             except zmq.Again:  # not expected (whole messages); wait rather than block the loop
                 await sock.poll(zmq.POLLIN)
                 continue
             dropped += 1
-            if not reader.getsockopt(zmq.RCVMORE):
+            if not more:
                 break
-            if dropped % 4096 == 0:
+            if dropped % 8192 == 0:
                 await asyncio.sleep(0)
         self.counts["frames_dropped"] += dropped
         if dropped >= _TRIM_AFTER_FRAMES:

@@ -5,7 +5,15 @@ Serves chunk records to other nodes (get / exists / put / delete, see
 ``--capacity``) or from a local-disk tier (``--disk DIR``), until SIGINT or
 SIGTERM. The first line on stdout names the bound address::
 
-    kvengine serve: zmq on 127.0.0.2:7000, store memory (4.0 GiB)
+    kvengine serve: tcp on 127.0.0.2:7000, store memory (4.0 GiB)
+
+The wire is ``--transport tcp`` by default: kvengine's own framing, where
+every bound (header size, announced payload, each client's share of the
+receive budget, message deadline) holds before a byte is buffered.
+``--transport zmq`` stays available for ZeroMQ clients, but libzmq buffers
+each message whole before the server sees it, so there one admitted client
+can make the server buffer a huge message or drain a flood of tiny frames
+while the others wait (docs/security.md, "Bounded resources").
 
 CURVE (ZeroMQ only): ``--curve-cert`` is the server's secret certificate
 file and ``--curve-allow`` a directory of admitted clients' public
@@ -68,8 +76,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """The ``serve`` options, added to ``parser`` (a CLI subcommand's) or to a parser of their own."""
     p = parser or OneLineParser(prog="kvengine serve", description=__doc__.split("\n")[0])
     p.add_argument("--bind", required=True, metavar="HOST:PORT", help="address to listen on (required; port 0: any free port)")
-    p.add_argument("--transport", choices=("zmq", "tcp", "ucx"), default="zmq",
-                   help="zmq (CURVE), tcp (own framing, bounded before buffering; TLS) or ucx (default zmq)")
+    p.add_argument("--transport", choices=("tcp", "zmq", "ucx"), default="tcp",
+                   help="tcp (own framing, every bound holds before buffering; TLS), zmq (CURVE; libzmq buffers "
+                        "each message whole before it can be checked) or ucx (default tcp)")
     p.add_argument("--disk", metavar="DIR", help="serve a local-disk tier in DIR instead of memory (default: memory)")
     p.add_argument("--capacity", type=_size, default=_size("4GiB"), help="store capacity (default 4GiB)")
     p.add_argument("--namespace", type=_namespace, action="append", metavar="HEX",
@@ -166,7 +175,8 @@ def _check_wire_options(args: argparse.Namespace) -> None:
     """Each wire's own options, and what tenants need on it; a mismatch is refused, never ignored."""
     curve, tls = args.curve_cert or args.curve_allow, args.tls_cert or args.tls_key or args.tls_ca
     if curve and args.transport != "zmq":
-        raise ConfigError("--curve-cert/--curve-allow are ZeroMQ options")
+        raise ConfigError("--curve-cert/--curve-allow are ZeroMQ options: add --transport zmq (the default wire is "
+                          "tcp)")
     if tls and args.transport != "tcp":
         raise ConfigError("--tls-cert/--tls-key/--tls-ca are options of --transport tcp")
     if (args.tls_key or args.tls_ca) and not args.tls_cert:

@@ -69,11 +69,11 @@ def test_log_level_shows_the_start_up_line_and_a_line_per_lookup_and_load():
 
 
 def test_missing_optional_dependency_or_bad_configuration_is_one_line():
-    """``kvengine serve`` (zmq by default) without pyzmq names the extra to install (exit 2); a configuration
+    """``kvengine serve --transport zmq`` without pyzmq names the extra to install (exit 2); a configuration
     error reaching a command is one line (exit 2), never a traceback."""
     probe = ("import sys; sys.modules['zmq'] = None\n"
              "from kvengine.cli import main\n"
-             "sys.exit(main(['serve', '--bind', '127.0.0.1:0']))")
+             "sys.exit(main(['serve', '--transport', 'zmq', '--bind', '127.0.0.1:0']))")
     out = _run("-c", probe)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "zmq is not installed; pip install 'kvengine[zmq]'" in out.stderr

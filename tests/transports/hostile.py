@@ -198,7 +198,7 @@ def close_raw(ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
 async def forged_puts(host: str) -> Outcome:
     """An attacker without the secret deletes the victim's chunks and puts well-formed forgeries (valid
     checksums) in their place, and plants forgeries under keys before the victim stores them."""
-    async with served(host) as server:
+    async with served(host, "--transport", "zmq") as server:
         victim = await Victim.on(server.address)
         attacker = transport([server.address], dataclasses.replace(OPTIONS, secret=None))
         wrong_key = transport([server.address], dataclasses.replace(OPTIONS, secret=b"a-guessed-secret-0123456789"))
@@ -253,7 +253,7 @@ async def fuzzer(host: str, messages: int = 3000, seed: int = 0) -> Outcome:
     """Random and mutated requests (bad magic, versions, ops, counts, truncations, stray frames, lengths
     that lie), sent as fast as the socket takes them, never reading the answers."""
     rng = random.Random(seed)
-    async with served(host) as server:
+    async with served(host, "--transport", "zmq") as server:
         victim = await Victim.on(server.address)
         rss0 = server.rss_mib()
         ctx, sock = await raw_dealer(server.address, RCVHWM=1)
@@ -310,7 +310,7 @@ NON_READER_IN_FLIGHT = 64
 
 async def non_reading_client(host: str, requests: int = 3000) -> Outcome:
     """A client sends thousands of GETs for a 1 MiB record and never reads a reply."""
-    async with served(host) as server:
+    async with served(host, "--transport", "zmq") as server:
         victim = await Victim.on(server.address)
         big = records(1, MiB)
         assert await victim.client.put(big) == [True]
@@ -381,7 +381,7 @@ print(sent, *answers.get(9, ("never", -1)), 10 in answers, flush=True)
 async def _flood(host: str, attack: str, frames: int, size: int) -> Outcome:
     """A PUT whose payload breaks its header, sent by another process; the victim reads all the while.
     Time to miss: until the PUT's refusal arrives."""
-    async with served(host) as server:
+    async with served(host, "--transport", "zmq") as server:
         victim = await Victim.on(server.address)
         rss0 = server.rss_mib()
         stop = asyncio.Event()
@@ -563,7 +563,8 @@ async def tenants_attack_each_other(host: str, workdir: Path) -> Outcome:
         public, secret = keys[name]
         return transport([address], curve=CurveConfig(public_key=public, secret_key=secret, server_key=server_key))
 
-    async with served(host, "--curve-cert", server_secret, "--tenants", str(workdir / "tenants.json")) as server:
+    async with served(host, "--transport", "zmq", "--curve-cert", server_secret, "--tenants",
+                      str(workdir / "tenants.json")) as server:
         address = server.address
         a, a_reader, b = as_("a_writer"), as_("a_reader"), as_("b_writer")
         mine = records(8, 16 << 10, namespace=ns_a)

@@ -154,6 +154,57 @@ async def slowloris(host: str, connections: int = 200) -> Outcome:
                         f"{counts.get('closed_message_timeout', 0)} closed at the 1 s message deadline")
 
 
+async def budget_hog(host: str, seconds: float = 5.0, message_timeout: float = 2.0) -> Outcome:
+    """One client keeps its 16 connections announcing PUTs and sending nothing: half announce 1 GiB (the whole
+    receive budget of ``kvengine serve``), half 512 MiB (its share with two clients), each reopened as soon as
+    the server closes it. Meanwhile an honest client puts one 4 KiB record after another: each must be stored
+    within its request timeout. Time to miss: the honest client's slowest put."""
+    async with served(host, "--transport", "tcp", "--message-timeout", str(message_timeout)) as server:
+        victim = await Victim.on(server.address, wire="tcp")
+        rss0 = server.rss_mib()
+        key = records(1)[0][0]
+        closed_by_server = [0]  # announcements the server decided on (the last ones are still open at the end)
+        stop = asyncio.Event()
+
+        async def hog(size: int) -> None:
+            stopped = asyncio.ensure_future(stop.wait())
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    reader, writer = await _open(server.address)
+                    writer.write(_framed(encode_request(Op.PUT, 1, [key], [size])))
+                    read = asyncio.ensure_future(reader.read())
+                    await asyncio.wait([read, stopped], return_when=asyncio.FIRST_COMPLETED)
+                    closed_by_server[0] += read.done()
+                    read.cancel()
+                    writer.close()
+                await asyncio.sleep(0.02)
+
+        hogs = [asyncio.create_task(hog(1 << 30 if i % 2 else 512 * MiB)) for i in range(16)]
+        await asyncio.sleep(0.2)  # the hog holds what it can before the first honest put
+        honest, stored, slowest = 0, 0, 0.0
+        t_end = time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            item = records(1, 4096)
+            t0 = time.monotonic()
+            stored += (await victim.client.put(item)) == [True]
+            slowest = max(slowest, time.monotonic() - t0)
+            honest += 1
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.gather(*hogs)
+        ok = await victim.check() and stored == honest
+        rss = server.rss_mib() - rss0
+        await victim.client.close()
+        await asyncio.sleep(0.2)  # the server sees the hog's last connections go
+    counts = server.counts
+    over, timed_out = counts.get("refused_over_client_share", 0), counts.get("closed_message_timeout", 0)
+    return Outcome(f"one client holds PUTs of 1 GiB and 512 MiB announced on 16 connections, sends nothing, "
+                   f"reconnects; message_timeout {message_timeout:g} s (tcp)", closed_by_server[0], over + timed_out,
+                   victim.wrong, slowest, rss, ok, victim.slowest * 1e3,
+                   note=f"honest 4 KiB puts stored: {stored} of {honest}; {over} announcements refused at once "
+                        f"(beyond the client's share), {timed_out} closed at the message deadline")
+
+
 async def fuzzer(host: str, messages: int = 1000, seed: int = 0) -> Outcome:
     """Random and mutated messages (lengths that lie, bad magic, versions, ops, counts, truncations, trailing
     garbage), each on a connection of its own, never reading the answers."""
@@ -283,5 +334,5 @@ async def tenants_attack_each_other(host: str, workdir: Path) -> Outcome:
 
 async def run_all(workdir: Path) -> list[Outcome]:
     return [await byte_flood("127.0.0.31"), await oversized_header("127.0.0.32"), await slowloris("127.0.0.33"),
-            await fuzzer("127.0.0.34"), await non_reading_client("127.0.0.35"),
+            await budget_hog("127.0.0.37"), await fuzzer("127.0.0.34"), await non_reading_client("127.0.0.35"),
             await tenants_attack_each_other("127.0.0.36", workdir)]

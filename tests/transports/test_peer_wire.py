@@ -47,6 +47,7 @@ from kvengine.transports.peer_protocol import (
 from kvengine.transports.peer_service import PeerService, ServerOptions
 from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
 from kvengine.transports.placement import Membership, Peer, rendezvous_owners
+from kvengine.transports.tcp_peer import TcpConnector
 from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport
 from tests.transports.conftest import DelayedStore
 
@@ -536,16 +537,18 @@ def test_ucx_transport_factory_builds_from_plain_config() -> None:
 @pytest.mark.slow
 async def test_kvengine_serve_runs_standalone_until_sigterm(tmp_path: Path, make_record: Any) -> None:
     """Scenario: ``kvengine serve`` with a disk store serves a put and get exactly, writes to disk, and exits 0
-    on SIGTERM, printing its counts."""
+    on SIGTERM, printing its counts. Regression: its default wire was ZeroMQ, which buffers each message whole
+    before the server can check it; the default is now the tcp wire, bounded before buffering."""
     proc = subprocess.Popen([sys.executable, "-m", "kvengine.cli.serve", "--bind", "127.0.0.7:0",
                              "--disk", str(tmp_path / "disk"), "--capacity", "16MiB"],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert proc.stdout is not None
         line = await asyncio.to_thread(proc.stdout.readline)
-        match = re.search(r"zmq on (\S+), store disk", line)
+        match = re.search(r"tcp on (\S+), store disk", line)
         assert match, line
-        transport = client([match.group(1)], PeerClientOptions(replicas=1, request_timeout=5, read_deadline=5))
+        options = PeerClientOptions(replicas=1, request_timeout=5, read_deadline=5)
+        transport = PeerTransport(TcpConnector(options.limits), Membership([match.group(1)]), options)
         item = make_record(2 * MiB)
         assert await transport.put([item]) == [True]
         assert [bytes(b) for b in await transport.get([item[0]])] == [item[1]]
@@ -557,6 +560,28 @@ async def test_kvengine_serve_runs_standalone_until_sigterm(tmp_path: Path, make
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wire", ["zmq", "tcp"])
+async def test_a_served_memory_store_holds_each_record_in_about_its_own_size(wire: str) -> None:
+    """Regression: ``kvengine serve``'s memory store kept ZeroMQ frames as they were received, so a 4 KiB
+    record cost 2.2x its size in server RSS while ``--capacity`` counted record bytes. Now every record is
+    copied into a ``bytes`` of its own length: 16384 records of 4 KiB grow the server by under 1.3x their
+    bytes, on either wire."""
+    from tests.transports.hostile import records, served, transport
+
+    n = 16384
+    async with served("127.0.0.8", "--transport", wire) as server:
+        peer = transport([server.address], wire=wire)
+        items = records(n, 4096)
+        rss0 = server.rss_mib()
+        for i in range(0, n, 16):
+            assert await peer.put(items[i:i + 16]) == [True] * 16
+        grown = (server.rss_mib() - rss0) * MiB
+        await peer.close()
+    record_bytes = sum(len(r) for _, r in items)
+    assert grown < 1.3 * record_bytes, f"{grown / n:.0f} B of RSS per {record_bytes / n:.0f}-byte record"
 
 
 @pytest.mark.slow
@@ -572,7 +597,7 @@ async def test_kvengine_serve_with_curve_certificates_admits_only_listed_clients
     allowed.mkdir()
     client_public, client_secret = zmq.auth.create_certificates(str(allowed), "client")
     proc = subprocess.Popen([sys.executable, "-m", "kvengine.cli.serve", "--bind", "127.0.0.7:0", "--capacity", "1MiB",
-                             "--curve-cert", server_secret, "--curve-allow", str(allowed)],
+                             "--transport", "zmq", "--curve-cert", server_secret, "--curve-allow", str(allowed)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert proc.stdout is not None
@@ -750,8 +775,8 @@ def test_serving_off_loopback_without_a_secret_or_curve_refuses_to_start(capsys,
     assert serve(["--bind", "0.0.0.0:0"]) == 1
     assert "--bind 0.0.0.0:0 is not on loopback" in capsys.readouterr().err
     (tmp_path / "secret").write_bytes(SECRET)
-    args = serve.__globals__["build_parser"]().parse_args(["--bind", "0.0.0.0:0", "--secret-file",
-                                                           str(tmp_path / "secret")])
+    args = serve.__globals__["build_parser"]().parse_args(["--bind", "0.0.0.0:0", "--transport", "zmq",
+                                                           "--secret-file", str(tmp_path / "secret")])
     with pytest.raises(ConfigError, match="must admit only listed clients.*use the tcp wire"):
         serve.__globals__["_server"](args, MemoryRecordStore(MiB))  # zmq: a secret alone does not admit
     args.transport = "tcp"

@@ -10,15 +10,17 @@ from kvengine.chunks.record import decode_header
 from kvengine.tiers import build_tiers
 from kvengine.transports.peer_service import ServerThread
 from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
+from kvengine.transports.tcp_peer import TcpPeerServer
 from kvengine.transports.zmq_peer import ZmqPeerServer
 
 from ..conftest import CHUNK, FakeKV, copier, make_layout
 
 
 def test_engines_share_chunks_through_a_configured_peer():
-    """Engine A writes behind to the peer named in its config; engine B, configured alike, hits."""
+    """Engine A writes behind to the peer named in its config; engine B, configured alike, hits. The
+    default wire is tcp, as for ``kvengine serve``: a default engine reaches a default server."""
     layout = make_layout()
-    server = ServerThread(ZmqPeerServer(MemoryRecordStore(64 << 20), "127.0.0.1:0"))
+    server = ServerThread(TcpPeerServer(MemoryRecordStore(64 << 20), "127.0.0.1:0"))
     address = server.start()
     cfg = {"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()},
            "peers": {"peers": [address], "replicas": 1}}
@@ -26,7 +28,7 @@ def test_engines_share_chunks_through_a_configured_peer():
     toks = list(range(2 * CHUNK))
     try:
         with KVEngine(cfg) as a:
-            assert [t.name for t in a.core.transports] == ["peers_zmq"]
+            assert [t.name for t in a.core.transports] == ["peers_tcp"]
             a.store(a.bind(Namespace(model="m"), layout), toks, kv.source)
         with KVEngine(cfg) as b:
             binding = b.bind(Namespace(model="m"), layout)
@@ -35,7 +37,7 @@ def test_engines_share_chunks_through_a_configured_peer():
             result = b.load(res, copier(out))
             assert res.matched_tokens == 2 * CHUNK and result.ok
             assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
-            assert b.metrics.value("kvengine_loaded_bytes_total", tier="peers_zmq") == 2 * layout.nbytes()
+            assert b.metrics.value("kvengine_loaded_bytes_total", tier="peers_tcp") == 2 * layout.nbytes()
     finally:
         server.stop()
 
@@ -64,12 +66,12 @@ def test_each_tier_writes_with_its_own_codec(tmp_path):
     base = {"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()}, "write_mode": "write_through"}
     try:
         with KVEngine({**base, "disk": {"path": str(tmp_path), "codec": "zstd-byteshuffle"},
-                       "peers": {"peers": [address], "replicas": 1, "codec": "raw"}}) as a:
+                       "peers": {"transport": "zmq", "peers": [address], "replicas": 1, "codec": "raw"}}) as a:
             a.store(a.bind(Namespace(model="m"), layout), toks, kv.source)
         disk_codecs = {decode_header(f.read_bytes()).codec_id for f in tmp_path.rglob("*.kvc")}
         peer_codecs = {decode_header(bytes(r)).codec_id for r in backing._records.values()}
         assert disk_codecs == {3} and peer_codecs == {0}  # zstd-byteshuffle, raw
-        for tier in ({"disk": {"path": str(tmp_path)}}, {"peers": {"peers": [address], "replicas": 1}}):
+        for tier in ({"disk": {"path": str(tmp_path)}}, {"peers": {"transport": "zmq", "peers": [address], "replicas": 1}}):
             with KVEngine({**base, **tier}) as b:
                 binding = b.bind(Namespace(model="m"), layout)
                 out = [torch.zeros_like(t) for t in kv.layers]

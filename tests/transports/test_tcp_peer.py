@@ -123,13 +123,20 @@ async def test_a_trickled_message_is_cut_at_its_deadline_and_idle_connections_ar
     await server.close()
 
 
-async def test_requests_beyond_the_receive_budget_wait_unread_then_are_served(make_record: Any) -> None:
-    """Four 700 KiB puts at once against a 1 MiB receive budget: the ones that do not fit wait unread, all are stored, the budget is whole again after."""
+async def test_requests_beyond_the_clients_share_of_the_receive_budget_wait_unread_then_are_served(
+        make_record: Any) -> None:
+    """Four 400 KiB puts at once against a 1 MiB receive budget, of which one client holds at most half: the ones
+    that do not fit its share wait unread, all are stored, the budget is whole again after. A 700 KiB put,
+    beyond the share, is refused at once (counted), holding nothing."""
     server = await _server(receive_budget_bytes=MiB)
     client = _client(server)
-    items = [make_record(700 << 10) for _ in range(4)]
+    items = [make_record(400 << 10) for _ in range(4)]
     assert await asyncio.gather(*(client.put([item]) for item in items)) == [[True]] * 4
     assert server.budget.free == MiB  # every byte taken was given back
+    t0 = time.monotonic()
+    assert await client.put([make_record(700 << 10)]) == [False]
+    assert time.monotonic() - t0 < FAST.request_timeout  # refused, not waited on
+    assert server.counts["refused_over_client_share"] == 1 and server.budget.free == MiB
     await client.close()
     await server.close()
 
@@ -191,7 +198,7 @@ def test_engine_config_builds_a_tls_tcp_peer_tier_and_refuses_mismatched_wire_op
     (tier,) = build_tiers(config)
     assert isinstance(tier.transport, PeerTransport) and tier.transport.name == "peers_tcp"
     with pytest.raises(ConfigError, match=r"peers\.tls_\* files are for peers\.transport=tcp, not zmq"):
-        load_config({"peers": {"peers": ["127.0.0.2:7000"], "tls_ca": str(tls.ca)}})
+        load_config({"peers": {"transport": "zmq", "peers": ["127.0.0.2:7000"], "tls_ca": str(tls.ca)}})
     with pytest.raises(ConfigError, match="curve_.* ZeroMQ-only, not for peers.transport=tcp"):
         load_config({"peers": {"transport": "tcp", "curve_public_key": "x" * 40}})
     with pytest.raises(ConfigError, match="tls_cert/tls_key need tls_ca"):
@@ -202,12 +209,12 @@ def test_engine_config_builds_a_tls_tcp_peer_tier_and_refuses_mismatched_wire_op
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tls-cert", "c.pem"], "options of --transport tcp"),
-    (["--transport", "tcp", "--curve-cert", "c"], "ZeroMQ options"),
+    (["--transport", "zmq", "--tls-cert", "c.pem"], "options of --transport tcp"),
+    (["--curve-cert", "c"], "ZeroMQ options: add --transport zmq (the default wire is tcp)"),
     (["--transport", "tcp", "--tls-ca", "ca.pem"], "need --tls-cert"),
-    (["--transport", "tcp", "--tenants", "t.json"], "--tenants needs --tls-ca"),
+    (["--tenants", "t.json"], "--tenants needs --tls-ca"),
     (["--transport", "ucx", "--tenants", "t.json"], "cannot be used with UCX"),
-    (["--tenants", "t.json"], "--tenants needs --curve-cert"),
+    (["--transport", "zmq", "--tenants", "t.json"], "--tenants needs --curve-cert"),
 ])
 def test_serve_refuses_options_of_another_wire(capsys: Any, argv: list[str], message: str) -> None:
     """kvengine serve refuses options of another wire, and tenants without a wire that proves identity, naming what is missing."""
