@@ -326,7 +326,7 @@ def test_the_worker_engine_builds_every_configured_tier(tmp_path):
     peers_only = ConnectorOptions.from_extra_config({"kvengine": {"peers": {"peers": ["127.0.0.2:7000"]}}})
     both = ConnectorOptions.from_extra_config({"kvengine": {"peers": {"peers": ["127.0.0.2:7000"]},
                                                             "disk": {"path": str(tmp_path)}}})
-    for options, names in ((peers_only, ["peers_zmq"]), (both, ["local_disk", "peers_zmq"])):
+    for options, names in ((peers_only, ["peers_tcp"]), (both, ["local_disk", "peers_tcp"])):
         engine = build_engine(options)
         try:
             assert [t.name for t in engine.core.transports] == names
