@@ -20,6 +20,9 @@ if [ -z "${KVENGINE_SKIP_SGLANG:-}" ]; then
 fi
 if [ -z "${KVENGINE_SKIP_VLLM:-}" ] && ls tests/integrations/test_vllm_*.py >/dev/null 2>&1; then
   bash scripts/setup_vllm.sh
+  # The connector's vLLM interfaces in the newer releases' own sources (wheels cached in
+  # ~/.cache/kvengine/vllm-wheels; a failed download fails the run): docs/vllm.md "Compatibility".
+  .venv/bin/python scripts/vllm_interfaces.py --download 0.33.0 0.34.0 || status=$?
   .venv-vllm/bin/python -m pytest -q tests/integrations/test_vllm_*.py || status=$?
 fi
 exit $status

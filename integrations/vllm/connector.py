@@ -72,6 +72,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvengine")
 
 
+#: Why sleep mode is refused (vLLM 0.33+ asks ``supports_sleep_mode``; 0.32 has no hook, check_vllm_config refuses).
+SLEEP_MODE_REFUSAL = (
+    "kvengine vLLM connector: enable_sleep_mode is not supported: sleep discards the KV cache and, at level 2, "
+    "the weights; weights loaded after wake-up need not be those kvengine fingerprinted at start-up, and it "
+    "would keep serving KV computed by the old ones")
+
+
 def check_vllm_config(vllm_config: VllmConfig) -> None:
     """Refuse settings under which reuse is not implemented or not exact."""
     pc = vllm_config.parallel_config
@@ -85,6 +92,8 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
         raise UnsupportedModelError("kvengine vLLM connector: speculative decoding is not supported")
     if vllm_config.model_config.is_encoder_decoder:
         raise UnsupportedModelError("kvengine vLLM connector: encoder-decoder models are not supported")
+    if vllm_config.model_config.enable_sleep_mode:
+        raise UnsupportedModelError(SLEEP_MODE_REFUSAL)
     kt = vllm_config.kv_transfer_config
     if kt.kv_role != "kv_both":
         raise ConfigError(f"kvengine vLLM connector: kv_role must be 'kv_both' (a local cache), got {kt.kv_role!r}")
@@ -192,6 +201,12 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         layer by layer, outside any captured graph."""
         ConnectorOptions.from_extra_config(extra_config)
         return True
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+ asks in the main process, with ``enable_sleep_mode``: refused (:data:`SLEEP_MODE_REFUSAL`).
+        vLLM's default says yes: only the device registrations would follow, not the weights' identity."""
+        return False
 
     # ============================== stats (vLLM's stat loggers and /metrics) ==============================
     @classmethod

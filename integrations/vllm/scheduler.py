@@ -266,7 +266,7 @@ class SchedulerSide:
                 self.stats.skipped_requests += 1
                 self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
             st = _RequestState(request=request, salt=request.cache_salt or "", can_read=not reason and
-                               not request.skip_reading_prefix_cache, can_write=not reason)
+                               not _skips_connector_reads(request), can_write=not reason)
             self._states[request.request_id] = st
         return st
 
@@ -287,6 +287,14 @@ class SchedulerSide:
         self.stats.lookup_errors += 1
         if self.stats.lookup_errors == 1:
             logger.warning("kvengine: lookup failed (%s); served as a miss", error)
+
+
+def _skips_connector_reads(request: Request) -> bool:
+    """Whether vLLM wants no cached KV read for this request from a connector: vLLM 0.34 renamed the flag
+    (``skip_reading_external_kv``, also set for prompt-logprob requests, whose hits it bounds), 0.32 and
+    0.33 have ``skip_reading_prefix_cache`` (``scripts/vllm_interfaces.py`` checks both)."""
+    return bool(request.skip_reading_external_kv if hasattr(request, "skip_reading_external_kv")
+                else request.skip_reading_prefix_cache)
 
 
 def _ineligible(request: Request) -> str:
