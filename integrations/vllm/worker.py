@@ -3,9 +3,10 @@
 Lifecycle:
 
 * ``register_kv_caches`` derives the chunk layout (:mod:`.layout`), builds
-  the :class:`~kvengine.KVEngine` from the connector options, binds the
-  model's namespace and starts the lookup service (:mod:`.channel`) that
-  answers the scheduler half. ``handshake`` tells vLLM where it listens.
+  the :class:`~kvengine.KVEngine` from the connector options, runs the
+  device self-check on vLLM's tensors (:mod:`.self_check`: a difference
+  refuses to start), binds the model's namespace and starts the lookup
+  service (:mod:`.channel`) that answers the scheduler half. ``handshake`` tells vLLM where it listens.
 * Each step: ``load`` (``start_load_kv``) begins the loads of the step's
   reservations and queues their copies layer by layer on the
   :class:`~.pipeline.LayerPipeline`; ``wait_layer`` (``wait_for_layer_load``)
@@ -55,6 +56,8 @@ from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
 from .pipeline import LayerPipeline, LoadJob, SaveJob
 from .replica import LatentBroadcast
+from .self_check import publish as publish_self_check
+from .self_check import run_self_check
 from .state import BoundaryState, BoundaryStates, state_block
 
 logger = logging.getLogger("vllm.kvengine")
@@ -278,9 +281,12 @@ class WorkerSide:
             self._follower = not broadcast.is_source
         self._pipeline = LayerPipeline(self._copier, forward_order, broadcast)
         options = self._options.for_rank(namespace.rank, namespace.world_size)
-        if self._follower:
+        num_blocks = self._kv_cache_config.num_blocks  # type: ignore[attr-defined]
+        if self._follower:  # its own tensors and local copy path (no tier codecs: it stores nothing)
+            check = run_self_check(self.layout, kv_caches, self._copier, forward_order, num_blocks=num_blocks)
             registry = CollectorRegistry(auto_describe=True)
             self._step_metrics(registry)
+            publish_self_check(check, registry)
             if options.engine.metrics_port is not None:
                 self._stop_metrics = serve_registry(registry, options.engine.metrics_port, options.engine.metrics_host)
             logger.info("kvengine: rank %d of %d loads the MLA chunks rank 0 shares (no cache engine here)",
@@ -288,10 +294,14 @@ class WorkerSide:
             return
         self.engine = build_engine(options)
         try:
+            # the lower tiers' codecs, as the engine built them (what a load from them decodes with)
+            check = run_self_check(self.layout, kv_caches, self._copier, forward_order, num_blocks=num_blocks,
+                                   codecs=tuple(self.engine.core.tiers.by_codec))
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
             self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast)
             self._metrics()
             self._step_metrics(self.engine.metrics.registry)
+            publish_self_check(check, self.engine.metrics.registry)
             self._service = LookupService(self.desk)
             self._service.start()
         except BaseException:
