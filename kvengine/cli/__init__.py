@@ -62,6 +62,7 @@ _DELEGATED = {
                    "list or purge a disk tier's namespaces that failed a provenance check"),
     "stats": ("kvengine.cli.stats", "main", "show a running engine's hit rate, tiers and faults (its metrics endpoint)"),
     "top": ("kvengine.cli.top", "main", "watch a running engine's statistics live, with rates per second"),
+    "verify": ("kvengine.cli.verify", "main", "prove cached continuations exact on this machine and model; record it"),
 }
 
 

@@ -1,0 +1,220 @@
+"""The proof ``kvengine verify hf`` runs on the user's machine, model and configuration.
+
+Not the attach canary (:mod:`.verify`, which runs inside every attach); this is
+the end-to-end check the test suite runs, for one real model:
+
+1. plain transformers (no kvengine): greedy outputs of three prompts -- full
+   and partial chunks; a prompt sharing a prefix with the first; the first
+   prompt + its reply + new user tokens (a reply reused on the next turn);
+2. a writer pass: kvengine's :meth:`~.generator.AttachedModel.generate` over
+   those prompts, storing their chunks in the configured tiers;
+3. a reader pass on a FRESH engine and attach when a disk tier is configured
+   (the load path from the persistent tier is exercised; memory only: the
+   same engine): generate again, then per prompt the loaded KV and the
+   per-step log-probabilities of the reply over it, against a plain run split
+   at the same boundaries.
+
+Greedy tokens must be identical. Each KV layer group is EXACT when its loaded
+state and the log-probabilities are within :data:`TOLERANCE` of the plain run
+(0 is what an exact path measures for KV computed in prefill; KV computed
+while decoding was rounded by other kernel shapes) and tokens were loaded; a
+reader pass that loads nothing fails. Bounded by ``max_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvengine import KVEngine
+from kvengine.errors import UnsupportedModelError
+from kvengine.trust.verification import GroupVerdict, Outcome, Platform, host_accelerator
+
+from .attaching import attach
+from .generator import AttachedModel
+from .proof import probe_tokens
+from .verify import plain_run
+
+#: Largest accepted error per KV dtype: absolute on log-probabilities, relative to the largest magnitude
+#: of the plain run's tensor for the loaded state.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+class ProofTimedOut(Exception):
+    """The proof ran past its time bound."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProofSettings:
+    max_new_tokens: int = 8
+    #: length of the first prompt (None: 2.5 chunks + 1, covering full and partial chunks)
+    prompt_tokens: int | None = None
+    max_seconds: float = 240.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProofResult:
+    model: str
+    model_fingerprint: str
+    platform: Platform
+    groups: tuple[GroupVerdict, ...]
+    tokens_loaded: int
+    failure: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def hf_platform(attached: AttachedModel) -> Platform:
+    """The :class:`Platform` an attached transformers model runs on."""
+    import transformers
+
+    return Platform(
+        **host_accelerator(attached.runner.device.type), engine="hf", engine_version=transformers.__version__,
+        attention_backend=getattr(attached.model.config, "_attn_implementation", None),
+        kv_dtype=str(attached.model.dtype).removeprefix("torch."), kv_layout_id=attached.layout.fingerprint,
+        block_size=attached.chunk_size, tensor_parallel_size=1)
+
+
+def plain_greedy(model: Any, ids: torch.Tensor, n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids`` through plain transformers (the model's own cache)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(ids[None].to(device), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                             device=device),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+    return [int(t) for t in out[0, len(ids):]]
+
+
+class _Clock:
+    def __init__(self, max_seconds: float, progress: Callable[[str], None]) -> None:
+        self._t0 = time.monotonic()
+        self._max = max_seconds
+        self._progress = progress
+
+    def step(self, message: str) -> None:
+        elapsed = time.monotonic() - self._t0
+        if elapsed > self._max:
+            raise ProofTimedOut(f"past --max-seconds {self._max:g} after {elapsed:.1f}s, before: {message}")
+        self._progress(f"[{elapsed:6.1f}s] {message}")
+
+
+def run_proof(model: Any, make_engine: Callable[[], KVEngine], *, fresh_reader: bool, model_id: str,
+              settings: ProofSettings = ProofSettings(),
+              progress: Callable[[str], None] = lambda line: None) -> ProofResult:
+    """Run the proof (module docstring). The engines ``make_engine`` builds are closed here.
+
+    :raises UnsupportedModelError: the model is refused at attach, or is encoder-decoder (not covered yet).
+    :raises AttachError: the attach canary refused the model.
+    :raises ProofTimedOut: past ``settings.max_seconds``.
+    """
+    clock = _Clock(settings.max_seconds, progress)
+    k = settings.max_new_tokens
+    engine = make_engine()
+    try:
+        clock.step("attach (derive the KV spec, run the attach canary)")
+        attached = attach(model, engine, model_id=model_id)
+        if attached.spec.encoder_decoder:
+            raise UnsupportedModelError(f"{attached.spec.model_type}: kvengine verify hf covers decoder-only "
+                                        "models; encoder-decoder models are proven by the attach canary only")
+        c = attached.chunk_size
+        n = settings.prompt_tokens or 2 * c + c // 2 + 1
+        first = probe_tokens(model, n, seed=11)
+        shared = torch.cat([first[: n // 2], probe_tokens(model, n - n // 2, seed=12)])
+        clock.step(f"plain transformers: greedy {k} tokens after a {n}-token prompt")
+        reply = plain_greedy(model, first, k)
+        turn2 = torch.cat([first, torch.tensor(reply), probe_tokens(model, 7, seed=13)])
+        prompts = {"full and partial chunks": first, "shared prefix": shared, "reply reused on the next turn": turn2}
+        want = {"full and partial chunks": reply}
+        for name in list(prompts)[1:]:
+            clock.step(f"plain transformers: greedy {k} tokens, {name} ({len(prompts[name])} tokens)")
+            want[name] = plain_greedy(model, prompts[name], k)
+        failure = _generate_pass(attached, prompts, want, k, clock, "writer")[1]
+        if fresh_reader:
+            clock.step("fresh engine and attach, reading from the configured persistent tiers")
+            engine.close()
+            engine = make_engine()
+            attached = attach(model, engine, model_id=model_id)
+        loaded, reader_failure = _generate_pass(attached, prompts, want, k, clock, "reader")
+        failure = failure or reader_failure
+        groups = _measure(attached, prompts, want, loaded, clock)
+        if failure is None and loaded == 0:
+            failure = (f"loaded nothing: the reader pass reused no token (chunk size {c}; prompts of "
+                       f"{', '.join(str(len(p)) for p in prompts.values())} tokens)")
+        if failure is None and any(g.outcome is not Outcome.EXACT for g in groups):
+            failure = "layer groups differ: " + ", ".join(g.group for g in groups if g.outcome is not Outcome.EXACT)
+        return ProofResult(model=model_id, model_fingerprint=attached.namespace.model_fingerprint,
+                           platform=hf_platform(attached), groups=groups, tokens_loaded=loaded, failure=failure)
+    finally:
+        engine.close()
+
+
+def _generate_pass(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]], k: int,
+                   clock: _Clock, which: str) -> tuple[int, str | None]:
+    """kvengine's generate over every prompt: (tokens reused, the first greedy difference or None)."""
+    reused, failure = 0, None
+    for name, ids in prompts.items():
+        clock.step(f"{which} pass: kvengine generate, {name}")
+        out = attached.generate(ids, max_new_tokens=k, eos_token_id=None)
+        reused += out.reused_tokens
+        clock.step(f"{which} pass: {name}: reused {out.reused_tokens} of {len(ids)} tokens, load ok {out.load_ok}")
+        got = list(out.new_tokens)
+        if got != want[name] and failure is None:
+            step = next(i for i, (a, b) in enumerate(zip(got, want[name])) if a != b)
+            failure = f"{which} pass, {name}: greedy token {step} is {got[step]}, plain transformers {want[name][step]}"
+    return reused, failure
+
+
+def _measure(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]], loaded: int,
+             clock: _Clock) -> tuple[GroupVerdict, ...]:
+    """Per KV layer group: the loaded state and the reply's log-probabilities against a plain run."""
+    spec, codec, runner = attached.spec, attached.codec, attached.runner
+    tol = TOLERANCE.get(attached.model.dtype, 5e-2)
+    state_err = {g.name: 0.0 for g in spec.chunk_groups}
+    logprob_err = logit_err = 0.0
+    for name, ids in prompts.items():
+        clock.step(f"reader pass: log-probabilities and loaded KV, {name}")
+        seq = torch.cat([ids, torch.tensor(want[name])])
+        ctx = attached.context()
+        restored, matched, _ = attached.restore(ctx, ids, f"kvengine-verify-{name}")
+        prefix = attached.prefill_pieces(0, matched, snapshots=True)
+        if matched:
+            plain_cache, _ = plain_run(attached.model, ids[:matched], prefix, cache_kw=runner.cache_kw)
+            want_states, got_states = codec.comparable(plain_cache), codec.comparable(restored)
+            for key, tensors in want_states.items():
+                group = spec.group_of(*key).name
+                err = _state_error(tensors, got_states.get(key), tol)
+                state_err[group] = max(state_err.get(group, 0.0), err)
+        cached = runner.forward(seq[matched:-1], restored, matched, all_logits=True)
+        _, plain = plain_run(attached.model, seq[:-1], [*prefix, (matched, len(seq) - 1)], cache_kw=runner.cache_kw)
+        rows = slice(len(ids) - 1 - matched, None)
+        a, b = cached[rows].double().cpu(), plain[rows].double().cpu()
+        logit_err = max(logit_err, float((a - b).abs().max()))
+        logprob_err = max(logprob_err, float((a.log_softmax(-1) - b.log_softmax(-1)).abs().max()))
+    return tuple(
+        GroupVerdict(group=g, outcome=Outcome.EXACT if err <= tol and logprob_err <= tol and loaded > 0
+                     else Outcome.DIFFERS, max_state_error=err, max_logprob_error=logprob_err,
+                     max_logit_error=logit_err, tokens_loaded=loaded)
+        for g, err in state_err.items())
+
+
+def _state_error(want: Any, got: Any, tol: float) -> float:
+    """Largest error of ``got`` against ``want``, relative to each tensor's largest magnitude (inf: a
+    different shape or a missing state)."""
+    if got is None or len(got) != len(want):
+        return float("inf")
+    worst = 0.0
+    for w, g in zip(want, got):
+        if w.shape != g.shape:
+            return float("inf")
+        if not w.numel():
+            continue
+        diff = float((w.double().cpu() - g.double().cpu()).abs().max())
+        scale = float(w.double().abs().max()) if w.is_floating_point() else 1.0
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst

@@ -1,0 +1,145 @@
+"""``kvengine verify hf``: the proof on tiny models, its record, and what a record unlocks.
+
+Through the CLI entry function (``kvengine.cli.main``), with real engines
+(memory, or a real disk tier read by a fresh engine) and tiny transformers models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvengine.cli import main
+from kvengine.trust.verification import Platform, VerificationRecord, find_matching, kvengine_version, serialise
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def _config(tmp_path, *, chunk: int = 16, disk: bool = False):
+    path = tmp_path / "kvengine.yaml"
+    text = f"chunk_size: {chunk}\nmemory:\n  capacity_bytes: 64MiB\n"
+    if disk:
+        text += f"disk:\n  path: {tmp_path / 'disk'}\n"
+    path.write_text(text)
+    return path
+
+
+def _run(capsys, *argv):
+    code = main(["verify", "hf", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def llama_record(tmp_path_factory):
+    """One proven run of tiny llama over a disk tier (fresh reader engine), sealed: (records dir, path, stdout)."""
+    tmp = tmp_path_factory.mktemp("verify")
+    secret = tmp / "secret"
+    secret.write_bytes(SECRET)
+    records = tmp / "records"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["verify", "hf", "--model", "tiny:llama", "--config", str(_config(tmp, disk=True)),
+                     "--records", str(records), "--secret-file", str(secret)])
+    files = sorted(records.glob("*.json"))
+    return code, buf.getvalue(), records, files
+
+
+def _platform_of(path) -> tuple[Platform, str, str]:
+    body = json.loads(path.read_text())["record"]
+    return Platform.from_dict(body["platform"]), body["model_fingerprint"], body["kvengine_version"]
+
+
+def test_verify_hf_tiny_llama_is_exact_per_group_and_writes_a_record(llama_record):
+    """Scenario: the proof over a disk tier with a fresh reader prints EXACT per group with tokens loaded and
+    writes one sealed record."""
+    code, out, _, files = llama_record
+    assert code == 0, out
+    groups = [line for line in out.splitlines() if line.startswith("group ")]
+    assert groups and all(": EXACT  tokens loaded " in g for g in groups)
+    assert all(int(g.split("tokens loaded ")[1].split(",")[0]) > 0 for g in groups)
+    assert len(files) == 1 and f"record written to {files[0]} (sealed)" in out
+    assert "reader pass on a fresh engine over the disk tier" in out
+
+
+def test_verify_hf_stateful_family_is_exact(tmp_path, capsys):
+    """Scenario: a hybrid (Qwen3-Next: linear-attention state + full attention) is EXACT in both groups."""
+    code, out, err = _run(capsys, "--model", "tiny:qwen3_next", "--config", str(_config(tmp_path)),
+                          "--records", str(tmp_path / "records"))
+    assert code == 0, out + err
+    groups = [line for line in out.splitlines() if line.startswith("group ")]
+    assert len(groups) == 2 and all(": EXACT  tokens loaded " in g for g in groups)
+    assert len(list((tmp_path / "records").glob("*.json"))) == 1
+
+
+def test_record_is_found_for_the_same_platform_model_and_version(llama_record):
+    """Scenario: the record written unlocks exactly the platform, model and version it was written for."""
+    _, _, records, files = llama_record
+    platform, fingerprint, version = _platform_of(files[0])
+    assert version == kvengine_version()
+    found = find_matching(records, platform, fingerprint, version, SECRET)
+    assert found is not None and found.exact and found.model_fingerprint == fingerprint
+
+
+@pytest.mark.parametrize("edit", ["cpu model", "torch version", "model fingerprint", "kvengine version"])
+def test_a_record_of_another_platform_model_or_version_unlocks_nothing(llama_record, tmp_path, edit):
+    """Scenario: the record edited to another CPU model, torch version, model or kvengine version (under the
+    running platform's file name) is refused, sealed or not; so is a lookup from another platform."""
+    _, _, records, files = llama_record
+    platform, fingerprint, version = _platform_of(files[0])
+    data = json.loads(files[0].read_text())
+    body = data["record"]
+    if edit == "cpu model":
+        body["platform"]["accelerator_model"] = "Some Other CPU"
+    elif edit == "torch version":
+        body["platform"]["torch_version"] = "0.0.1"
+    elif edit == "model fingerprint":
+        body["model_fingerprint"] = "another-model"
+    else:
+        body["kvengine_version"] = "0.0.0"
+    edited = tmp_path / "records"
+    edited.mkdir()
+    (edited / files[0].name).write_text(json.dumps(data))
+    assert find_matching(edited, platform, fingerprint, version, SECRET) is None  # the seal breaks
+    assert find_matching(edited, platform, fingerprint, version, None) is None  # the digest breaks
+
+    resealed = VerificationRecord.from_body(body)  # an editor who could re-seal still gets nothing
+    (edited / files[0].name).write_bytes(serialise(resealed, SECRET))
+    assert find_matching(edited, platform, fingerprint, version, SECRET) is None
+
+
+def test_a_run_that_loads_nothing_fails(tmp_path, capsys):
+    """Scenario: a chunk size larger than every prompt: nothing is stored or loaded, the run fails (exit 1)
+    saying so, and writes no record."""
+    code, out, err = _run(capsys, "--model", "tiny:llama", "--config", str(_config(tmp_path, chunk=64)),
+                          "--prompt-tokens", "20", "--records", str(tmp_path / "records"))
+    assert code == 1
+    assert "loaded nothing" in err and ": DIFFERS  tokens loaded 0" in out
+    assert not (tmp_path / "records").exists()
+
+
+def test_a_run_past_max_seconds_fails(tmp_path, capsys):
+    """Scenario: a time bound too small for the proof fails it, naming the bound; no record."""
+    code, _, err = _run(capsys, "--model", "tiny:llama", "--config", str(_config(tmp_path)), "--max-seconds",
+                        "0.001", "--records", str(tmp_path / "records"))
+    assert code == 1 and "past --max-seconds 0.001" in err
+    assert not (tmp_path / "records").exists()
+
+
+def test_a_model_refused_at_attach_exits_2(tmp_path, capsys):
+    """Scenario: an encoder-decoder model (not covered by verify hf yet) is refused with exit 2, naming why."""
+    code, _, err = _run(capsys, "--model", "tiny:t5", "--config", str(_config(tmp_path)),
+                        "--records", str(tmp_path / "records"))
+    assert code == 2 and "refused at attach" in err and "encoder-decoder" in err
+
+
+def test_unknown_tiny_family_and_missing_model_dir_are_usage_errors(tmp_path, capsys):
+    """Scenario: a bad --model is one line naming it, exit 2."""
+    assert _run(capsys, "--model", "tiny:nope")[0] == 2
+    code, _, err = _run(capsys, "--model", str(tmp_path / "none"))
+    assert code == 2 and "no config.json" in err
