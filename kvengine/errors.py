@@ -22,9 +22,13 @@ class InvalidRequestError(KVEngineError, ValueError):
     """A caller passed tokens or tensors that cannot be cached as given."""
 
 
+#: What :class:`EngineClosedError` says, from the facade and the asyncio core alike.
+CLOSED_MESSAGE = "kvengine: the engine is closed; calls after close() are refused"
+
+
 class EngineClosedError(KVEngineError, RuntimeError):
-    """A call reached an engine after its ``close()`` (or while it was closing). A ``RuntimeError`` too,
-    which a closed event loop raised before."""
+    """A call reached an engine after its ``close()``, or was still waiting on the facade's loop when
+    ``close()`` stopped it. A ``RuntimeError`` too, which a closed event loop raised before."""
 
 
 class CapacityError(KVEngineError):

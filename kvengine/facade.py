@@ -13,6 +13,7 @@ the (stopped) loop, so no coroutine is left unawaited.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -27,7 +28,7 @@ from kvengine.core.caller_mode import in_callers_mode
 from kvengine.core.engine import CacheEngine
 from kvengine.core.reservations import Reservation
 from kvengine.core.staging import StagedStore
-from kvengine.errors import EngineClosedError, KVEngineError
+from kvengine.errors import CLOSED_MESSAGE, EngineClosedError, KVEngineError
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier, build_tiers
 from kvengine.transport import ChunkTransport
@@ -73,6 +74,9 @@ class KVEngine:
     ) -> None:
         self.config = load_config(config)
         self._closed = False
+        self._submit_lock = threading.Lock()
+        self._loop_stopping = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvengine-loop", daemon=True)
         self._thread.start()
@@ -112,14 +116,14 @@ class KVEngine:
         if threading.current_thread() is self._thread:
             coro.close()
             raise KVEngineError("KVEngine's blocking API was called from its own event loop; use .core")
-        contained = _contained(coro)
-        try:
-            future = asyncio.run_coroutine_threadsafe(contained, self._loop)
-        except RuntimeError:  # the loop was closed after the check above: close() ran in another thread
-            contained.close()
-            coro.close()
-            raise _closed_error() from None
-        outcome = future.result()
+        with self._submit_lock:  # never submitted to a loop that is stopping: the future would never resolve
+            if self._loop_stopping:
+                coro.close()
+                raise _closed_error()
+            future = asyncio.run_coroutine_threadsafe(_contained(coro), self._loop)
+            self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        outcome = future.result()  # EngineClosedError when the loop stopped before it finished (_stop_loop)
         if isinstance(outcome, _Escaped):
             raise outcome.exc
         return outcome
@@ -129,9 +133,16 @@ class KVEngine:
             raise _closed_error()
 
     def _stop_loop(self) -> None:
+        with self._submit_lock:
+            self._loop_stopping = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+        # Calls another thread made while close() ran, that the loop stopped before finishing: they end
+        # with a clear error instead of waiting forever.
+        for future in list(self._pending):
+            if not future.done():
+                future.set_exception(_closed_error())
 
     def close(self, *, flush: bool = True) -> None:
         """Flush (or drop, counted) pending tier writes and stop. Idempotent."""
@@ -231,4 +242,4 @@ class KVEngine:
 
 
 def _closed_error() -> EngineClosedError:
-    return EngineClosedError("kvengine: this KVEngine is closed; calls after close() are refused")
+    return EngineClosedError(CLOSED_MESSAGE)

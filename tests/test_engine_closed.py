@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,6 +75,33 @@ def test_every_kvengine_method_after_close_raises_engine_closed(closed_kv, metho
 def test_engine_closed_is_a_kvengine_error_and_a_runtime_error():
     """Callers catching KVEngineError (or the RuntimeError a closed loop raised before) catch it."""
     assert issubclass(EngineClosedError, KVEngineError) and issubclass(EngineClosedError, RuntimeError)
+
+
+def test_a_call_still_running_when_another_thread_closes_the_engine_ends_with_engine_closed():
+    """Regression: a call submitted to the facade's loop just before another thread's close() stopped that
+    loop waited on its future forever. Now it ends, at close, with EngineClosedError."""
+    eng = KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * make_layout().nbytes()}})
+    started, outcome = threading.Event(), []
+
+    async def slow() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    def caller() -> None:
+        try:
+            eng.run(slow())
+        except BaseException as exc:  # the outcome is what the test asserts
+            outcome.append(exc)
+
+    thread = threading.Thread(target=caller, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    t0 = time.monotonic()
+    eng.close()
+    thread.join(10)
+    assert not thread.is_alive(), "the call outlived close() (a hang)"
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineClosedError)
+    assert time.monotonic() - t0 < 10
 
 
 def test_metrics_stay_readable_after_close():

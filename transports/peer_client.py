@@ -58,8 +58,10 @@ from .placement import Membership, Peer, PeerHealth, rendezvous_owners
 Answer = tuple[Message, list[Buffer]]
 
 _HINTS = 4096
-#: Copies returned by ``get`` whose owner is remembered (for :meth:`PeerTransport.reject`).
-_SOURCES = 4096
+#: Copies returned by ``get`` whose owner is remembered (for :meth:`PeerTransport.reject`): far more than the
+#: read windows of every lookup in flight hold (a copy forgotten before the engine judged it is left where it
+#: is, rejected again on its next read, never deleted elsewhere).
+_SOURCES = 16384
 #: Records up to this size are verified on the event loop (under 0.15 ms even with a MAC), larger ones in a
 #: worker thread (a thread hop costs about as much as checking a small record).
 _INLINE_CHECK_BYTES = 256 << 10
@@ -354,8 +356,9 @@ class PeerTransport:
             return None
         self.counts["rejected_by_engine"] += 1  # why is counted by the engine (its integrity failures)
         deadline = read_deadline(self.options.read_deadline)
-        deleting = asyncio.ensure_future(self._discard_at(source.peer, [key], time.monotonic()
-                                                          + self.options.write_timeout))
+        # Within the lookup's read deadline too: a liar slow to answer DELETE must not hold up the read
+        # (a delete cut short leaves the bad copy there, rejected again on its next read).
+        deleting = asyncio.ensure_future(self._discard_at(source.peer, [key], deadline))
         try:
             rest = [p for p in source.rest if self.health.usable(p)]
             for n, peer in enumerate(rest):

@@ -165,6 +165,11 @@ class TcpServerOptions:
         if min(self.max_connections, self.max_connections_per_client, self.receive_budget_bytes,
                self.min_client_share_bytes) < 1 or min(self.message_timeout, self.idle_timeout) <= 0:
             raise ConfigError("tcp server limits and timeouts must be positive")
+        if self.receive_budget_bytes < 2 * self.min_client_share_bytes:  # a share is at most half the budget
+            raise ConfigError(
+                f"tcp server: receive_budget_bytes ({self.receive_budget_bytes}) must be at least twice "
+                f"min_client_share_bytes ({self.min_client_share_bytes}): a client holds at most half the budget, "
+                "so a smaller one would refuse a client's largest batch")
 
 
 class _Framed(asyncio.BufferedProtocol):

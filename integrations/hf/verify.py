@@ -106,8 +106,15 @@ def canary_binding(attached: AttachedModel) -> ModelBinding:
     is not what the canary on the new one compares with."""
     ns = attached.namespace
     ns = ns.with_updates(model_fingerprint=f"{ns.model_fingerprint}#{CANARY_KEY}",
-                         extra_keys=(*ns.extra_keys, CANARY_KEY, f"device:{attached.runner.device.type}"))
+                         extra_keys=(*ns.extra_keys, CANARY_KEY, f"device:{_device_key(attached.runner.device)}"))
     return attached.engine.bind(ns, attached.layout)
+
+
+def _device_key(device: torch.device) -> str:
+    """A device by index and, for CUDA, model: ``cuda:0`` and ``cuda:1`` may be different GPUs."""
+    if device.type == "cuda":
+        return f"{device}:{torch.cuda.get_device_name(device)}"
+    return str(device)
 
 
 def probe_lengths(attached: AttachedModel) -> tuple[int, int]:

@@ -18,7 +18,8 @@ Greedy tokens must be identical. Each KV layer group is EXACT when its loaded
 state and the log-probabilities are within :data:`TOLERANCE` of the plain run
 (0 is what an exact path measures for KV computed in prefill; KV computed
 while decoding was rounded by other kernel shapes) and tokens were loaded; a
-reader pass that loads nothing fails. Bounded by ``max_seconds``.
+reader pass that loads nothing fails, and so does a group whose restored state was never compared.
+``max_seconds`` is checked between steps.
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ def run_proof(model: Any, make_engine: Callable[[], KVEngine], *, fresh_reader: 
     clock = _Clock(settings.max_seconds, progress)
     k = settings.max_new_tokens
     engine = make_engine()
+    # Both sides decode greedily under a neutral generation config: the proof is about the reused KV, and a
+    # checkpoint's repetition_penalty (which kvengine's loop refuses) would otherwise stop it.
+    saved_config = getattr(model, "generation_config", None)
+    if saved_config is not None:
+        model.generation_config = _neutral(saved_config)
     try:
         clock.step("attach (derive the KV spec, run the attach canary)")
         attached = attach(model, engine, model_id=model_id)
@@ -142,7 +148,7 @@ def run_proof(model: Any, make_engine: Callable[[], KVEngine], *, fresh_reader: 
             attached = attach(model, engine, model_id=model_id)
         loaded, reader_failure = _generate_pass(attached, prompts, want, k, clock, "reader")
         failure = failure or reader_failure
-        groups = _measure(attached, prompts, want, loaded, clock)
+        groups = _measure(attached, prompts, want, clock)
         if failure is None and loaded == 0:
             failure = (f"loaded nothing: the reader pass reused no token (chunk size {c}; prompts of "
                        f"{', '.join(str(len(p)) for p in prompts.values())} tokens)")
@@ -152,6 +158,16 @@ def run_proof(model: Any, make_engine: Callable[[], KVEngine], *, fresh_reader: 
                            platform=hf_platform(attached), groups=groups, tokens_loaded=loaded, failure=failure)
     finally:
         engine.close()
+        if saved_config is not None:
+            model.generation_config = saved_config
+
+
+def _neutral(config: Any) -> Any:
+    """A generation config with only the special token ids of ``config``: greedy, no logits processors."""
+    from transformers import GenerationConfig
+
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    return GenerationConfig(**{name: getattr(config, name) for name in ids if getattr(config, name, None) is not None})
 
 
 def _generate_pass(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]], k: int,
@@ -170,13 +186,18 @@ def _generate_pass(attached: AttachedModel, prompts: dict[str, torch.Tensor], wa
     return reused, failure
 
 
-def _measure(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]], loaded: int,
+def _measure(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]],
              clock: _Clock) -> tuple[GroupVerdict, ...]:
     """Per KV layer group: the loaded state and the reply's log-probabilities against a plain run."""
     spec, codec, runner = attached.spec, attached.codec, attached.runner
-    tol = TOLERANCE.get(attached.model.dtype, 5e-2)
-    state_err = {g.name: 0.0 for g in spec.chunk_groups}
+    if attached.model.dtype not in TOLERANCE:
+        raise UnsupportedModelError(f"kvengine verify hf: no tolerance is established for {attached.model.dtype} "
+                                    f"(known: {', '.join(str(d) for d in TOLERANCE)})")
+    tol = TOLERANCE[attached.model.dtype]
+    # None until a restored state of the group was compared: a group never compared is not EXACT.
+    state_err: dict[str, float | None] = {g.name: None for g in spec.chunk_groups}
     logprob_err = logit_err = 0.0
+    compared = 0  # tokens whose restored KV was compared (a restore covers every group alike)
     for name, ids in prompts.items():
         clock.step(f"reader pass: log-probabilities and loaded KV, {name}")
         seq = torch.cat([ids, torch.tensor(want[name])])
@@ -184,12 +205,14 @@ def _measure(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: di
         restored, matched, _ = attached.restore(ctx, ids, f"kvengine-verify-{name}")
         prefix = attached.prefill_pieces(0, matched, snapshots=True)
         if matched:
+            compared += matched
             plain_cache, _ = plain_run(attached.model, ids[:matched], prefix, cache_kw=runner.cache_kw)
             want_states, got_states = codec.comparable(plain_cache), codec.comparable(restored)
             for key, tensors in want_states.items():
                 group = spec.group_of(*key).name
                 err = _state_error(tensors, got_states.get(key), tol)
-                state_err[group] = max(state_err.get(group, 0.0), err)
+                seen = state_err.get(group)
+                state_err[group] = err if seen is None else max(seen, err)
         cached = runner.forward(seq[matched:-1], restored, matched, all_logits=True)
         _, plain = plain_run(attached.model, seq[:-1], [*prefix, (matched, len(seq) - 1)], cache_kw=runner.cache_kw)
         rows = slice(len(ids) - 1 - matched, None)
@@ -197,9 +220,10 @@ def _measure(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: di
         logit_err = max(logit_err, float((a - b).abs().max()))
         logprob_err = max(logprob_err, float((a.log_softmax(-1) - b.log_softmax(-1)).abs().max()))
     return tuple(
-        GroupVerdict(group=g, outcome=Outcome.EXACT if err <= tol and logprob_err <= tol and loaded > 0
-                     else Outcome.DIFFERS, max_state_error=err, max_logprob_error=logprob_err,
-                     max_logit_error=logit_err, tokens_loaded=loaded)
+        GroupVerdict(group=g, outcome=Outcome.EXACT if err is not None and err <= tol and logprob_err <= tol
+                     and compared > 0 else Outcome.DIFFERS,
+                     max_state_error=float("inf") if err is None else err, max_logprob_error=logprob_err,
+                     max_logit_error=logit_err, tokens_loaded=compared)
         for g, err in state_err.items())
 
 

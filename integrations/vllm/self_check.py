@@ -201,8 +201,9 @@ def run_self_check(layout: PagedLayout, kv_caches: Mapping[str, torch.Tensor], c
              for i, t in enumerate(layout.tensors)]
     checked = tuple(c for c in codecs if c.codec_id != 0)
     engine = KVEngine(_private_config(layout), transports=[])
-    pipeline = LayerPipeline(copier, forward_order)
+    pipeline: LayerPipeline | None = None
     try:
+        pipeline = LayerPipeline(copier, forward_order)
         for p in pages:  # the source ids are consecutive and ascending: the pattern is their pages in order
             p.cache[p.span(blocks.source)] = p.pattern
         binding = engine.bind(Namespace(model="kvengine-device-self-check", layout_id=layout.layout_id),
@@ -212,7 +213,8 @@ def run_self_check(layout: PagedLayout, kv_caches: Mapping[str, torch.Tensor], c
         _load(engine, binding, pipeline, forward_order, tokens, blocks, layout, pages, checked)
         states = _check_states(engine, binding, layout, kv_caches, tokens, blocks)
     finally:
-        pipeline.close()
+        if pipeline is not None:
+            pipeline.close()
         engine.close(flush=False)
         for p in pages:
             p.cache[p.span(blocks.source)] = 0
@@ -302,12 +304,13 @@ def _load(engine: KVEngine, binding: ModelBinding, pipeline: LayerPipeline, forw
 
 def _check_codec(codec: Codec, view: ChunkView, layout: PagedLayout, pages: Sequence[_Pages],
                  blocks: _Blocks) -> None:
-    """``codec`` (a lower tier's) must give back a chunk's bytes exactly (lossy codecs are refused earlier)."""
+    """``codec`` (a lower tier's) must give back a chunk's bytes exactly. The connector refuses lossy codecs at
+    start-up (``options.py``); one reaching here is refused too, never skipped."""
     raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in view.tensors)
     descriptors = descriptors_for(layout.chunk, view.token_range[1] - view.token_range[0])
     if not codec.lossless:
-        logger.warning("kvengine: device self-check: codec %s is lossy, its round trip is not compared", codec.name)
-        return
+        raise _failed(layout, layout.tensors[0].layer, f"codec {codec.name} is lossy: the connector serves exact "
+                                                       "KV only")
     back = bytes(codec.decode(memoryview(bytes(codec.encode(memoryview(raw), descriptors))), descriptors))
     if back == raw:
         return

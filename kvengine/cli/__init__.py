@@ -9,6 +9,7 @@ import time
 
 from kvengine.cli.arguments import positive_int
 from kvengine.errors import ConfigError, InvalidRequestError, KVEngineError, UnsupportedModelError
+from kvengine.trust.verification import kvengine_version
 
 
 def _quickstart(args: argparse.Namespace) -> int:
@@ -81,15 +82,6 @@ examples:
 """
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvengine")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        return "unknown"
-
-
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -149,7 +141,7 @@ def _dispatch(argv: list[str]) -> int:
         return int(getattr(importlib.import_module(module), func)(argv[1:]))
     parser = argparse.ArgumentParser(prog="kvengine", description="KV-cache offload engine for LLM inference.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvengine_version()}")
     parser.add_argument("--log-level", choices=_LOG_LEVELS, metavar="LEVEL",
                         help=f"level of kvengine's log lines on stderr, before the command: {', '.join(_LOG_LEVELS)} "
                              "(default: KVENGINE_LOG_LEVEL, else warning)")

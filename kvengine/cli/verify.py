@@ -39,7 +39,7 @@ def _parser() -> OneLineParser:
     p.add_argument("--prompt-tokens", type=positive_int, default=None,
                    help="first prompt's length (default 2.5 chunks + 1)")
     p.add_argument("--max-seconds", type=positive_seconds, default=300.0,
-                   help="fail past this many seconds (default 300)")
+                   help="fail once this many seconds have passed, checked between the proof's steps (default 300)")
     return p
 
 
@@ -70,7 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from kvengine import KVEngine, load_config
     from kvengine.integrations.hf.verify_run import ProofSettings, ProofTimedOut, run_proof
-    from kvengine.trust.verification import VerificationRecord, kvengine_version, now, read_secret_file, write_record
+    from kvengine.trust.verification import (
+        Outcome,
+        VerificationRecord,
+        kvengine_version,
+        now,
+        read_secret_file,
+        write_record,
+    )
 
     secret = read_secret_file(args.secret_file)
     config = load_config(args.config if args.config else {"memory": {"capacity_bytes": "256MiB"}})
@@ -90,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvengine verify: FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED
     for g in result.groups:
-        print(f"{g.group}: {g.outcome.value}  tokens loaded {g.tokens_loaded}, max state error {g.max_state_error:.3g}, "
+        exactly = g.max_state_error == g.max_logprob_error == g.max_logit_error == 0
+        kind = "" if g.outcome is not Outcome.EXACT else " (bitwise)" if exactly else " (within the dtype's tolerance)"
+        print(f"{g.group}: {g.outcome.value}{kind}  tokens loaded {g.tokens_loaded}, max state error {g.max_state_error:.3g}, "
               f"max logprob error {g.max_logprob_error:.3g}, max logit error {g.max_logit_error:.3g}")
     if not result.ok:
         print(f"kvengine verify: FAILED: {result.failure}", file=sys.stderr)

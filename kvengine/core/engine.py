@@ -59,7 +59,7 @@ from kvengine.core.stager import Stager
 from kvengine.core.staging import StagedStore
 from kvengine.core.tier_set import TierSet, resolve_codec
 from kvengine.core.tier_writer import TierWriter
-from kvengine.errors import CapacityError, ConfigError, EngineClosedError, InvalidRequestError
+from kvengine.errors import CLOSED_MESSAGE, CapacityError, ConfigError, EngineClosedError, InvalidRequestError
 from kvengine.events import MEDIUM_MEMORY, AllBlocksCleared, BlockStored, KVEventPublisher
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
@@ -154,7 +154,7 @@ class CacheEngine:
     def check_open(self) -> None:
         """Raise :class:`EngineClosedError` once :meth:`close` has been called."""
         if self._closed:
-            raise EngineClosedError("kvengine: the engine is closed; calls after close() are refused")
+            raise EngineClosedError(CLOSED_MESSAGE)
 
     async def start(self) -> None:
         """Start background tasks (lease reaper, tier writer, KV event publisher) on the running loop."""

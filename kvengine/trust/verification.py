@@ -159,6 +159,7 @@ def now() -> str:
 
 
 def kvengine_version() -> str:
+    """The installed kvengine's version ("unknown" in a source tree that is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -128,7 +128,7 @@ async def test_requests_beyond_the_clients_share_of_the_receive_budget_wait_unre
     """Four 400 KiB puts at once against a 1 MiB receive budget, of which one client holds at most half: the ones
     that do not fit its share wait unread, all are stored, the budget is whole again after. A 700 KiB put,
     beyond the share, is refused at once (counted), holding nothing."""
-    server = await _server(receive_budget_bytes=MiB)
+    server = await _server(receive_budget_bytes=MiB, min_client_share_bytes=MiB // 4)
     client = _client(server)
     items = [make_record(400 << 10) for _ in range(4)]
     assert await asyncio.gather(*(client.put([item]) for item in items)) == [[True]] * 4
@@ -222,3 +222,11 @@ def test_serve_refuses_options_of_another_wire(capsys: Any, argv: list[str], mes
 
     assert serve(["--bind", "127.0.0.2:0", *argv]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_a_receive_budget_too_small_for_a_clients_largest_batch_is_refused_naming_both_settings() -> None:
+    """A client holds at most half the receive budget: a budget under twice ``min_client_share_bytes`` would
+    refuse kvengine clients' largest batches (TOO_LARGE) at run time, so it is refused at construction."""
+    with pytest.raises(ConfigError, match=r"receive_budget_bytes \(1048576\).*min_client_share_bytes"):
+        TcpServerOptions(receive_budget_bytes=MiB)
+    assert TcpServerOptions(receive_budget_bytes=MiB, min_client_share_bytes=MiB // 2).receive_budget_bytes == MiB
