@@ -306,7 +306,7 @@ def vllm_config(**over):
     cfg = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
                                         decode_context_parallel_size=1, prefill_context_parallel_size=1),
-        speculative_config=None, model_config=SimpleNamespace(is_encoder_decoder=False),
+        speculative_config=None, model_config=SimpleNamespace(is_encoder_decoder=False, enable_sleep_mode=False),
         kv_transfer_config=SimpleNamespace(kv_role="kv_both", kv_load_failure_policy="recompute"),
         cache_config=SimpleNamespace(cache_dtype="auto"))
     for path, value in over.items():
@@ -324,10 +324,12 @@ def vllm_config(**over):
     ({"parallel_config.pipeline_parallel_size": 2}, "UnsupportedModelError", "pipeline_parallel_size=2"),
     ({"cache_config.cache_dtype": "fp8"}, "UnsupportedModelError", "kv_cache_dtype"),
     ({"speculative_config": object()}, "UnsupportedModelError", "speculative"),
+    ({"model_config.enable_sleep_mode": True}, "UnsupportedModelError", "enable_sleep_mode is not supported"),
 ])
 def test_vllm_settings_the_connector_refuses(over, error, match):
     """The default settings pass; a non-recompute failure policy, a role other than kv_both, pipeline parallelism,
-    an fp8 KV cache or speculative decoding are refused by name."""
+    an fp8 KV cache, speculative decoding or sleep mode (weights reloaded after wake-up are not the ones
+    fingerprinted) are refused by name."""
     import kvengine.errors as errors
     from kvengine.integrations.vllm.connector import check_vllm_config
 
