@@ -75,10 +75,6 @@ class QuarantineEntry:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> QuarantineEntry:
-        return cls.from_data(json.loads(text))
-
-    @classmethod
     def from_data(cls, data: Any) -> QuarantineEntry:
         """The entry a parsed marker holds (KeyError, TypeError or ValueError if it holds none)."""
         return cls(root=str(data["root"]), model=str(data["model"]), reason=str(data["reason"]),
