@@ -49,9 +49,10 @@ from kvengine.chunks.record import decode_header, seal_record, verify_seal
 from kvengine.config import MooncakeConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError
 from kvengine.transport import Buffer, read_deadline
+from kvengine.trust.secrets import read_secret_file
 
 from .peer_buffers import BufferPool
-from .peer_client import is_loopback, read_secret
+from .peer_client import is_loopback
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -104,7 +105,7 @@ class MooncakeOptions:
         """The options of an engine's ``mooncake`` section; a master off loopback needs the secret."""
         if section.master is None:
             raise ConfigError("mooncake.master is not set")
-        secret = read_secret(section.secret_file)
+        secret = read_secret_file(section.secret_file, "mooncake.secret_file")
         host = section.master.rpartition(":")[0].strip("[]")
         if secret is None and not is_loopback(host):
             raise ConfigError(

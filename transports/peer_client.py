@@ -35,13 +35,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
-import os
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Protocol
 
 from kvengine.chunks.keys import ChunkKey
@@ -49,6 +47,7 @@ from kvengine.chunks.record import seal_record, unpack_record, verify_seal
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
 from kvengine.transport import Buffer, RemoteTierStats, read_deadline
+from kvengine.trust.secrets import read_secret_file
 
 from .byte_budget import ByteBudget
 from .peer_protocol import Limits, Message, Op, Status, record_matches
@@ -116,20 +115,6 @@ class PeerClientOptions:
             raise ValueError("peer timeouts and cool-down must be > 0")
 
 
-def read_secret(path: str | os.PathLike[str] | None) -> bytes | None:
-    """The peer group's shared secret from ``path`` (its bytes, stripped of surrounding whitespace)."""
-    if path is None:
-        return None
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"peers.secret_file {path}: cannot be read ({exc})") from None
-    if len(secret) < 16:
-        raise ConfigError(f"peers.secret_file {path}: holds {len(secret)} bytes; use at least 16 "
-                          "(e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
-    return secret
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -154,7 +139,7 @@ def require_protection(addresses: Sequence[str], *, secret: bytes | None, encryp
 def client_from_section(peers: PeersConfig, *, encrypted: bool) -> tuple[Membership, PeerClientOptions]:
     """Membership and :class:`PeerClientOptions` of an engine's typed ``peers`` section. Peers off
     loopback are refused unless records are authenticated (``secret_file``) or the wire is ``encrypted``."""
-    secret = read_secret(peers.secret_file)
+    secret = read_secret_file(peers.secret_file, "peers.secret_file")
     membership = _membership(peers.peers, peers.peers_file, peers.reload_interval, secret, encrypted)
     try:
         options = PeerClientOptions(replicas=peers.replicas, request_timeout=peers.request_timeout,
@@ -184,7 +169,7 @@ def client_from_config(config: dict[str, Any], name: str, *, encrypted: bool = F
     left in ``config`` is the wire's. Peers off loopback are refused unless
     records are authenticated (``secret_file``) or the wire is ``encrypted``.
     """
-    secret = read_secret(config.pop("secret_file", None))
+    secret = read_secret_file(config.pop("secret_file", None), "peers.secret_file")
     membership = _membership(config.pop("peers", ()), config.pop("peers_file", None),
                              float(config.pop("reload_interval", _CONFIGURED.reload_interval)), secret, encrypted)
     fields = {f.name for f in dataclasses.fields(PeerClientOptions)} - {"limits", "secret"}

@@ -114,11 +114,12 @@ def _store(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _server(args: argparse.Namespace, store: Any) -> Any:
-    from kvengine.transports.peer_client import read_secret, require_protection
+    from kvengine.transports.peer_client import require_protection
     from kvengine.transports.peer_service import ServerOptions
+    from kvengine.trust.secrets import read_secret_file
 
     try:
-        secret = read_secret(args.secret_file)
+        secret = read_secret_file(args.secret_file, "peers.secret_file")
     except ConfigError as exc:
         raise FileOptionError(f"--secret-file: {exc}") from None
     require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert or args.tls_cert), what="--bind")

@@ -70,16 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from kvengine import KVEngine, load_config
     from kvengine.integrations.hf.verify_run import ProofSettings, ProofTimedOut, run_proof
+    from kvengine.trust.secrets import read_secret_file
     from kvengine.trust.verification import (
         Outcome,
         VerificationRecord,
         kvengine_version,
         now,
-        read_secret_file,
         write_record,
     )
 
-    secret = read_secret_file(args.secret_file)
+    secret = read_secret_file(args.secret_file, "--secret-file")
     config = load_config(args.config if args.config else {"memory": {"capacity_bytes": "256MiB"}})
     model = load_model(args.model, args.dtype)
     settings = ProofSettings(max_new_tokens=args.max_new_tokens, prompt_tokens=args.prompt_tokens,

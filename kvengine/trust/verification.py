@@ -40,7 +40,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvengine.errors import ConfigError
 from kvengine.untrusted_files import MalformedFileError, UnsafeFileError, read_json, write_atomic
 
 logger = logging.getLogger("kvengine.trust")
@@ -314,20 +313,6 @@ def find_matching(records_dir: str | os.PathLike[str], platform: Platform, model
     if check.refusal is not None and check.refusal is not Refusal.MISSING:
         logger.warning("kvengine: verification record %s refused: %s (%s)", path, check.refusal.value, check.detail)
     return check.record
-
-
-def read_secret_file(path: str | os.PathLike[str] | None) -> bytes | None:
-    """The sealing secret from ``path`` (its bytes, stripped of surrounding whitespace; at least 16)."""
-    if path is None:
-        return None
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"--secret-file {path}: cannot be read ({exc})") from None
-    if len(secret) < 16:
-        raise ConfigError(f"--secret-file {path}: holds {len(secret)} bytes; use at least 16 "
-                          "(e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
-    return secret
 
 
 def _fields(cls: type, data: Mapping[str, Any], *, tuples: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:

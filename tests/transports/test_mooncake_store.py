@@ -130,7 +130,7 @@ def test_a_master_off_loopback_needs_the_secret(tmp_path: Path) -> None:
         build_tiers(config)
     short = tmp_path / "short"
     short.write_bytes(b"too short")
-    with pytest.raises(ConfigError, match="holds 9 bytes"):
+    with pytest.raises(ConfigError, match=r"mooncake\.secret_file .*short: holds 9 bytes"):  # its own setting
         build_tiers(load_config({"mooncake": {"master": "10.1.2.3:50051", "secret_file": str(short)}}, environ={}))
 
 
