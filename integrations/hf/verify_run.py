@@ -33,7 +33,7 @@ import torch
 
 from kvengine import KVEngine
 from kvengine.errors import UnsupportedModelError
-from kvengine.trust.verification import GroupVerdict, Outcome, Platform, host_accelerator
+from kvengine.trust.verification import GroupVerdict, Outcome, Platform
 
 from .attaching import attach
 from .generator import AttachedModel
@@ -75,8 +75,8 @@ def hf_platform(attached: AttachedModel) -> Platform:
     """The :class:`Platform` an attached transformers model runs on."""
     import transformers
 
-    return Platform(
-        **host_accelerator(attached.runner.device.type), engine="hf", engine_version=transformers.__version__,
+    return Platform.on_host(
+        attached.runner.device.type, engine="hf", engine_version=transformers.__version__,
         attention_backend=getattr(attached.model.config, "_attn_implementation", None),
         kv_dtype=str(attached.model.dtype).removeprefix("torch."), kv_layout_id=attached.layout.fingerprint,
         block_size=attached.chunk_size, tensor_parallel_size=1)

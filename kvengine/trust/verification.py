@@ -21,7 +21,7 @@ seal verify: a record of another platform, model or version unlocks nothing.
 Records are read as untrusted input (:func:`kvengine.untrusted_files.read_json`).
 
 This module imports no inference engine (torch only inside
-:func:`host_accelerator`): the integrations describe their platform and pass it in.
+:meth:`Platform.on_host`, which reads the accelerator): the integrations describe their engine.
 """
 
 from __future__ import annotations
@@ -86,6 +86,15 @@ class Platform:
     def from_dict(cls, data: Mapping[str, Any]) -> Platform:
         """:raises ValueError: a missing, unknown or mistyped field."""
         return cls(**_fields(cls, data, tuples={"isa_flags"}))
+
+    @classmethod
+    def on_host(cls, device_type: str, *, engine: str, engine_version: str, attention_backend: str | None,
+                kv_dtype: str, kv_layout_id: str, block_size: int, tensor_parallel_size: int = 1) -> Platform:
+        """This host's platform for a model running on ``device_type``: the accelerator fields read here
+        (:func:`_host_accelerator`), the engine's given by the integration."""
+        return cls(**_host_accelerator(device_type), engine=engine, engine_version=engine_version,
+                   attention_backend=attention_backend, kv_dtype=kv_dtype, kv_layout_id=kv_layout_id,
+                   block_size=block_size, tensor_parallel_size=tensor_parallel_size)
 
 
 class Outcome(enum.Enum):
@@ -185,7 +194,7 @@ def cpu_description(cpuinfo: str | None = None) -> tuple[str, tuple[str, ...]]:
     return name or _platform.processor() or _platform.machine(), tuple(f for f in ISA_FLAGS if f in flags)
 
 
-def host_accelerator(device_type: str) -> dict[str, Any]:
+def _host_accelerator(device_type: str) -> dict[str, Any]:
     """The accelerator fields of :class:`Platform` for a model running on ``device_type`` (torch imported
     here, lazily, so that the record format itself needs no torch)."""
     import torch
