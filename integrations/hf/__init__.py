@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
-from .attaching import attach, model_fingerprint, run_canary
+from .attaching import attach
 from .generator import AttachedModel, GenerationResult, ModelGeneration, Sampling
+from .verify import run_canary
+from .weights_watch import model_fingerprint
 
 
 def run_demo(argv: list[str] | None = None) -> int:

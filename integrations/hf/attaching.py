@@ -51,10 +51,10 @@ from kvengine.semantics.families import derive_spec
 
 from .generator import AttachedModel
 from .proof import prove_namespace
-from .verify import CANARY_KEY, check_real_cache, probe_lengths, run_canary, through_codec, verify
-from .weights_watch import model_fingerprint as model_fingerprint
+from .verify import check_real_cache, verify
+from .weights_watch import model_fingerprint
 
-__all__ = ["CANARY_KEY", "attach", "model_fingerprint", "probe_lengths", "run_canary", "through_codec"]
+__all__ = ["attach"]
 
 logger = logging.getLogger("kvengine.hf")
 

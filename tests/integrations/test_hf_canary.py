@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 
 from kvengine import AttachError, UnsupportedModelError
 from kvengine.integrations.hf import attach
-from kvengine.integrations.hf.attaching import CANARY_KEY
 from kvengine.integrations.hf.codec import Restorer
 from kvengine.integrations.hf.runner import ModelRunner
 from kvengine.integrations.hf.tiny_models import TINY_CONFIGS
+from kvengine.integrations.hf.verify import CANARY_KEY
 
 from .conftest import build_tiny, make_engine, prompt_for
 
