@@ -775,7 +775,9 @@ def _literal_names(tree: ast.Module, variable: str) -> list[str]:
 def _backend_interfaces(layout_py: Path, add: Callable[[Interface], None]) -> None:
     tree = ast.parse(layout_py.read_text())
     validated = _literal_names(tree, "ATTENTION_BACKENDS") + _literal_names(tree, "STATE_BACKENDS")
-    refused = [n for n in _literal_names(tree, "REFUSED_BACKENDS") if n not in validated]
+    # refused, or accepted only with a verification record of the running platform: checked, not fatal
+    refused = [n for n in _literal_names(tree, "PROVABLE_BACKENDS") + _literal_names(tree, "REFUSED_BACKENDS")
+               if n not in validated]
     for name in [*validated, *refused]:
         fatal = name in validated
         add(Interface(f"backend {name}", "backend", "layout.py", lambda r, n=name: (

@@ -24,7 +24,6 @@ reader pass that loads nothing fails, and so does a group whose restored state w
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 
 from kvengine import KVEngine
 from kvengine.errors import UnsupportedModelError
+from kvengine.trust.proof_run import LOGPROB_TOLERANCE, ProofClock, ProofResult
 from kvengine.trust.verification import GroupVerdict, Outcome, Platform
 
 from .attaching import attach
@@ -42,11 +42,7 @@ from .verify import plain_run
 
 #: Largest accepted error per KV dtype: absolute on log-probabilities, relative to the largest magnitude
 #: of the plain run's tensor for the loaded state.
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-
-
-class ProofTimedOut(Exception):
-    """The proof ran past its time bound."""
+TOLERANCE = {getattr(torch, name): tol for name, tol in LOGPROB_TOLERANCE.items()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,20 +51,6 @@ class ProofSettings:
     #: length of the first prompt (None: 2.5 chunks + 1, covering full and partial chunks)
     prompt_tokens: int | None = None
     max_seconds: float = 240.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProofResult:
-    model: str
-    model_fingerprint: str
-    platform: Platform
-    groups: tuple[GroupVerdict, ...]
-    tokens_loaded: int
-    failure: str | None
-
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
 
 
 def hf_platform(attached: AttachedModel) -> Platform:
@@ -92,19 +74,6 @@ def plain_greedy(model: Any, ids: torch.Tensor, n: int) -> list[int]:
     return [int(t) for t in out[0, len(ids):]]
 
 
-class _Clock:
-    def __init__(self, max_seconds: float, progress: Callable[[str], None]) -> None:
-        self._t0 = time.monotonic()
-        self._max = max_seconds
-        self._progress = progress
-
-    def step(self, message: str) -> None:
-        elapsed = time.monotonic() - self._t0
-        if elapsed > self._max:
-            raise ProofTimedOut(f"past --max-seconds {self._max:g} after {elapsed:.1f}s, before: {message}")
-        self._progress(f"[{elapsed:6.1f}s] {message}")
-
-
 def run_proof(model: Any, make_engine: Callable[[], KVEngine], *, fresh_reader: bool, model_id: str,
               settings: ProofSettings = ProofSettings(),
               progress: Callable[[str], None] = lambda line: None) -> ProofResult:
@@ -114,7 +83,7 @@ def run_proof(model: Any, make_engine: Callable[[], KVEngine], *, fresh_reader: 
     :raises AttachError: the attach canary refused the model.
     :raises ProofTimedOut: past ``settings.max_seconds``.
     """
-    clock = _Clock(settings.max_seconds, progress)
+    clock = ProofClock(settings.max_seconds, progress)
     k = settings.max_new_tokens
     engine = make_engine()
     # Both sides decode greedily under a neutral generation config: the proof is about the reused KV, and a
@@ -171,7 +140,7 @@ def _neutral(config: Any) -> Any:
 
 
 def _generate_pass(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]], k: int,
-                   clock: _Clock, which: str) -> tuple[int, str | None]:
+                   clock: ProofClock, which: str) -> tuple[int, str | None]:
     """kvengine's generate over every prompt: (tokens reused, the first greedy difference or None)."""
     reused, failure = 0, None
     for name, ids in prompts.items():
@@ -187,7 +156,7 @@ def _generate_pass(attached: AttachedModel, prompts: dict[str, torch.Tensor], wa
 
 
 def _measure(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]],
-             clock: _Clock) -> tuple[GroupVerdict, ...]:
+             clock: ProofClock) -> tuple[GroupVerdict, ...]:
     """Per KV layer group: the loaded state and the reply's log-probabilities against a plain run."""
     spec, codec, runner = attached.spec, attached.codec, attached.runner
     if attached.model.dtype not in TOLERANCE:

@@ -42,15 +42,18 @@ BlockIds = tuple[tuple[int, ...], ...]
 #: Attention backends whose pages have been validated end to end (vLLM CPU build): the CPU backend, and
 #: the AMX MLA backend (DeepSeek-style latent pages; AMX CPUs, bf16).
 ATTENTION_BACKENDS = frozenset({"CPU_ATTN", "AMX_MLA"})
+#: Backends accepted only with proof from the machine they run on: their pages are copied through vLLM's logical
+#: [blocks, heads, tokens, content] view like every backend's (the layout math is unit-tested for every
+#: KVCacheLayout), but this tree cannot run them (CUDA builds of vLLM). A worker serves with one only when a
+#: verification record of ``kvengine verify vllm`` matches the running platform and model, or under the opt-in
+#: that names the risk (:mod:`.acceptance`).
+PROVABLE_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "TRITON_MLA", "CUTLASS_MLA",
+                               "FLASHINFER_MLA", "FLASH_ATTN_MLA"})
 #: Backends refused for a known reason (anything else unknown is refused as not validated).
 REFUSED_BACKENDS: Mapping[str, str] = {
     "CPU_MLA": "vLLM's reference CPU MLA backend has no prefill-with-context path (vLLM turns prefix caching "
                "and chunked prefill off for it), so the pages of a hit would be ignored and the model would "
                "answer from a truncated context; vLLM picks AMX_MLA instead on CPUs with AMX and bf16",
-    **{name: "its pages are copied through vLLM's logical [blocks, heads, tokens, content] view like every "
-             "backend's (layout math unit-tested for every KVCacheLayout), but it has not been validated on a "
-             "CUDA GPU yet" for name in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "TRITON_MLA",
-                                        "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA")},
 }
 #: The KV cache spec classes :func:`plan_groups` accepts (the others are refused as not validated).
 SUPPORTED_SPECS = ("FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, "
@@ -284,6 +287,13 @@ class PagedLayout:
     aliases: Mapping[str, str] = field(default_factory=dict)
     #: recurrent-state layers (stored per block boundary, apart from the chunks), in layer order
     states: tuple[StateTensor, ...] = ()
+    #: every attention and state backend the layers declared
+    backends: frozenset[str] = frozenset()
+
+    @property
+    def unproven_backends(self) -> frozenset[str]:
+        """The backends that need a verification record (or the risk opt-in) to serve: :data:`PROVABLE_BACKENDS`."""
+        return self.backends & PROVABLE_BACKENDS
 
     @property
     def state_group(self) -> GroupPlan | None:
@@ -362,11 +372,12 @@ def derive_layout(
             continue
         for layer in plan.layer_names:
             backend = backends.get(layer)
-            if backend not in ATTENTION_BACKENDS:
+            if backend not in ATTENTION_BACKENDS | PROVABLE_BACKENDS:
                 why = REFUSED_BACKENDS.get(backend or "", "it has not been validated")
-                raise _refuse(f"layer {layer}", f"attention backend {backend!r}: {why} "
-                                                f"(supported: {sorted(ATTENTION_BACKENDS)})")
-            used_backends.add(backend)
+                raise _refuse(f"layer {layer}", f"attention backend {backend!r}: {why} (supported: "
+                                                f"{sorted(ATTENTION_BACKENDS)}; with a verification record of "
+                                                f"this platform: {sorted(PROVABLE_BACKENDS)})")
+            used_backends.add(str(backend))
             cache = kv_caches.get(layer)
             if cache is None:
                 raise _refuse(f"layer {layer}", "vLLM registered no KV cache tensor for it")
@@ -384,7 +395,8 @@ def derive_layout(
                 f"{platform_choices(plans, conv_state_layout if states else None)}"
     if states:
         layout_id += f":state{sorted({t.nbytes for t in states})}"
-    return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint, aliases, tuple(states))
+    return PagedLayout(chunk, tuple(t for _, t in specs), plans, layout_id, fingerprint, aliases, tuple(states),
+                       backends=frozenset(used_backends))
 
 
 def _state_tensor(plan: GroupPlan, layer: str, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str],

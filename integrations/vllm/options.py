@@ -12,6 +12,14 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
   yourself: replaces the content digest of the weight files (by default
   every byte of every weight file is hashed, see :mod:`kvengine.trust.weights`).
   Change it whenever the weights change, or stale KV is served.
+* ``verification`` -- where the worker looks for a verification record
+  when vLLM picked an attention backend this tree has not validated (the GPU
+  backends, :data:`~.layout.PROVABLE_BACKENDS`): ``records`` (directory,
+  default ``~/.cache/kvengine/verifications``, where ``kvengine verify vllm``
+  writes), ``secret_file`` (records must be sealed with its secret), and
+  ``serve_unverified_backend_risking_wrong_outputs`` (default false): serve on
+  such a backend without a record, logged loudly at start-up
+  (:mod:`.acceptance`).
 * ``lookup_wait_ms`` -- the longest the scheduler waits for the worker's first
   word on a new lookup (its answer from memory, or "pending" when it must
   promote from disk or peers) before it tells vLLM "not known yet" (``None``:
@@ -28,13 +36,50 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
+from kvengine.trust.verification import DEFAULT_RECORDS_DIR
 
-_KEYS = ("kvengine", "lookup_wait_ms", "model_fingerprint")
+_KEYS = ("kvengine", "lookup_wait_ms", "model_fingerprint", "verification")
+_VERIFICATION_KEYS = ("records", "secret_file", "serve_unverified_backend_risking_wrong_outputs")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerificationOptions:
+    """Where records that unlock a backend not validated in-tree are found, and the opt-in that skips them."""
+
+    records: Path = DEFAULT_RECORDS_DIR
+    secret_file: Path | None = None
+    #: serve on an unvalidated backend without a matching record (the name is the risk)
+    serve_unverified_backend_risking_wrong_outputs: bool = False
+
+    @classmethod
+    def from_extra(cls, raw: Any) -> VerificationOptions:
+        """:raises ConfigError: not a mapping, an unknown key, or a mistyped value (each named)."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ConfigError("kv_connector_extra_config['verification'] must be a mapping")
+        unknown = sorted(set(raw) - set(_VERIFICATION_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config['verification'] keys {unknown} "
+                              f"(allowed: {list(_VERIFICATION_KEYS)})")
+        paths = {}
+        for key in ("records", "secret_file"):
+            value = raw.get(key)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise ConfigError(f"verification.{key} must be a path, got {value!r}")
+            paths[key] = None if value is None else Path(value).expanduser()
+        risk = raw.get("serve_unverified_backend_risking_wrong_outputs", False)
+        if not isinstance(risk, bool):
+            raise ConfigError(f"verification.serve_unverified_backend_risking_wrong_outputs must be true or false, "
+                              f"got {risk!r}")
+        return cls(records=paths["records"] or DEFAULT_RECORDS_DIR, secret_file=paths["secret_file"],
+                   serve_unverified_backend_risking_wrong_outputs=risk)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +91,7 @@ class ConnectorOptions:
     lookup_wait_s: float = 0.002
     #: An explicit model identity (None: the content digest of the weight files).
     model_fingerprint: str | None = None
+    verification: VerificationOptions = field(default_factory=VerificationOptions)
 
     def __post_init__(self) -> None:
         if not 0 < self.lookup_wait_s <= 60:
@@ -70,9 +116,11 @@ class ConnectorOptions:
         fingerprint = extra.get("model_fingerprint")
         if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
             raise ConfigError(f"model_fingerprint must be a non-empty string, got {fingerprint!r}")
+        verification = VerificationOptions.from_extra(extra.get("verification"))
         engine, chunk_size = load_config_auto_chunk(source)
         check_codecs(engine)
-        return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s, model_fingerprint=fingerprint)
+        return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s, model_fingerprint=fingerprint,
+                   verification=verification)
 
     def for_rank(self, rank: int, world_size: int) -> ConnectorOptions:
         """These options for tensor-parallel rank ``rank`` of ``world_size`` (>1): each rank's engine gets

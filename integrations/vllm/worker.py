@@ -49,6 +49,7 @@ from kvengine.metrics import serve_registry
 from kvengine.trust.provenance import ShadowSampler, compare_kv, settle, worst
 from kvengine.types import ModelBinding
 
+from .acceptance import accept_backends, publish_platform, vllm_platform
 from .channel import Answer, LookupService
 from .layout import GroupKind, GroupPlan, PagedLayout
 from .metadata import ChannelAddress, SaveSpec, StepMetadata
@@ -275,6 +276,9 @@ class WorkerSide:
         forward_order += [i for i in range(len(self.layout.tensors)) if i not in forward_order]
         namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint,
                                   explicit_fingerprint=self._options.model_fingerprint)
+        device = next(iter(kv_caches.values())).device.type
+        platform = vllm_platform(vc, self.layout, namespace, device)
+        acceptance = accept_backends(self.layout, platform, namespace, self._options.verification)
         broadcast = None
         if shares_one_copy(self._plans, namespace.world_size):
             broadcast = LatentBroadcast.create(namespace.rank, self.layout.chunk)
@@ -300,6 +304,7 @@ class WorkerSide:
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
             self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast)
             self._metrics()
+            publish_platform(self.engine.metrics.registry, platform, namespace, acceptance)
             self._step_metrics(self.engine.metrics.registry)
             publish_self_check(check, self.engine.metrics.registry)
             self._service = LookupService(self.desk)

@@ -78,9 +78,9 @@ def _hf_verdict(spec: ModelKVSpec) -> Verdict:
 def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
     """Mirrors integrations/vllm: connector.check_vllm_config (encoder-decoder), layout.plan_groups /
     layout._plan_one (spec classes: layout.SUPPORTED_SPECS; anything else refused), and
-    layout.derive_layout (ATTENTION_BACKENDS, REFUSED_BACKENDS, STATE_BACKENDS)."""
+    layout.derive_layout (ATTENTION_BACKENDS, PROVABLE_BACKENDS, REFUSED_BACKENDS, STATE_BACKENDS)."""
     from kvengine.chunks.layout import KVCategory
-    from kvengine.integrations.vllm.layout import ATTENTION_BACKENDS, STATE_BACKENDS
+    from kvengine.integrations.vllm.layout import ATTENTION_BACKENDS, PROVABLE_BACKENDS, STATE_BACKENDS
 
     v = Integration.VLLM
     if spec.encoder_only:  # layout.plan_groups
@@ -109,7 +109,8 @@ def _vllm_verdict(spec: ModelKVSpec) -> Verdict:
                                                "declares the layers as FullAttentionSpec / SlidingWindowSpec on a "
                                                f"validated backend {sorted(ATTENTION_BACKENDS)}, as for gpt-oss "
                                                "(validated exact)")
-    conditions = [f"attention backend in {sorted(ATTENTION_BACKENDS)}", "kv_cache_dtype 'auto'",
+    conditions = [f"attention backend in {sorted(ATTENTION_BACKENDS)} (or in {sorted(PROVABLE_BACKENDS)} with a "
+                  "verification record of the running platform: kvengine verify vllm)", "kv_cache_dtype 'auto'",
                   "pipeline parallel size 1",
                   "no speculative decoding"]
     if state_kinds:

@@ -110,9 +110,11 @@ class GroupVerdict:
 
     group: str
     outcome: Outcome
-    max_state_error: float  # the loaded KV against the KV a plain run computes for the same tokens
+    #: the loaded KV against the KV a plain run computes for the same tokens; None where the integration
+    #: cannot compare this group's state with a recompute (its verdict then rests on the outputs alone)
+    max_state_error: float | None
     max_logprob_error: float  # per-step log-probabilities of the cached path against a plain run
-    max_logit_error: float
+    max_logit_error: float | None  # None where the engine returns no logits (vLLM: log-probabilities only)
     tokens_loaded: int
 
     def as_dict(self) -> dict[str, Any]:

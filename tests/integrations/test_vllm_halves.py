@@ -225,7 +225,6 @@ def test_a_state_group_without_a_known_conv_layout_is_refused():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"backend": "FLASH_ATTN"}, "attention backend 'FLASH_ATTN': .*not been validated on a CUDA GPU"),
     ({"backend": "CPU_MLA"}, "attention backend 'CPU_MLA': .*no prefill-with-context path"),
     ({"backend": "SOME_NEW_ATTN"}, "attention backend 'SOME_NEW_ATTN': it has not been validated"),
     ({"layout": "LXYZC"}, "KV cache layout"),

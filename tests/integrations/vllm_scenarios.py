@@ -773,11 +773,60 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
     return m.get('kvengine_stored_chunks_total{tier="memory"}', 0.0) == done + failed
 
 
+def scenario_unlock(work: Path) -> dict[str, Any]:
+    """A verification record written by ``kvengine verify vllm`` (test_vllm_verify.py: ``work/model``,
+    ``work/records``, ``work/secret``) unlocking a real engine whose backend needs proof. vLLM's CPU backend is
+    validated in-tree, so each case's process treats it as one of the GPU backends (moved from
+    ``ATTENTION_BACKENDS`` to ``PROVABLE_BACKENDS``) and starts an in-process connector engine: no record; the
+    verify record (sealed); that record re-written for another CPU and re-sealed; no record under the opt-in.
+    Each in a fresh process (the patch, and vLLM's per-process caches, stay there)."""
+    from kvengine.trust.verification import Platform, VerificationRecord, serialise
+
+    secret = (work / "secret").read_bytes()
+    (record_path,) = (work / "records").glob("*.json")
+    body = json.loads(record_path.read_text())["record"]
+    edited = VerificationRecord.from_body({**body, "platform": {**body["platform"], "accelerator_model": "Other CPU"}})
+    other = work / "records_other_cpu"
+    other.mkdir(exist_ok=True)
+    (other / record_path.name).write_bytes(serialise(edited, secret))  # under the running platform's name
+    assert Platform.from_dict(body["platform"]).attention_backend == "CPU_ATTN"
+    cases = {"no_record": {"records": str(work / "empty")},
+             "record": {"records": str(work / "records"), "secret_file": str(work / "secret")},
+             "other_cpu": {"records": str(other), "secret_file": str(work / "secret")},
+             "risk": {"records": str(work / "empty"), "serve_unverified_backend_risking_wrong_outputs": True}}
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        return {name: pool.apply(_unlock_case, (str(work / "model"), verification))
+                for name, verification in cases.items()}
+
+
+def _unlock_case(model: str, verification: dict[str, Any]) -> dict[str, Any]:
+    """Start an in-process connector engine of ``model`` with CPU_ATTN needing proof: its acceptance label and
+    greedy outputs, or why it did not start."""
+    from kvengine.integrations.vllm import layout
+    from kvengine.metrics import parse_key
+
+    layout.ATTENTION_BACKENDS = layout.ATTENTION_BACKENDS - {"CPU_ATTN"}  # type: ignore[misc]
+    layout.PROVABLE_BACKENDS = layout.PROVABLE_BACKENDS | {"CPU_ATTN"}  # type: ignore[misc]
+    set_topology(in_process=True)
+    port = free_port()
+    extra = {"kvengine": {"metrics_port": port}, "verification": verification}
+    try:
+        engine = start(engine_args(model, connector=extra))
+    except Exception as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    try:
+        labels = next(parse_key(k)[1] for k in scrape(port) if k.startswith("kvengine_vllm_platform_info{"))
+        return {"acceptance": labels["acceptance"], "out": run(engine, [prompt(7, 300)])}
+    finally:
+        shutdown(engine)
+
+
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "hybrid_tp": scenario_hybrid_tp,
-             "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake}
+             "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake,
+             "unlock": scenario_unlock}
 
 
 def main() -> int:

@@ -1,0 +1,353 @@
+"""The proof ``kvengine verify vllm`` runs on the user's machine, model and configuration.
+
+The end-to-end check the test suite runs on the CPU build, with real vLLM
+engines in vLLM's default topology (engine core and workers in processes of
+their own), one after another:
+
+1. **reference** -- vLLM without the connector: greedy tokens and their
+   log-probabilities for every prompt below;
+2. **writer** -- vLLM with the kvengine connector on the configured tiers:
+   the same prompts, storing their chunks;
+3. **reader** -- a FRESH engine process with the connector when a persistent
+   or shared tier is configured (disk, peers, Mooncake), loading from it;
+   memory only: the writer engine again.
+
+Prompts (``C`` the chunk size the connector derives from vLLM's blocks):
+full and partial chunks (``2.5 C + 1``); a prompt sharing ``1.5 C`` with it;
+a first chat turn whose reply completes a chunk while decoding, then the next
+turn over that reply (KV computed while decoding, reused); and four prompts
+sharing ``2 C`` run together on a KV budget too small for them, so that vLLM
+preempts them and resumes them by looking them up again. Every connector
+engine runs on that budget (``num_gpu_blocks_override``); the proof fails
+unless vLLM reports preemptions.
+
+Greedy tokens must equal the reference's in the writer and the reader pass,
+and log-probabilities must be within :data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`.
+Each KV cache group gets a verdict, with the tokens the reader loaded (a
+reader that loads nothing fails). vLLM keeps its KV inside the workers, so a
+group's state is judged by the outputs it leads to (``max_state_error`` None).
+vLLM's own prefix cache is off, so every reused token is kvengine's, except
+for models with a recurrent-state group, which the connector serves only with
+it on (vLLM's ``mamba_cache_mode 'align'``).
+
+Must run in a ``__main__``-guarded process (vLLM spawns its engine processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvengine.config import EngineConfig
+from kvengine.errors import UnsupportedModelError
+from kvengine.metrics import parse_key, scrape
+from kvengine.trust.proof_run import LOGPROB_TOLERANCE, ProofClock, ProofResult
+from kvengine.trust.verification import GroupVerdict, Outcome
+
+CONNECTOR_MODULE = "kvengine.integrations.vllm.connector"
+#: requests of the preemption pass (run together on a budget that holds about one of them)
+PREEMPTED_REQUESTS = 4
+FIRST_TURN, NEXT_TURN = "first turn", "reply reused on the next turn"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmProofSettings:
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_new_tokens: int = 16
+    max_seconds: float = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    name: str
+    tokens: tuple[tuple[int, ...], ...]  # one batch: these requests are added together
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Output:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class _PreemptionCount:
+    """A vLLM stat logger counting preempted requests (vLLM's own count, from its scheduler's iterations)."""
+
+    preempted = 0
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        pass
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if iteration_stats is not None:
+            _PreemptionCount.preempted += int(iteration_stats.num_preempted_reqs)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+
+def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, requested_chunk: int | None, *,
+              settings: VllmProofSettings = VllmProofSettings(),
+              progress: Callable[[str], None] = lambda line: None) -> ProofResult:
+    """Run the proof (module docstring) for the model directory ``model`` and the kvengine configuration
+    ``kvengine_source`` (a YAML path, already validated as ``config``; None: memory only).
+
+    :raises UnsupportedModelError: vLLM or the connector refused the model (the reason said).
+    :raises ProofTimedOut: past ``settings.max_seconds``.
+    """
+    clock = ProofClock(settings.max_seconds, progress)
+    clock.step("vLLM configuration (block size, vocabulary)")
+    probe = _engine_config(model, settings)
+    block = int(probe.cache_config.block_size)
+    hybrid = bool(probe.model_config.is_hybrid)
+    chunk = requested_chunk or block * -(-256 // block)  # the connector's "auto" (layout.resolve_chunk_size)
+    k = settings.max_new_tokens
+    # Preempted requests: prompts of m blocks less a token (m more than any other request needs) decoding a block
+    # and a token more. The budget, 2m + 1 blocks, admits two of them while the first has grown by one block
+    # and leaves none free: the next block either asks for preempts the other.
+    per_request = -(-(2 * chunk + chunk // 2 + 1 + 2 * k) // block) + 1
+    budget = (2 * per_request + 1) * _layer_kinds(probe)  # every KV cache group takes blocks of the one pool
+    max_len = (per_request + 2) * block
+    prompts = _prompts(chunk, per_request * block - 1, k, preempted_decode=block + 1,
+                       vocab=int(probe.model_config.get_vocab_size()))
+    common = dict(model=model, dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
+                  max_model_len=max_len, max_num_seqs=PREEMPTED_REQUESTS, enforce_eager=True, seed=0,
+                  enable_prefix_caching=hybrid)
+    fresh = config.disk.path is not None or bool(config.peers.peers or config.peers.peers_file) or \
+        config.mooncake.master is not None or bool(config.tiers)
+    port = config.metrics_port or _free_port(settings.tensor_parallel_size)
+    extra = {"kvengine": {**_raw_config(kvengine_source), "metrics_port": port},
+             # the proof is what unlocks a backend not validated in-tree: it runs on it to prove it
+             "verification": {"serve_unverified_backend_risking_wrong_outputs": True}}
+    connector = {"kv_transfer_config": {"kv_connector": "KVEngineConnector",
+                                        "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
+                                        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
+                 "num_gpu_blocks_override": budget, "disable_log_stats": False}
+    desc = ", ".join(f"{p.name} ({'+'.join(str(len(t)) for t in p.tokens)} tokens)" for p in prompts)
+    clock.step(f"block size {block}, chunk {chunk}{', hybrid: prefix caching on' if hybrid else ''}; "
+               f"prompts: {desc}")
+
+    clock.step("reference: vLLM without the connector")
+    want: dict[str, list[_Output]] = {}
+    with _engine(common) as engine:
+        for i, p in enumerate(prompts):
+            if p.name == NEXT_TURN:
+                prompts[i] = p = _with_reply(p, want[FIRST_TURN][0].tokens, k)
+            want[p.name] = _run(engine, p, clock, "reference")
+
+    clock.step(f"writer: vLLM with the kvengine connector, KV budget {budget} blocks of {block}")
+    before_preempt = _PreemptionCount.preempted
+    failures: list[str] = []
+    with _engine({**common, **connector}, stat_logger=True) as engine:
+        labels = _platform_labels(port)
+        metrics = scrape(port)
+        _check_chunk(metrics, chunk)
+        got = {p.name: _run(engine, p, clock, "writer") for p in prompts}
+        failures += _differences("writer", got, want)
+        if not fresh:
+            clock.step("reader (memory only: the writer engine again)")
+            before = scrape(port)
+            got = {p.name: _run(engine, p, clock, "reader") for p in prompts}
+            after = scrape(port)
+    if fresh:
+        clock.step("reader: a fresh engine process with the connector, loading from the configured tiers")
+        with _engine({**common, **connector}, stat_logger=True) as engine:
+            before = scrape(port)
+            got = {p.name: _run(engine, p, clock, "reader") for p in prompts}
+            after = scrape(port)
+    failures += _differences("reader", got, want)
+    preempted = _PreemptionCount.preempted - before_preempt
+    loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
+    failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
+    clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted {preempted} "
+               "requests over both passes")
+    if loaded == 0:
+        failures.append(f"loaded nothing: the reader pass reused no token (chunk size {chunk})")
+    if preempted == 0:
+        failures.append(f"vLLM preempted no request on a budget of {budget} blocks: the preemption case was not "
+                        "exercised")
+    dtype = str(probe.model_config.dtype).removeprefix("torch.")
+    tolerance = LOGPROB_TOLERANCE.get(dtype)
+    if tolerance is None:
+        raise UnsupportedModelError(f"kvengine verify vllm: no tolerance is established for {dtype} "
+                                    f"(known: {', '.join(LOGPROB_TOLERANCE)})")
+    error = max((abs(a - b) for name, out in got.items() for o, w in zip(out, want[name])
+                 for a, b in zip(o.logprobs, w.logprobs)), default=math.inf)
+    exact = not failures and error <= tolerance
+    if not failures and not exact:
+        failures.append(f"log-probabilities differ by up to {error:.3g} (tolerance {tolerance:g} for {dtype})")
+    groups = tuple(GroupVerdict(group=g, outcome=Outcome.EXACT if exact else Outcome.DIFFERS, max_state_error=None,
+                                max_logprob_error=error, max_logit_error=None, tokens_loaded=loaded)
+                   for g in _groups(metrics))
+    from .acceptance import platform_from_labels
+
+    platform, fingerprint = platform_from_labels(labels)
+    return ProofResult(model=model, model_fingerprint=fingerprint, platform=platform, groups=groups,
+                       tokens_loaded=loaded, failure="; ".join(failures) or None)
+
+
+def _prompts(chunk: int, preempted_tokens: int, k: int, *, preempted_decode: int, vocab: int) -> list[_Prompt]:
+    rng = random.Random(1234)
+    top = min(vocab, 32000)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(3, top) for _ in range(n)]
+
+    first = fresh(2 * chunk + chunk // 2 + 1)
+    shared = first[: chunk + chunk // 2] + fresh(chunk // 2 + chunk // 4 + 3)
+    turn1 = fresh(2 * chunk - k // 2)  # its reply completes the second chunk while decoding
+    preempt = tuple(tuple(first[: 2 * chunk] + fresh(preempted_tokens - 2 * chunk)) for _ in range(PREEMPTED_REQUESTS))
+    return [_Prompt("full and partial chunks", (tuple(first),), k),
+            _Prompt("shared prefix", (tuple(shared),), k),
+            _Prompt(FIRST_TURN, (tuple(turn1),), k),
+            _Prompt("preemption", preempt, preempted_decode),
+            # the next turn over the first turn's reply: its tokens are filled in from the reference's reply
+            _Prompt(NEXT_TURN, (tuple(turn1) + (0,) * k + tuple(fresh(7)),), k)]
+
+
+def _with_reply(prompt: _Prompt, reply: list[int], k: int) -> _Prompt:
+    """:data:`NEXT_TURN` with the first turn's reply in place."""
+    (tokens,) = prompt.tokens
+    head = len(tokens) - k - 7
+    return _Prompt(prompt.name, (tokens[:head] + tuple(reply) + tokens[head + k:],), prompt.max_tokens)
+
+
+def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str) -> list[_Output]:
+    """Greedy tokens and their log-probabilities for ``prompt``'s requests, added together."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    clock.step(f"{which}: {prompt.name}")
+    sp = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    ids = [f"{which}-{prompt.name}-{i}" for i in range(len(prompt.tokens))]
+    for rid, tokens in zip(ids, prompt.tokens):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=list(tokens)), sp)
+    done: dict[str, _Output] = {}
+    while engine.has_unfinished_requests():
+        clock.check(f"{which}: {prompt.name}")
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = _Output(list(c.token_ids),
+                                               [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])])
+    return [done[rid] for rid in ids]
+
+
+def _differences(which: str, got: dict[str, list[_Output]], want: dict[str, list[_Output]]) -> list[str]:
+    """The first greedy difference of each prompt against the reference."""
+    out = []
+    for name, outputs in got.items():
+        for i, (o, w) in enumerate(zip(outputs, want[name])):
+            if o.tokens != w.tokens:
+                step = next((j for j, (a, b) in enumerate(zip(o.tokens, w.tokens)) if a != b),
+                            min(len(o.tokens), len(w.tokens)))
+                out.append(f"{which} pass, {name} (request {i}): greedy token {step} differs from vLLM without "
+                           "the connector")
+                break
+    return out
+
+
+def _layer_kinds(vllm_config: Any) -> int:
+    """How many kinds of layers the model declares (``layer_types``: vLLM makes one KV cache group per kind)."""
+    kinds = getattr(vllm_config.model_config.hf_text_config, "layer_types", None) or ()
+    return max(1, len(set(kinds)))
+
+
+def _engine_config(model: str, settings: VllmProofSettings) -> Any:
+    """vLLM's configuration for the model (block size chosen for this platform, hybrid or not), no engine."""
+    from vllm import EngineArgs
+
+    return EngineArgs(model=model, dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
+                      enforce_eager=True).create_engine_config()
+
+
+@contextlib.contextmanager
+def _engine(args: dict[str, Any], *, stat_logger: bool = False) -> Iterator[Any]:
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    loggers = None
+    if stat_logger:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        loggers = [type("PreemptionCount", (_PreemptionCount, StatLoggerBase), {})]
+    try:
+        engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=loggers)
+    except Exception as exc:  # vLLM surfaces the connector's refusal as its own start-up failure
+        raise UnsupportedModelError(f"vLLM did not start: {type(exc).__name__}: {exc}") from exc
+    try:
+        yield engine
+    finally:
+        engine.engine_core.shutdown()
+
+
+def _raw_config(source: str | None) -> dict[str, Any]:
+    if source is None:
+        return {"memory": {"capacity_bytes": "256MiB"}}
+    return dict(yaml.safe_load(Path(source).read_text()) or {})
+
+
+def _free_port(count: int) -> int:
+    """A port with ``count - 1`` free ones after it (one metrics port per tensor-parallel rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + count < 65536 and all(_port_free(port + i) for i in range(1, count)):
+            return port
+    raise OSError("no free metrics port")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _platform_labels(port: int) -> dict[str, str]:
+    for key in scrape(port):
+        name, labels = parse_key(key)
+        if name == "kvengine_vllm_platform_info":
+            return labels
+    raise UnsupportedModelError("the kvengine worker published no kvengine_vllm_platform_info")
+
+
+def _check_chunk(metrics: dict[str, float], chunk: int) -> None:
+    served = int(metrics.get("kvengine_vllm_chunk_tokens", 0))
+    if served != chunk:
+        raise UnsupportedModelError(f"the connector chose chunks of {served} tokens where the proof's prompts "
+                                    f"assumed {chunk} (from vLLM's block size)")
+
+
+def _groups(metrics: dict[str, float]) -> list[str]:
+    """``group N (kind)`` for every KV cache group the worker reported."""
+    groups = {}
+    for key in metrics:
+        name, labels = parse_key(key)
+        if name == "kvengine_vllm_block_tokens" and "group" in labels:
+            groups[int(labels["group"])] = f"group {labels['group']} ({labels['kind']})"
+    return [groups[g] for g in sorted(groups)]
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
