@@ -5,17 +5,21 @@ pinned host memory, measured side by side in every round (raw D2H, store, raw H2
 the two layouts the integrations use: one stacked ``[L, 2, T, H, D]`` tensor per chunk, and one
 tensor per layer (vLLM's pages, HF's per-layer caches). Every retrieve is checked byte for byte.
 
-Then the vLLM connector on the device's attention backend: started once on a tiny model, its
-refusal (GPU attention layouts are not validated yet: ``integrations/vllm/layout.py``) or its
-exactness against vLLM without the connector is reported. That part needs vLLM's CUDA build; where
-vLLM is absent or not a CUDA build it is reported as skipped.
+Then correctness on the device (``gpu_checks.py``): the Hugging Face proof of ``kvengine verify hf``
+on three tiny families with the model and its cache on the device, and the vLLM worker's device
+self-check against tensors laid out as the GPU attention backends register them (built by hand: the
+GPU machine has no vLLM), each with a planted layout error that must be caught.
+
+Last, the vLLM connector on the device's attention backend, started once on a tiny model: without a
+verification record of that platform it must refuse (``integrations/vllm/acceptance.py``). That part
+needs vLLM's CUDA build; where vLLM is absent or not a CUDA build it is reported as skipped.
 
 Usage::
 
-    python benchmarks/bench_gpu.py                          # on a CUDA machine
+    python benchmarks/bench_gpu.py                          # on a CUDA machine (scripts/gpu_run.sh)
     python benchmarks/bench_gpu.py --device cpu --tokens 2048 --layers 4 --skip-vllm   # a smoke run here
 
-Writes ``benchmarks/results/gpu.json``.
+Writes ``benchmarks/results/gpu.json``; exits 1 when a retrieve, a proof or a self-check is not exact.
 """
 
 from __future__ import annotations
@@ -29,9 +33,16 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvengine
+
+try:
+    import kvengine.integrations
+except ModuleNotFoundError:  # a source tree that is not installed (the GPU machine): pyproject's package-dir
+    kvengine.__path__.append(str(Path(__file__).resolve().parents[1]))  # integrations/, transports/
 
 from _util import median_time, print_header, print_table, write_json
 from bench_core import CHUNK, per_layer_layout, stacked_layout  # the CPU benchmark's layouts (bf16)
+from gpu_checks import hf_on_device, self_check_on_device
 
 from kvengine import KVEngine, Namespace
 from kvengine.core.copies import copy_all
@@ -143,10 +154,10 @@ def vllm_connector_on_device(device: torch.device) -> dict[str, Any]:
         try:
             llm = vllm.LLM(model=str(model), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
                            gpu_memory_utilization=0.2, kv_transfer_config=kv)
-        except Exception as exc:  # the refusal is the expected answer until a GPU layout is validated
+        except Exception as exc:  # the expected answer: no verification record of this platform
             return {"status": "refused", "why": f"{type(exc).__name__}: {exc}"[:500]}
         del llm
-    return {"status": "started", "why": "the connector accepted the GPU backend: validate exactness next"}
+    return {"status": "started", "why": "the connector accepted a GPU backend without a verification record"}
 
 
 def main() -> int:
@@ -178,11 +189,21 @@ def main() -> int:
     print_table(f"engine <-> {device.type} KV, {args.tokens} tokens, {args.layers} layers x {args.heads} heads x "
                 f"{args.dim}, bf16, arena pinned: {runs[0]['arena_pinned']} (medians of {args.repeats})",
                 ["what", "GB/s", "ratio to raw", "check"], rows)
+    hf = hf_on_device(device)
+    print_table(f"kvengine verify hf's proof, model and cache on {device.type}", ["family", "verdicts", "tokens loaded"],
+                [[c["family"], "EXACT" if c["ok"] else c.get("failure") or c.get("error"), c.get("tokens_loaded", 0)]
+                 for c in hf])
+    checks = self_check_on_device(device)
+    print_table(f"vLLM device self-check on hand-built GPU backend layouts ({device.type} tensors)",
+                ["backend", "layout", "outcome", "planted error caught", "ms"],
+                [[c["backend"], c["layout"], c.get("outcome", c.get("error")), c.get("planted_error_caught"),
+                  1000 * c.get("seconds", 0.0)] for c in checks])
     connector = {"status": "skipped", "why": "--skip-vllm"} if args.skip_vllm else vllm_connector_on_device(device)
     print(f"\nvLLM connector on the device's attention backend: {connector['status']}: {connector['why']}")
-    path = write_json(args.out, {"device": str(device), "tokens": args.tokens, "runs": runs, "vllm": connector})
+    path = write_json(args.out, {"device": str(device), "tokens": args.tokens, "runs": runs, "hf": hf,
+                                 "self_check": checks, "vllm": connector})
     print(f"wrote {path}")
-    return 0 if all(r["exact"] for r in runs) else 1
+    return 0 if all(r["exact"] for r in runs) and all(c["ok"] for c in hf + checks) else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Modules (only ``connector``, ``scheduler``, ``worker`` and ``metadata`` import v
 * :mod:`.worker` - the worker half (owns the engine, copies pages), which answer over
 * :mod:`.channel` - the scheduler-to-worker lookup channel;
 * :mod:`.layout` - KV cache groups and registered caches -> chunk layout, refusals;
-* :mod:`.paging` - page copies between vLLM's blocks and chunks;
+* :mod:`.paging` - page copies between vLLM's blocks and chunks (:mod:`.copy_specs`: what to copy);
 * :mod:`.identity` - the model's namespace; :mod:`.options` - connector settings;
 * :mod:`.tiny_models` - tiny random models for tests, the example and the benchmark.
 """

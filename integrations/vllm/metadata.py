@@ -1,4 +1,5 @@
-"""What the scheduler half tells the worker half each step, and the channel handshake.
+"""What the scheduler half tells the worker half each step (:class:`StepMetadata`: the step's
+:mod:`.copy_specs`), and the channel handshake: vLLM's metadata classes, subclassed.
 
 Both cross processes pickled by vLLM (scheduler output broadcast, handshake
 collection), so they are plain frozen dataclasses of ints, strings and bytes.
@@ -13,43 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from .layout import BlockIds
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LoadSpec:
-    """Copy the reserved chunks of a request into its blocks, tokens ``[start, end)``.
-
-    ``start`` is where vLLM's own (local) cache hit ends; blocks before it
-    are vLLM's and are not written. ``asynchronous`` loads run after the
-    step's forward and are reported through ``get_finished``.
-    """
-
-    request_id: str
-    salt: str
-    start: int
-    end: int
-    block_ids: BlockIds
-    asynchronous: bool
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SaveSpec:
-    """Store the full chunks of ``tokens`` (little-endian uint32) from the request's blocks.
-
-    Chunks the engine already holds are skipped without being read.
-    """
-
-    request_id: str
-    salt: str
-    tokens: bytes
-    block_ids: BlockIds
-    #: the step's computed prefix ends exactly at ``tokens``' end, so a hybrid model's recurrent
-    #: state at that boundary is in its state group (see :mod:`.state`)
-    state_at_end: bool = False
-    #: a shadow check: compare the stored chunks of tokens ``[lo, hi)`` (computed by this step instead
-    #: of loaded) with the pages vLLM just computed
-    verify: tuple[int, int] | None = None
+from .copy_specs import LoadSpec, SaveSpec
 
 
 @dataclass(slots=True)

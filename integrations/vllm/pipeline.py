@@ -33,7 +33,7 @@ from kvengine.types import ChunkView
 from .paging import PagedCopier
 
 if TYPE_CHECKING:  # importable without vLLM (unit tests in the main environment)
-    from .metadata import LoadSpec, SaveSpec
+    from .copy_specs import LoadSpec, SaveSpec
     from .replica import LatentBroadcast
 
 logger = logging.getLogger("vllm.kvengine")

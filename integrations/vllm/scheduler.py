@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .channel import ChannelClosed
-from .metadata import LoadSpec, SaveSpec, StepMetadata
+from .copy_specs import LoadSpec, SaveSpec
+from .metadata import StepMetadata
 from .ranks import RankedLookup
 
 if TYPE_CHECKING:

@@ -53,8 +53,8 @@ from kvengine.errors import UnsupportedModelError
 from kvengine.facade import KVEngine
 from kvengine.types import ChunkView, ModelBinding
 
+from .copy_specs import LoadSpec, SaveSpec
 from .layout import BlockIds, GroupKind, PagedLayout, PagedTensor
-from .metadata import LoadSpec, SaveSpec
 from .paging import PagedCopier
 from .pipeline import LayerPipeline, LoadJob, SaveJob
 from .state import BoundaryStates

@@ -114,81 +114,83 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
     clock = ProofClock(settings.max_seconds, progress)
     clock.step("vLLM configuration (block size, vocabulary)")
     probe = _engine_config(model, settings)
-    block = int(probe.cache_config.block_size)
     hybrid = bool(probe.model_config.is_hybrid)
-    chunk = requested_chunk or block * -(-256 // block)  # the connector's "auto" (layout.resolve_chunk_size)
-    k = settings.max_new_tokens
-    # Preempted requests: prompts of m blocks less a token (m more than any other request needs) decoding a block
-    # and a token more. The budget, 2m + 1 blocks, admits two of them while the first has grown by one block
-    # and leaves none free: the next block either asks for preempts the other.
-    per_request = -(-(2 * chunk + chunk // 2 + 1 + 2 * k) // block) + 1
-    budget = (2 * per_request + 1) * _layer_kinds(probe)  # every KV cache group takes blocks of the one pool
-    max_len = (per_request + 2) * block
-    prompts = _prompts(chunk, per_request * block - 1, k, preempted_decode=block + 1,
-                       vocab=int(probe.model_config.get_vocab_size()))
-    common = dict(model=model, dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
-                  max_model_len=max_len, max_num_seqs=PREEMPTED_REQUESTS, enforce_eager=True, seed=0,
-                  enable_prefix_caching=hybrid)
+    k, vocab, kinds = settings.max_new_tokens, int(probe.model_config.get_vocab_size()), _layer_kinds(probe)
+    plan = _Plan.of(int(probe.cache_config.block_size), requested_chunk, k, kinds)
     fresh = config.disk.path is not None or bool(config.peers.peers or config.peers.peers_file) or \
         config.mooncake.master is not None or bool(config.tiers)
     port = config.metrics_port or _free_port(settings.tensor_parallel_size)
     extra = {"kvengine": {**_raw_config(kvengine_source), "metrics_port": port},
              # the proof is what unlocks a backend not validated in-tree: it runs on it to prove it
              "verification": {"serve_unverified_backend_risking_wrong_outputs": True}}
-    connector = {"kv_transfer_config": {"kv_connector": "KVEngineConnector",
-                                        "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
-                                        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
-                 "num_gpu_blocks_override": budget, "disable_log_stats": False}
-    desc = ", ".join(f"{p.name} ({'+'.join(str(len(t)) for t in p.tokens)} tokens)" for p in prompts)
-    clock.step(f"block size {block}, chunk {chunk}{', hybrid: prefix caching on' if hybrid else ''}; "
-               f"prompts: {desc}")
+    base = dict(model=model, dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
+                max_num_seqs=PREEMPTED_REQUESTS, enforce_eager=True, seed=0, enable_prefix_caching=hybrid)
 
-    clock.step("reference: vLLM without the connector")
-    want: dict[str, list[_Output]] = {}
-    with _engine(common) as engine:
-        for i, p in enumerate(prompts):
-            if p.name == NEXT_TURN:
-                prompts[i] = p = _with_reply(p, want[FIRST_TURN][0].tokens, k)
-            want[p.name] = _run(engine, p, clock, "reference")
+    def connector_args(plan: _Plan) -> dict[str, Any]:
+        return {**base, "max_model_len": plan.max_len, "num_gpu_blocks_override": plan.budget,
+                "disable_log_stats": False,
+                "kv_transfer_config": {"kv_connector": "KVEngineConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                       "kv_connector_extra_config": extra}}
 
-    clock.step(f"writer: vLLM with the kvengine connector, KV budget {budget} blocks of {block}")
     before_preempt = _PreemptionCount.preempted
-    failures: list[str] = []
-    with _engine({**common, **connector}, stat_logger=True) as engine:
-        labels = _platform_labels(port)
-        metrics = scrape(port)
-        _check_chunk(metrics, chunk)
-        got = {p.name: _run(engine, p, clock, "writer") for p in prompts}
-        failures += _differences("writer", got, want)
+    got: dict[str, dict[str, list[_Output]]] = {}
+    with contextlib.ExitStack() as stack:
+        for attempt in range(2):
+            clock.step(f"writer: vLLM with the kvengine connector, KV budget {plan.budget} blocks of {plan.block}")
+            engine = stack.enter_context(_engine(connector_args(plan), stat_logger=True))
+            labels, metrics = _platform_labels(port), scrape(port)
+            served = _Plan.of(_block_size(metrics), int(metrics.get("kvengine_vllm_chunk_tokens", 0)), k, kinds)
+            if served == plan:
+                break
+            # A hybrid model's attention block is sized in the engine core to hold its state page: unknown
+            # before the first start. Nothing ran yet; start again with the budget and prompts it needs.
+            stack.close()
+            if attempt:
+                raise UnsupportedModelError(f"the connector's blocks ({served.block}) and chunks ({served.chunk}) "
+                                            "changed between two starts of the same engine")
+            plan = served
+        prompts = _prompts(plan, k, vocab)
+        desc = ", ".join(f"{p.name} ({'+'.join(str(len(t)) for t in p.tokens)} tokens)" for p in prompts)
+        clock.step(f"block size {plan.block}, chunk {plan.chunk}{', prefix caching on (hybrid)' if hybrid else ''}; "
+                   f"prompts: {desc}")
+        got["writer"] = {}
+        for i, p in enumerate(prompts):
+            if p.name == NEXT_TURN:  # the next turn over the first turn's reply (checked against the reference)
+                prompts[i] = p = _with_reply(p, got["writer"][FIRST_TURN][0].tokens, k)
+            got["writer"][p.name] = _run(engine, p, clock, "writer")
         if not fresh:
             clock.step("reader (memory only: the writer engine again)")
             before = scrape(port)
-            got = {p.name: _run(engine, p, clock, "reader") for p in prompts}
+            got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
+    clock.step("reference: vLLM without the connector")
+    with _engine({**base, "max_model_len": plan.max_len}) as engine:
+        want = {p.name: _run(engine, p, clock, "reference") for p in prompts}
     if fresh:
         clock.step("reader: a fresh engine process with the connector, loading from the configured tiers")
-        with _engine({**common, **connector}, stat_logger=True) as engine:
+        with _engine(connector_args(plan), stat_logger=True) as engine:
             before = scrape(port)
-            got = {p.name: _run(engine, p, clock, "reader") for p in prompts}
+            got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
-    failures += _differences("reader", got, want)
+    failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want)]
     preempted = _PreemptionCount.preempted - before_preempt
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
     clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted {preempted} "
-               "requests over both passes")
+               "requests over the writer and reader passes")
     if loaded == 0:
-        failures.append(f"loaded nothing: the reader pass reused no token (chunk size {chunk})")
+        failures.append(f"loaded nothing: the reader pass reused no token (chunk size {plan.chunk})")
     if preempted == 0:
-        failures.append(f"vLLM preempted no request on a budget of {budget} blocks: the preemption case was not "
-                        "exercised")
+        failures.append(f"vLLM preempted no request on a budget of {plan.budget} blocks: the preemption case "
+                        "was not exercised")
     dtype = str(probe.model_config.dtype).removeprefix("torch.")
     tolerance = LOGPROB_TOLERANCE.get(dtype)
     if tolerance is None:
         raise UnsupportedModelError(f"kvengine verify vllm: no tolerance is established for {dtype} "
                                     f"(known: {', '.join(LOGPROB_TOLERANCE)})")
-    error = max((abs(a - b) for name, out in got.items() for o, w in zip(out, want[name])
-                 for a, b in zip(o.logprobs, w.logprobs)), default=math.inf)
+    error = max((abs(a - b) for outputs in got.values() for name, out in outputs.items()
+                 for o, w in zip(out, want[name]) for a, b in zip(o.logprobs, w.logprobs)), default=math.inf)
     exact = not failures and error <= tolerance
     if not failures and not exact:
         failures.append(f"log-probabilities differ by up to {error:.3g} (tolerance {tolerance:g} for {dtype})")
@@ -202,22 +204,48 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
                        tokens_loaded=loaded, failure="; ".join(failures) or None)
 
 
-def _prompts(chunk: int, preempted_tokens: int, k: int, *, preempted_decode: int, vocab: int) -> list[_Prompt]:
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Block and chunk sizes, and what follows from them: the KV budget of the connector engines and the
+    longest sequence they take.
+
+    Preempted requests have prompts of ``m`` blocks less a token (``m`` more than any other request needs)
+    and decode a block and a token more. The budget, ``2m + 1`` blocks per KV cache group, admits two of them
+    while the first has grown by one block and then leaves none free: the next block either asks for
+    preempts the other."""
+
+    block: int
+    chunk: int
+    per_request: int  # m
+    budget: int
+    max_len: int
+
+    @classmethod
+    def of(cls, block: int, chunk: int | None, k: int, kinds: int) -> _Plan:
+        """``chunk`` None: the connector's "auto" (``layout.resolve_chunk_size``) for one block size."""
+        chunk = chunk or block * -(-256 // block)
+        m = -(-(2 * chunk + chunk // 2 + 1 + 2 * k) // block) + 1
+        return cls(block, chunk, m, (2 * m + 1) * kinds, (m + 2) * block)
+
+
+def _prompts(plan: _Plan, k: int, vocab: int) -> list[_Prompt]:
     rng = random.Random(1234)
     top = min(vocab, 32000)
 
     def fresh(n: int) -> list[int]:
         return [rng.randrange(3, top) for _ in range(n)]
 
+    chunk = plan.chunk
     first = fresh(2 * chunk + chunk // 2 + 1)
     shared = first[: chunk + chunk // 2] + fresh(chunk // 2 + chunk // 4 + 3)
     turn1 = fresh(2 * chunk - k // 2)  # its reply completes the second chunk while decoding
-    preempt = tuple(tuple(first[: 2 * chunk] + fresh(preempted_tokens - 2 * chunk)) for _ in range(PREEMPTED_REQUESTS))
+    preempted = plan.per_request * plan.block - 1
+    preempt = tuple(tuple(first[: 2 * chunk] + fresh(preempted - 2 * chunk)) for _ in range(PREEMPTED_REQUESTS))
     return [_Prompt("full and partial chunks", (tuple(first),), k),
             _Prompt("shared prefix", (tuple(shared),), k),
             _Prompt(FIRST_TURN, (tuple(turn1),), k),
-            _Prompt("preemption", preempt, preempted_decode),
-            # the next turn over the first turn's reply: its tokens are filled in from the reference's reply
+            _Prompt("preemption", preempt, plan.block + 1),
+            # the next turn over the first turn's reply: its tokens are filled in from the writer's reply
             _Prompt(NEXT_TURN, (tuple(turn1) + (0,) * k + tuple(fresh(7)),), k)]
 
 
@@ -331,11 +359,13 @@ def _platform_labels(port: int) -> dict[str, str]:
     raise UnsupportedModelError("the kvengine worker published no kvengine_vllm_platform_info")
 
 
-def _check_chunk(metrics: dict[str, float], chunk: int) -> None:
-    served = int(metrics.get("kvengine_vllm_chunk_tokens", 0))
-    if served != chunk:
-        raise UnsupportedModelError(f"the connector chose chunks of {served} tokens where the proof's prompts "
-                                    f"assumed {chunk} (from vLLM's block size)")
+def _block_size(metrics: dict[str, float]) -> int:
+    """The largest block size the worker reported over its KV cache groups."""
+    sizes = [int(v) for key, v in metrics.items() if parse_key(key)[0] == "kvengine_vllm_block_tokens"
+             and "group" in parse_key(key)[1]]
+    if not sizes:
+        raise UnsupportedModelError("the kvengine worker reported no KV cache group (kvengine_vllm_block_tokens)")
+    return max(sizes)
 
 
 def _groups(metrics: dict[str, float]) -> list[str]:

@@ -51,8 +51,9 @@ from kvengine.types import ModelBinding
 
 from .acceptance import accept_backends, publish_platform, vllm_platform
 from .channel import Answer, LookupService
+from .copy_specs import SaveSpec
 from .layout import GroupKind, GroupPlan, PagedLayout
-from .metadata import ChannelAddress, SaveSpec, StepMetadata
+from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
 from .pipeline import LayerPipeline, LoadJob, SaveJob

@@ -1,4 +1,6 @@
-"""The GPU benchmark stays runnable where no GPU is: its CPU smoke run moves real KV both ways, exactly."""
+"""The GPU run stays runnable where no GPU is: its CPU smoke run moves real KV both ways exactly, proves
+three tiny families through the HF integration, and passes the device self-check on every hand-built GPU
+backend layout while catching a planted layout error in each."""
 
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ def test_smoke_run_on_cpu_round_trips_both_layouts_exactly(tmp_path: Path) -> No
         assert run["arena_pinned"] is False  # no CUDA here: plain host memory
         assert run["store_over_d2h"] > 0 and run["retrieve_over_h2d"] > 0
     assert data["vllm"] == {"status": "skipped", "why": "--skip-vllm"}
+    assert [c["family"] for c in data["hf"]] == ["llama", "gemma2", "qwen3_next"]
+    assert all(c["ok"] and c["tokens_loaded"] > 0 for c in data["hf"]), data["hf"]
+    for group in (g for c in data["hf"] for g in c["groups"]):
+        assert group["outcome"] == "EXACT" and group["max_state_error"] <= 1e-4, group  # fp32 tolerance
+    assert {c["backend"] for c in data["self_check"]} >= {"FLASH_ATTN", "FLASHINFER", "FLASHMLA"}
+    for case in data["self_check"]:
+        assert case["outcome"] == "passed" and case["planted_error_caught"] is True, case
+        assert case["unproven"] == [case["backend"]]  # a GPU backend: it serves only with a record
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from kvengine import KVEngine, Namespace
+from kvengine.integrations.vllm.copy_specs import LoadSpec, SaveSpec
 from kvengine.integrations.vllm.paging import PagedCopier
 from kvengine.integrations.vllm.pipeline import LayerPipeline, LoadJob, SaveJob
 
 from .test_vllm_units import CHUNK, RATIO, fill, make_layout
-
-metadata = pytest.importorskip("kvengine.integrations.vllm.metadata", reason="needs vLLM (.venv-vllm)")
 
 TOKENS = list(range(2 * CHUNK))
 SRC = ((1, 2, 3, 4), (5, 6, 7, 8))
@@ -31,7 +30,7 @@ def setup():
 def save(eng, binding, pipe: LayerPipeline, copier: PagedCopier, layers_done=()) -> SaveJob:
     staged = eng.begin_store(binding, TOKENS)
     usable = copier.usable_chunks([v.token_range[0] for v in staged.chunks], SRC, 0)
-    spec = metadata.SaveSpec(request_id="s", salt="", tokens=np.array(TOKENS, dtype="<u4").tobytes(), block_ids=SRC)
+    spec = SaveSpec(request_id="s", salt="", tokens=np.array(TOKENS, dtype="<u4").tobytes(), block_ids=SRC)
     pipe.begin_saves([SaveJob(spec, staged, 0, usable)])
     for stage in layers_done:
         assert pipe.save_layer(stage)
@@ -43,7 +42,7 @@ def save(eng, binding, pipe: LayerPipeline, copier: PagedCopier, layers_done=())
 
 def load(eng, binding, pipe: LayerPipeline) -> LoadJob:
     res = eng.lookup(binding, "l", TOKENS)
-    spec = metadata.LoadSpec(request_id="l", salt="", start=0, end=res.matched_tokens, block_ids=DST,
+    spec = LoadSpec(request_id="l", salt="", start=0, end=res.matched_tokens, block_ids=DST,
                              asynchronous=False)
     pipe.begin_loads([LoadJob(spec, res, eng.begin_load(res), 0)])
     assert pipe.wait_layer(0)

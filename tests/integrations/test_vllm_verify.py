@@ -93,7 +93,7 @@ def test_llama_is_exact_over_a_fresh_engine_reading_the_disk_tier_and_writes_a_r
 
 @pytest.mark.parametrize("family, dtype, groups", [
     ("gemma2", "float32", ["group 0 (sliding_window)", "group 1 (full_attention)"]),
-    ("qwen3_next", "bfloat16", ["group 0 (state)", "group 1 (full_attention)"]),
+    ("qwen3_next", "bfloat16", ["group 0 (recurrent_state)", "group 1 (full_attention)"]),
 ])
 def test_sliding_window_and_hybrid_models_are_exact(tmp_path, family, dtype, groups):
     """Gemma2 (sliding window + full attention; memory only: the writer engine reads its own chunks) and
