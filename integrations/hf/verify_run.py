@@ -7,7 +7,10 @@ the end-to-end check the test suite runs, for one real model:
    and partial chunks; a prompt sharing a prefix with the first; the first
    prompt + its reply + new user tokens (a reply reused on the next turn);
 2. a writer pass: kvengine's :meth:`~.generator.AttachedModel.generate` over
-   those prompts, storing their chunks in the configured tiers;
+   those prompts, storing their chunks in the configured tiers, and the first
+   prompt preempted halfway through its reply and resumed by a new request
+   (there is no scheduler: its cache is dropped, the resumed request looks up
+   the prompt and the tokens generated so far);
 3. a reader pass on a FRESH engine and attach when a disk tier is configured
    (the load path from the persistent tier is exercised; memory only: the
    same engine): generate again, then per prompt the loaded KV and the
@@ -40,6 +43,8 @@ from .generator import AttachedModel
 from .proof import probe_tokens
 from .verify import plain_run
 
+#: The first prompt again, preempted halfway through its reply and resumed (:func:`_generate_pass`).
+PREEMPTED = "preempted and resumed"
 #: Largest accepted error per KV dtype: absolute on log-probabilities, relative to the largest magnitude
 #: of the plain run's tensor for the loaded state.
 TOLERANCE = {getattr(torch, name): tol for name, tol in LOGPROB_TOLERANCE.items()}
@@ -141,14 +146,26 @@ def _neutral(config: Any) -> Any:
 
 def _generate_pass(attached: AttachedModel, prompts: dict[str, torch.Tensor], want: dict[str, list[int]], k: int,
                    clock: ProofClock, which: str) -> tuple[int, str | None]:
-    """kvengine's generate over every prompt: (tokens reused, the first greedy difference or None)."""
+    """kvengine's generate over every prompt, and the first prompt once more preempted halfway (its cache
+    dropped after ``k // 2`` tokens and resumed by a new request over the prompt and those tokens, as a
+    scheduler resumes a preempted request): (tokens reused, the first greedy difference or None)."""
     reused, failure = 0, None
-    for name, ids in prompts.items():
+    first = next(iter(prompts))
+    runs = [(name, ids, k) for name, ids in prompts.items()] + [(PREEMPTED, prompts[first], k // 2)]
+    want = {**want, PREEMPTED: want[first]}
+    for name, ids, n in runs:
         clock.step(f"{which} pass: kvengine generate, {name}")
-        out = attached.generate(ids, max_new_tokens=k, eos_token_id=None)
-        reused += out.reused_tokens
-        clock.step(f"{which} pass: {name}: reused {out.reused_tokens} of {len(ids)} tokens, load ok {out.load_ok}")
+        out = attached.generate(ids, max_new_tokens=n, eos_token_id=None)
         got = list(out.new_tokens)
+        reused += out.reused_tokens
+        if name == PREEMPTED:
+            clock.step(f"{which} pass: {name}: dropped after {n} tokens, resumed over the prompt and them")
+            rest = attached.generate(torch.cat([ids, torch.tensor(got, dtype=ids.dtype)]), max_new_tokens=k - n,
+                                     eos_token_id=None)
+            got += list(rest.new_tokens)
+            reused += rest.reused_tokens
+            out = rest
+        clock.step(f"{which} pass: {name}: reused {out.reused_tokens} of {len(ids)} tokens, load ok {out.load_ok}")
         if got != want[name] and failure is None:
             step = next(i for i, (a, b) in enumerate(zip(got, want[name])) if a != b)
             failure = f"{which} pass, {name}: greedy token {step} is {got[step]}, plain transformers {want[name][step]}"

@@ -39,15 +39,15 @@ import contextlib
 import math
 import random
 import socket
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvengine.config import EngineConfig
-from kvengine.errors import UnsupportedModelError
+from kvengine.errors import InvalidRequestError, UnsupportedModelError
 from kvengine.metrics import parse_key, scrape
 from kvengine.trust.proof_run import LOGPROB_TOLERANCE, ProofClock, ProofResult
 from kvengine.trust.verification import GroupVerdict, Outcome
@@ -56,6 +56,9 @@ CONNECTOR_MODULE = "kvengine.integrations.vllm.connector"
 #: requests of the preemption pass (run together on a budget that holds about one of them)
 PREEMPTED_REQUESTS = 4
 FIRST_TURN, NEXT_TURN = "first turn", "reply reused on the next turn"
+#: EngineArgs the proof sets (``--engine-args`` may not)
+PROOF_ARGS = frozenset({"model", "dtype", "tensor_parallel_size", "max_num_seqs", "max_model_len",
+                        "num_gpu_blocks_override", "enable_prefix_caching", "kv_transfer_config", "disable_log_stats"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +67,14 @@ class VllmProofSettings:
     tensor_parallel_size: int = 1
     max_new_tokens: int = 16
     max_seconds: float = 900.0
+    #: further vLLM ``EngineArgs`` as you serve (e.g. ``compilation_config``), except :data:`PROOF_ARGS`
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        taken = sorted(set(self.engine_args) & PROOF_ARGS)
+        if taken:
+            raise InvalidRequestError(f"--engine-args: {taken} are set by the proof itself (it sizes the KV budget, "
+                                      "the prompts and the connector)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +135,8 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
              # the proof is what unlocks a backend not validated in-tree: it runs on it to prove it
              "verification": {"serve_unverified_backend_risking_wrong_outputs": True}}
     base = dict(model=model, dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
-                max_num_seqs=PREEMPTED_REQUESTS, enforce_eager=True, seed=0, enable_prefix_caching=hybrid)
+                enforce_eager=True, seed=0, **settings.engine_args, max_num_seqs=PREEMPTED_REQUESTS,
+                enable_prefix_caching=hybrid)
 
     def connector_args(plan: _Plan) -> dict[str, Any]:
         return {**base, "max_model_len": plan.max_len, "num_gpu_blocks_override": plan.budget,
@@ -301,8 +313,8 @@ def _engine_config(model: str, settings: VllmProofSettings) -> Any:
     """vLLM's configuration for the model (block size chosen for this platform, hybrid or not), no engine."""
     from vllm import EngineArgs
 
-    return EngineArgs(model=model, dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
-                      enforce_eager=True).create_engine_config()
+    return EngineArgs(**{"enforce_eager": True, **settings.engine_args}, model=model, dtype=settings.dtype,
+                      tensor_parallel_size=settings.tensor_parallel_size).create_engine_config()
 
 
 @contextlib.contextmanager

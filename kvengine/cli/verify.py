@@ -40,6 +40,9 @@ def _parser() -> OneLineParser:
                    help="weights and KV dtype (default: float32 for hf, the model's own ('auto') for vllm)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="vllm: tensor-parallel ranks, as you serve (default 1)")
+    p.add_argument("--engine-args", type=_json_object, default={},
+                   help="vllm: further vLLM EngineArgs as a JSON object, as you serve, e.g. "
+                        "'{\"compilation_config\": {\"custom_ops\": [\"all\", \"-rotary_embedding\"]}}'")
     p.add_argument("--config", help="kvengine.yaml: the tiers to verify (default: memory only)")
     p.add_argument("--records", default=str(DEFAULT_RECORDS_DIR),
                    help=f"directory of verification records (default {DEFAULT_RECORDS_DIR})")
@@ -51,6 +54,19 @@ def _parser() -> OneLineParser:
                    help="fail once this many seconds have passed, checked between the proof's steps "
                         "(default 300 for hf, 900 for vllm: three engine starts)")
     return p
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def load_model(spec: str, dtype_name: str) -> Any:
@@ -98,8 +114,9 @@ def _run_hf(args: Any) -> ProofResult:
     from kvengine import KVEngine, load_config
     from kvengine.integrations.hf.verify_run import ProofSettings, run_proof
 
-    if args.tensor_parallel_size != 1:
-        raise InvalidRequestError("--tensor-parallel-size: kvengine verify hf runs the model in one process")
+    if args.tensor_parallel_size != 1 or args.engine_args:
+        raise InvalidRequestError("--tensor-parallel-size and --engine-args are vllm settings: kvengine verify hf "
+                                  "runs the model in one process")
     dtype = args.dtype or "float32"
     if dtype not in DTYPES:
         raise InvalidRequestError(f"--dtype {dtype}: kvengine verify hf takes one of {', '.join(DTYPES)}")
@@ -121,9 +138,10 @@ def _run_vllm(args: Any) -> ProofResult:
     if args.prompt_tokens is not None:
         raise InvalidRequestError("--prompt-tokens: kvengine verify vllm sizes its prompts from the chunk size")
     config, requested_chunk = load_config_auto_chunk(args.config)
-    model = vllm_model_dir(args.model, args.dtype)
     settings = VllmProofSettings(dtype=args.dtype or "auto", tensor_parallel_size=args.tensor_parallel_size,
-                                 max_new_tokens=args.max_new_tokens, max_seconds=args.max_seconds or 900.0)
+                                 max_new_tokens=args.max_new_tokens, max_seconds=args.max_seconds or 900.0,
+                                 engine_args=args.engine_args)
+    model = vllm_model_dir(args.model, args.dtype)
     print(f"kvengine verify vllm: {model} (dtype {settings.dtype}, tensor parallel size "
           f"{settings.tensor_parallel_size}), config {args.config or 'memory only'}", flush=True)
     return run_proof(model, args.config, config, requested_chunk, settings=settings,

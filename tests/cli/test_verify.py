@@ -66,6 +66,9 @@ def test_verify_hf_tiny_llama_is_exact_per_group_and_writes_a_record(llama_recor
     assert all(int(g.split("tokens loaded ")[1].split(",")[0]) > 0 for g in groups)
     assert len(files) == 1 and f"record written to {files[0]} (sealed)" in out
     assert "reader pass on a fresh engine over the disk tier" in out
+    # the first prompt preempted halfway and resumed in the fresh reader: its resumed request reused KV
+    resumed = re.search(r"reader pass: preempted and resumed: reused (\d+) of", out)
+    assert resumed and int(resumed.group(1)) > 0
 
 
 def test_verify_hf_stateful_family_is_exact(tmp_path, capsys):

@@ -36,7 +36,7 @@ def _env() -> dict[str, str]:
     return dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
 
 
-def _verify(work: Path, family: str, *, dtype: str, disk: bool) -> tuple[int, str, Path]:
+def _verify(work: Path, family: str, *, dtype: str, disk: bool, extra: tuple[str, ...] = ()) -> tuple[int, str, Path]:
     """Build ``family`` under ``work/model`` and prove it: (exit status, stdout, records dir)."""
     from kvengine.integrations.vllm.tiny_models import build_model_dir
 
@@ -48,7 +48,8 @@ def _verify(work: Path, family: str, *, dtype: str, disk: bool) -> tuple[int, st
     with (work / "verify.log").open("w") as log:
         proc = subprocess.run([sys.executable, "-m", "kvengine", "verify", "vllm", "--model", str(model), "--dtype",
                                dtype, "--config", str(config), "--records", str(records), "--secret-file",
-                               str(work / "secret")], stdout=subprocess.PIPE, stderr=log, text=True, env=_env(),
+                               str(work / "secret"), *extra], stdout=subprocess.PIPE, stderr=log, text=True,
+                              env=_env(),
                               timeout=TIMEOUT_S, cwd=ROOT)
     return proc.returncode, proc.stdout, records
 
@@ -91,15 +92,36 @@ def test_llama_is_exact_over_a_fresh_engine_reading_the_disk_tier_and_writes_a_r
     assert record["groups"][0]["max_state_error"] is None and record["groups"][0]["max_logprob_error"] <= 1e-4
 
 
-@pytest.mark.parametrize("family, dtype, groups", [
-    ("gemma2", "float32", ["group 0 (sliding_window)", "group 1 (full_attention)"]),
-    ("qwen3_next", "bfloat16", ["group 0 (recurrent_state)", "group 1 (full_attention)"]),
+def _amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+#: vLLM's CPU rotary kernel is wrong for MLA's rope inputs: served with its plain-torch rotary embedding
+MLA_ARGS = ("--engine-args", json.dumps({"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}))
+
+
+@pytest.mark.parametrize("family, dtype, groups, extra", [
+    ("gemma2", "float32", ["group 0 (sliding_window)", "group 1 (full_attention)"], ()),
+    ("qwen3_next", "bfloat16", ["group 0 (recurrent_state)", "group 1 (full_attention)"], ()),
+    pytest.param("deepseek_v2", "bfloat16", ["group 0 (mla_latent)"], MLA_ARGS,
+                 marks=pytest.mark.skipif(not _amx(), reason="vLLM serves MLA on CPU through AMX_MLA only")),
 ])
-def test_sliding_window_and_hybrid_models_are_exact(tmp_path, family, dtype, groups):
-    """Gemma2 (sliding window + full attention; memory only: the writer engine reads its own chunks) and
-    Qwen3-Next (linear-attention state + full attention, bf16, prefix caching on; fresh reader over disk)."""
-    code, out, records = _verify(tmp_path, family, dtype=dtype, disk=family == "qwen3_next")
+def test_sliding_window_hybrid_and_mla_models_are_exact(tmp_path, family, dtype, groups, extra):
+    """Gemma2 (sliding window + full attention; memory only: the writer engine reads its own chunks),
+    Qwen3-Next (linear-attention state + full attention, bf16, prefix caching on; fresh reader over disk) and,
+    on AMX CPUs, DeepSeek-V2 (MLA latent pages, bf16, with the engine settings it is served with)."""
+    code, out, records = _verify(tmp_path, family, dtype=dtype, disk=family != "gemma2", extra=extra)
     _assert_proven(code, out, records, groups)
+
+
+def test_engine_args_the_proof_sets_are_refused_by_name(tmp_path):
+    """``--engine-args`` may not override what the proof sizes itself (exit 2, naming the keys)."""
+    proc = subprocess.run([sys.executable, "-m", "kvengine", "verify", "vllm", "--model", str(tmp_path),
+                           "--engine-args", '{"max_num_seqs": 1, "enforce_eager": false}'], capture_output=True,
+                          text=True, env=_env(), timeout=TIMEOUT_S, cwd=ROOT)
+    assert proc.returncode == 2 and "['max_num_seqs'] are set by the proof itself" in proc.stderr
 
 
 def test_a_proof_past_its_time_bound_fails_and_writes_no_record(tmp_path):
