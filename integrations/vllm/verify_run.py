@@ -4,13 +4,16 @@ The end-to-end check the test suite runs on the CPU build, with real vLLM
 engines in vLLM's default topology (engine core and workers in processes of
 their own), one after another:
 
-1. **reference** -- vLLM without the connector: greedy tokens and their
-   log-probabilities for every prompt below;
-2. **writer** -- vLLM with the kvengine connector on the configured tiers:
-   the same prompts, storing their chunks;
+1. **writer** -- vLLM with the kvengine connector on the configured tiers:
+   the prompts below, storing their chunks. The block and chunk sizes come
+   from what the worker reports (a hybrid model's attention block is sized in
+   vLLM's engine core): where they differ from vLLM's configuration, the
+   writer is started once more with the budget and prompts they need;
+2. **reference** -- vLLM without the connector: greedy tokens and their
+   log-probabilities for the same prompts;
 3. **reader** -- a FRESH engine process with the connector when a persistent
    or shared tier is configured (disk, peers, Mooncake), loading from it;
-   memory only: the writer engine again.
+   memory only: the writer engine again, before the reference.
 
 Prompts (``C`` the chunk size the connector derives from vLLM's blocks):
 full and partial chunks (``2.5 C + 1``); a prompt sharing ``1.5 C`` with it;
@@ -22,7 +25,8 @@ engine runs on that budget (``num_gpu_blocks_override``); the proof fails
 unless vLLM reports preemptions.
 
 Greedy tokens must equal the reference's in the writer and the reader pass,
-and log-probabilities must be within :data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`.
+and log-probabilities within :data:`ALONE_TOLERANCE` of it for a request run alone (the
+preempted requests, batched: :data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`).
 Each KV cache group gets a verdict, with the tokens the reader loaded (a
 reader that loads nothing fails). vLLM keeps its KV inside the workers, so a
 group's state is judged by the outputs it leads to (``max_state_error`` None).
@@ -55,7 +59,13 @@ from kvengine.trust.verification import GroupVerdict, Outcome
 CONNECTOR_MODULE = "kvengine.integrations.vllm.connector"
 #: requests of the preemption pass (run together on a budget that holds about one of them)
 PREEMPTED_REQUESTS = 4
-FIRST_TURN, NEXT_TURN = "first turn", "reply reused on the next turn"
+FIRST_TURN, NEXT_TURN, PREEMPTION = "first turn", "reply reused on the next turn", "preemption"
+#: Largest log-probability difference for a request run alone, as in the reference. Tighter than the batched
+#: bound (:data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`, for the preempted requests run four together):
+#: vLLM's CPU attention splits its bf16 reduction by the batch, so batched outputs moved by 0.015 from the
+#: reference (measured, Qwen3-Next, bf16) -- as much as a recurrent state read from the wrong block moved them
+#: (docs/vllm.md, Gaps) -- while requests alone stayed within 6e-4. Alone, a wrong state cannot hide.
+ALONE_TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 5e-3}
 #: EngineArgs the proof sets (``--engine-args`` may not)
 PROOF_ARGS = frozenset({"model", "dtype", "tensor_parallel_size", "max_num_seqs", "max_model_len",
                         "num_gpu_blocks_override", "enable_prefix_caching", "kv_transfer_config", "disable_log_stats"})
@@ -197,15 +207,20 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
         failures.append(f"vLLM preempted no request on a budget of {plan.budget} blocks: the preemption case "
                         "was not exercised")
     dtype = str(probe.model_config.dtype).removeprefix("torch.")
-    tolerance = LOGPROB_TOLERANCE.get(dtype)
-    if tolerance is None:
+    if dtype not in LOGPROB_TOLERANCE:
         raise UnsupportedModelError(f"kvengine verify vllm: no tolerance is established for {dtype} "
                                     f"(known: {', '.join(LOGPROB_TOLERANCE)})")
-    error = max((abs(a - b) for outputs in got.values() for name, out in outputs.items()
-                 for o, w in zip(out, want[name]) for a, b in zip(o.logprobs, w.logprobs)), default=math.inf)
-    exact = not failures and error <= tolerance
-    if not failures and not exact:
-        failures.append(f"log-probabilities differ by up to {error:.3g} (tolerance {tolerance:g} for {dtype})")
+    errors = {(which, name): max((abs(a - b) for o, w in zip(out, want[name]) for a, b in zip(o.logprobs, w.logprobs)),
+                                 default=math.inf) for which, outputs in got.items() for name, out in outputs.items()}
+    clock.step("log-probability error against the reference: " + ", ".join(
+        f"{which} {name} {e:.3g}" for (which, name), e in errors.items()))
+    for (which, name), e in errors.items():
+        bound = (LOGPROB_TOLERANCE if name == PREEMPTION else ALONE_TOLERANCE)[dtype]
+        if e > bound and not failures:
+            failures.append(f"{which} pass, {name}: log-probabilities differ by up to {e:.3g} (tolerance {bound:g} "
+                            f"for {dtype}{' batched' if name == PREEMPTION else ''})")
+    error = max(errors.values())
+    exact = not failures
     groups = tuple(GroupVerdict(group=g, outcome=Outcome.EXACT if exact else Outcome.DIFFERS, max_state_error=None,
                                 max_logprob_error=error, max_logit_error=None, tokens_loaded=loaded)
                    for g in _groups(metrics))
@@ -256,7 +271,7 @@ def _prompts(plan: _Plan, k: int, vocab: int) -> list[_Prompt]:
     return [_Prompt("full and partial chunks", (tuple(first),), k),
             _Prompt("shared prefix", (tuple(shared),), k),
             _Prompt(FIRST_TURN, (tuple(turn1),), k),
-            _Prompt("preemption", preempt, plan.block + 1),
+            _Prompt(PREEMPTION, preempt, plan.block + 1),
             # the next turn over the first turn's reply: its tokens are filled in from the writer's reply
             _Prompt(NEXT_TURN, (tuple(turn1) + (0,) * k + tuple(fresh(7)),), k)]
 

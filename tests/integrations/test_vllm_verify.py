@@ -153,3 +153,15 @@ def test_the_record_unlocks_a_backend_that_needs_proof_and_nothing_else_does(lla
     assert "recorded on another platform" in report["other_cpu"]["refused"]
     assert "accelerator_model: recorded 'Other CPU'" in report["other_cpu"]["refused"]
     assert report["risk"]["acceptance"] == "risk_accepted"
+
+
+def test_a_proof_over_wrong_kv_fails_and_writes_no_record(tmp_path):
+    """The proof can fail: pages loaded scaled by 1.5 (past the device self-check, which would refuse to start)
+    make it DIFFERS with the first difference named, though tokens were loaded."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/integrations/vllm_scenarios.py"), "verify_fault",
+                           "--workdir", str(tmp_path), "--out", str(tmp_path / "fault.json")], capture_output=True,
+                          text=True, env=_env(), timeout=TIMEOUT_S, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "fault.json").read_text())
+    assert report["tokens_loaded"] > 0 and set(report["outcomes"]) == {"DIFFERS"}
+    assert re.search(r"(greedy token \d+ differs|log-probabilities differ by up to)", report["failure"])

@@ -821,12 +821,45 @@ def _unlock_case(model: str, verification: dict[str, Any]) -> dict[str, Any]:
         shutdown(engine)
 
 
+def scenario_verify_fault(work: Path) -> dict[str, Any]:
+    """``kvengine verify vllm``'s proof must fail when the KV it loads is wrong in a way nothing else sees:
+    in process (so the patch reaches the worker), every load scatters its pages scaled by 1.5 into vLLM's
+    blocks, except inside the device self-check (which would refuse to start instead). Memory only."""
+    from kvengine.config import load_config_auto_chunk
+    from kvengine.integrations.vllm import worker
+    from kvengine.integrations.vllm.paging import PagedCopier
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+    from kvengine.integrations.vllm.verify_run import VllmProofSettings, run_proof
+
+    model = str(build_model_dir(work / "llama_fault", "llama", dtype="float32"))
+    scatter, self_check, checking = PagedCopier.scatter_tensor, worker.run_self_check, [False]
+
+    def corrupting_scatter(self: Any, i: int, tensor: Any, *args: Any) -> None:
+        scatter(self, i, tensor if checking[0] else tensor * 1.5, *args)
+
+    def marked_self_check(*args: Any, **kw: Any) -> Any:
+        checking[0] = True
+        try:
+            return self_check(*args, **kw)
+        finally:
+            checking[0] = False
+
+    PagedCopier.scatter_tensor = corrupting_scatter  # type: ignore[method-assign]
+    worker.run_self_check = marked_self_check  # type: ignore[assignment]
+    set_topology(in_process=True)
+    config, chunk = load_config_auto_chunk({})
+    result = run_proof(model, None, config, chunk, settings=VllmProofSettings(dtype="float32"),
+                       progress=lambda line: print(line, flush=True))
+    return {"failure": result.failure, "outcomes": [g.outcome.value for g in result.groups],
+            "tokens_loaded": result.tokens_loaded}
+
+
 SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "hybrid_tp": scenario_hybrid_tp,
              "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake,
-             "unlock": scenario_unlock}
+             "unlock": scenario_unlock, "verify_fault": scenario_verify_fault}
 
 
 def main() -> int:
