@@ -46,7 +46,7 @@ class Acceptance(enum.Enum):
     RISK_ACCEPTED = "unverified, risk accepted by the operator"
 
 
-def vllm_platform(vllm_config: Any, layout: PagedLayout, namespace: Namespace, device_type: str) -> Platform:
+def vllm_platform(layout: PagedLayout, namespace: Namespace, device_type: str) -> Platform:
     """The :class:`Platform` this worker runs on: the host's accelerator, vLLM's version, the backends its
     layers declared, the KV dtype, the layout id (backends, layout, page split, vLLM's per-platform choices)
     and the smallest block size."""

@@ -20,9 +20,9 @@ full and partial chunks (``2.5 C + 1``); a prompt sharing ``1.5 C`` with it;
 a first chat turn whose reply completes a chunk while decoding, then the next
 turn over that reply (KV computed while decoding, reused); and four prompts
 sharing ``2 C`` run together on a KV budget too small for them, so that vLLM
-preempts them and resumes them by looking them up again. Every connector
-engine runs on that budget (``num_gpu_blocks_override``); the proof fails
-unless vLLM reports preemptions.
+preempts them and resumes them by looking them up again. Every engine, the
+reference's too, runs on that budget (``num_gpu_blocks_override``); the proof
+fails unless vLLM reports preemptions in the connector's passes.
 
 Greedy tokens must equal the reference's in the writer and the reader pass,
 and log-probabilities within :data:`ALONE_TOLERANCE` of it for a request run alone (the
@@ -102,7 +102,9 @@ class _Output:
 
 
 class _PreemptionCount:
-    """A vLLM stat logger counting preempted requests (vLLM's own count, from its scheduler's iterations)."""
+    """A vLLM stat logger counting preempted requests (vLLM's own count, from its scheduler's iterations). vLLM
+    builds the logger from its class, so the count lives on the class: :func:`_preemption_counter` makes one
+    per proof."""
 
     preempted = 0
 
@@ -112,7 +114,7 @@ class _PreemptionCount:
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
         if iteration_stats is not None:
-            _PreemptionCount.preempted += int(iteration_stats.num_preempted_reqs)
+            type(self).preempted += int(iteration_stats.num_preempted_reqs)
 
     def log_engine_initialized(self) -> None:
         pass
@@ -122,6 +124,12 @@ class _PreemptionCount:
 
     def record_sleep_state(self, is_awake: int, level: int) -> None:
         pass
+
+
+def _preemption_counter() -> type[_PreemptionCount]:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    return type("PreemptionCount", (_PreemptionCount, StatLoggerBase), {"preempted": 0})
 
 
 def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, requested_chunk: int | None, *,
@@ -161,12 +169,12 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             "kv_connector": "KVEngineConnector", "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}}
 
-    before_preempt = _PreemptionCount.preempted
+    counter = _preemption_counter()
     got: dict[str, dict[str, list[_Output]]] = {}
     with contextlib.ExitStack() as stack:
         for attempt in range(2):
             clock.step(f"writer: vLLM with the kvengine connector, KV budget {plan.budget} blocks of {plan.block}")
-            engine = stack.enter_context(_engine(connector_args(plan), stat_logger=True))
+            engine = stack.enter_context(_engine(connector_args(plan), counter))
             labels, metrics = _platform_labels(port), scrape(port)
             served = _Plan.of(_block_size(metrics), int(metrics.get("kvengine_vllm_chunk_tokens", 0)), k, kinds)
             if served == plan:
@@ -197,12 +205,12 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
         want = {p.name: _run(engine, p, clock, "reference") for p in prompts}
     if fresh:
         clock.step("reader: a fresh engine process with the connector, loading from the configured tiers")
-        with _engine(connector_args(plan), stat_logger=True) as engine:
+        with _engine(connector_args(plan), counter) as engine:
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
     failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want)]
-    preempted = _PreemptionCount.preempted - before_preempt
+    preempted = counter.preempted
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
     clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted {preempted} "
@@ -339,17 +347,12 @@ def _engine_config(model: str, settings: VllmProofSettings) -> Any:
 
 
 @contextlib.contextmanager
-def _engine(args: dict[str, Any], *, stat_logger: bool = False) -> Iterator[Any]:
+def _engine(args: dict[str, Any], counter: type[_PreemptionCount] | None = None) -> Iterator[Any]:
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    loggers = None
-    if stat_logger:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        loggers = [type("PreemptionCount", (_PreemptionCount, StatLoggerBase), {})]
     try:
-        engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=loggers)
+        engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counter] if counter else None)
     except Exception as exc:  # vLLM surfaces the connector's refusal as its own start-up failure
         raise UnsupportedModelError(f"vLLM did not start: {type(exc).__name__}: {exc}") from exc
     try:

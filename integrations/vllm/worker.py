@@ -278,7 +278,7 @@ class WorkerSide:
         namespace = namespace_for(vc, layout_id=self.layout.layout_id, spec_fingerprint=self.layout.spec_fingerprint,
                                   explicit_fingerprint=self._options.model_fingerprint)
         device = next(iter(kv_caches.values())).device.type
-        platform = vllm_platform(vc, self.layout, namespace, device)
+        platform = vllm_platform(self.layout, namespace, device)
         acceptance = accept_backends(self.layout, platform, namespace, self._options.verification)
         broadcast = None
         if shares_one_copy(self._plans, namespace.world_size):

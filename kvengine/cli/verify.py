@@ -84,12 +84,17 @@ def load_model(spec: str, dtype_name: str) -> Any:
         if family not in TINY_CONFIGS:
             raise InvalidRequestError(f"--model {spec}: no tiny family {family!r}; one of {', '.join(TINY_CONFIGS)}")
         return build_tiny(family, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(_model_dir(spec), local_files_only=True, dtype=dtype).eval()
+
+
+def _model_dir(spec: str) -> Path:
+    """:raises InvalidRequestError: no model directory at ``spec``."""
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise InvalidRequestError(f"--model {spec}: not a model directory (no config.json there)")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,14 +146,14 @@ def _run_vllm(args: Any) -> ProofResult:
     settings = VllmProofSettings(dtype=args.dtype or "auto", tensor_parallel_size=args.tensor_parallel_size,
                                  max_new_tokens=args.max_new_tokens, max_seconds=args.max_seconds or 900.0,
                                  engine_args=args.engine_args)
-    model = vllm_model_dir(args.model, args.dtype)
+    model = _vllm_model_dir(args.model, args.dtype)
     print(f"kvengine verify vllm: {model} (dtype {settings.dtype}, tensor parallel size "
           f"{settings.tensor_parallel_size}), config {args.config or 'memory only'}", flush=True)
     return run_proof(model, args.config, config, requested_chunk, settings=settings,
                      progress=lambda line: print(line, flush=True))
 
 
-def vllm_model_dir(spec: str, dtype: str | None) -> str:
+def _vllm_model_dir(spec: str, dtype: str | None) -> str:
     """A model directory vLLM loads: ``spec`` itself, or ``tiny:<family>`` built in a temporary directory.
 
     :raises InvalidRequestError: an unknown tiny family, or no model directory at that path.
@@ -163,10 +168,7 @@ def vllm_model_dir(spec: str, dtype: str | None) -> str:
             raise InvalidRequestError(f"--model {spec}: no tiny family {family!r}; one of {', '.join(FAMILIES)}")
         folder = Path(tempfile.mkdtemp(prefix=f"kvengine-verify-{family}-"))
         return str(build_model_dir(folder, family, dtype=dtype if dtype in DTYPES else "float32"))
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise InvalidRequestError(f"--model {spec}: not a model directory (no config.json there)")
-    return str(path)
+    return str(_model_dir(spec))
 
 
 def _report(result: ProofResult, records: str, secret: bytes | None) -> int:

@@ -45,7 +45,7 @@ def _namespace(layout, fingerprint: str = "model-fp"):
 def _platform(layout, namespace):
     from kvengine.integrations.vllm.acceptance import vllm_platform
 
-    return vllm_platform(None, layout, namespace, "cpu")
+    return vllm_platform(layout, namespace, "cpu")
 
 
 def _record(platform, fingerprint: str = "model-fp"):
