@@ -416,7 +416,8 @@ def test_qwen3_next_at_two_ranks_resumes_each_ranks_state_shard_exactly(hybrid_t
             assert rank["kvengine_loaded_tokens_total"] == phase["rank_metrics"][0]["kvengine_loaded_tokens_total"]
     ends = [(len(p) - 1) // block * block for p in s["base"]]
     assert [o["cached"] for o in fresh["base"]] == [e if e % chunk == 0 else 0 for e in ends] and any(ends)
-    assert fresh["rank_metrics"][0]["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in fresh["base"])
+    assert fresh["base_loaded"] == sum(o["cached"] for o in fresh["base"])
+    assert fresh["rank_metrics"][0]["kvengine_loaded_tokens_total"] >= fresh["base_loaded"]
     assert first["aborted"] == [None, None]
     assert s["disk_dirs"] == ["tp0-of-2", "tp1-of-2"]
 

@@ -424,7 +424,11 @@ def scenario_hybrid_tp(work: Path) -> dict[str, Any]:
             "metrics_port": port, "write_mode": "write_through", "memory": {"capacity_bytes": "64MiB"},
             "disk": {"path": str(disk)}}}))
         try:
-            report[phase] = {"base": run(engine, base, logprobs=True), "turn2": run(engine, turn2, logprobs=True)}
+            report[phase] = {"base": run(engine, base, logprobs=True)}
+            # kvengine's loads of the base prompts alone (the second turns may also load: how much of them
+            # vLLM's own prefix cache covers depends on the block size this CPU gets)
+            report[phase]["base_loaded"] = scrape(port)["kvengine_loaded_tokens_total"]
+            report[phase]["turn2"] = run(engine, turn2, logprobs=True)
             if phase == "first":
                 report[phase]["aborted"] = run(engine, aborted, prefix="abort", abort_at_step=2,
                                                abort=frozenset({0, 1}))
