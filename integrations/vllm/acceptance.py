@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Info
 from kvengine.chunks.keys import Namespace
 from kvengine.errors import UnsupportedModelError
 from kvengine.trust.secrets import read_secret_file
-from kvengine.trust.verification import Platform, Refusal, check_record, kvengine_version, record_name
+from kvengine.trust.verification import Platform, Refusal, check_in, kvengine_version
 
 from .layout import PagedLayout
 from .options import VerificationOptions
@@ -71,9 +71,7 @@ def accept_backends(layout: PagedLayout, platform: Platform, namespace: Namespac
     if not unproven:
         return Acceptance.VALIDATED
     secret = read_secret_file(options.secret_file, "verification.secret_file")
-    version, fingerprint = kvengine_version(), namespace.model_fingerprint
-    path = options.records.expanduser() / record_name(platform, fingerprint, version)
-    check = check_record(path, platform, fingerprint, version, secret)
+    path, check = check_in(options.records, platform, namespace.model_fingerprint, kvengine_version(), secret)
     if check.record is not None:
         logger.info("kvengine: attention backend %s accepted by the verification record %s (verified %s)",
                     "+".join(unproven), path, check.record.date)

@@ -315,12 +315,19 @@ def check_record(path: str | os.PathLike[str], platform: Platform, model_fingerp
     return RecordCheck(record)
 
 
+def check_in(records_dir: str | os.PathLike[str], platform: Platform, model_fingerprint: str,
+             kvengine_version: str, secret: bytes | None) -> tuple[Path, RecordCheck]:
+    """Where the record of (platform, model, kvengine version) lives under ``records_dir``, and
+    :func:`check_record`'s verdict on it."""
+    path = Path(records_dir).expanduser() / record_name(platform, model_fingerprint, kvengine_version)
+    return path, check_record(path, platform, model_fingerprint, kvengine_version, secret)
+
+
 def find_matching(records_dir: str | os.PathLike[str], platform: Platform, model_fingerprint: str,
                   kvengine_version: str, secret: bytes | None) -> VerificationRecord | None:
     """The record that verifies this exact (platform, model, kvengine version), or None; a record that
     exists but is refused is logged with the reason (:func:`check_record` returns it)."""
-    path = Path(records_dir).expanduser() / record_name(platform, model_fingerprint, kvengine_version)
-    check = check_record(path, platform, model_fingerprint, kvengine_version, secret)
+    path, check = check_in(records_dir, platform, model_fingerprint, kvengine_version, secret)
     if check.refusal is not None and check.refusal is not Refusal.MISSING:
         logger.warning("kvengine: verification record %s refused: %s (%s)", path, check.refusal.value, check.detail)
     return check.record
