@@ -8,7 +8,9 @@ their own), one after another:
    the prompts below, storing their chunks. The block and chunk sizes come
    from what the worker reports (a hybrid model's attention block is sized in
    vLLM's engine core): where they differ from vLLM's configuration, the
-   writer is started once more with the budget and prompts they need;
+   writer is started once more with the budget and prompts they need; with
+   several KV cache groups, once more again on a budget sized from the blocks
+   one preempted-size request was measured to hold (:class:`_Plan`);
 2. **reference** -- vLLM without the connector: greedy tokens and their
    log-probabilities for the same prompts;
 3. **reader** -- a FRESH engine process with the connector when a persistent
@@ -19,9 +21,11 @@ Prompts (``C`` the chunk size the connector derives from vLLM's blocks):
 full and partial chunks (``2.5 C + 1``); a prompt sharing ``1.5 C`` with it;
 a first chat turn whose reply completes a chunk while decoding, then the next
 turn over that reply (KV computed while decoding, reused); and four prompts
-sharing ``2 C`` run together on a KV budget too small for them, so that vLLM
-preempts them and resumes them by looking them up again. Every engine, the
-reference's too, runs on that budget (``num_gpu_blocks_override``); the proof
+sharing ``2 C`` (nothing with vLLM's prefix cache on) run together on a KV
+budget too small for them, so that vLLM preempts them and resumes them by
+looking them up again. Every engine, the reference's too, runs on that budget
+(``num_gpu_blocks_override``); with several KV cache groups it is sized from
+the blocks one such request was measured to hold (:class:`_Plan`). The proof
 fails unless vLLM reports preemptions in the connector's passes.
 
 Greedy tokens must equal the reference's in the writer and the reader pass,
@@ -101,20 +105,26 @@ class _Output:
     logprobs: list[float]
 
 
-class _PreemptionCount:
-    """A vLLM stat logger counting preempted requests (vLLM's own count, from its scheduler's iterations). vLLM
-    builds the logger from its class, so the count lives on the class: :func:`_preemption_counter` makes one
-    per proof."""
+class _SchedulerWatch:
+    """A vLLM stat logger keeping what vLLM's scheduler reports: preempted requests (its own count) and,
+    while ``recording``, each step's KV cache usage and whether it fed prompt tokens. vLLM builds the
+    logger from its class, so the figures live on the class: :func:`_scheduler_watch` makes one per proof."""
 
     preempted = 0
+    recording = False
+    #: (KV cache usage, prompt tokens fed) per step while recording
+    steps: list[tuple[float, int]] = []
 
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         pass
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:
+        cls = type(self)
         if iteration_stats is not None:
-            type(self).preempted += int(iteration_stats.num_preempted_reqs)
+            cls.preempted += int(iteration_stats.num_preempted_reqs)
+        if cls.recording and scheduler_stats is not None and iteration_stats is not None:
+            cls.steps.append((float(scheduler_stats.kv_cache_usage), int(iteration_stats.num_prompt_tokens)))
 
     def log_engine_initialized(self) -> None:
         pass
@@ -126,10 +136,10 @@ class _PreemptionCount:
         pass
 
 
-def _preemption_counter() -> type[_PreemptionCount]:
+def _scheduler_watch() -> type[_SchedulerWatch]:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    return type("PreemptionCount", (_PreemptionCount, StatLoggerBase), {"preempted": 0})
+    return type("SchedulerWatch", (_SchedulerWatch, StatLoggerBase), {"preempted": 0, "steps": []})
 
 
 def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, requested_chunk: int | None, *,
@@ -161,7 +171,11 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
         # the same KV budget with and without the connector: vLLM preempts the reference too, and a resumed
         # request's outputs follow vLLM's own recompute path (bf16 Qwen3-Next: up to 1.2 in log-probability
         # from the request run alone, the same with and without the connector)
-        return {**base, "max_model_len": plan.max_len, "num_gpu_blocks_override": plan.budget,
+        # a hybrid model's block size is resolved in the engine core: set it, so that vLLM 0.32's CPU platform
+        # hook does not put the scheduler's back to 128 in the reference (where the connector's _keep_block_size
+        # does not run), which would split its prefills elsewhere and move its bf16 outputs by 0.016
+        sized = {"block_size": plan.block} if hybrid and plan.block != probe.cache_config.block_size else {}
+        return {**base, **sized, "max_model_len": plan.max_len, "num_gpu_blocks_override": plan.budget,
                 "disable_log_stats": False}
 
     def connector_args(plan: _Plan) -> dict[str, Any]:
@@ -169,24 +183,29 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             "kv_connector": "KVEngineConnector", "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}}
 
-    counter = _preemption_counter()
+    watch = _scheduler_watch()
     got: dict[str, dict[str, list[_Output]]] = {}
     with contextlib.ExitStack() as stack:
-        for attempt in range(2):
+        for attempt in range(3):
             clock.step(f"writer: vLLM with the kvengine connector, KV budget {plan.budget} blocks of {plan.block}")
-            engine = stack.enter_context(_engine(connector_args(plan), counter))
+            engine = stack.enter_context(_engine(connector_args(plan), watch))
             labels, metrics = _platform_labels(port), scrape(port)
-            served = _Plan.of(_block_size(metrics), int(metrics.get("kvengine_vllm_chunk_tokens", 0)), k, kinds)
-            if served == plan:
+            block, chunk = _block_size(metrics), int(metrics.get("kvengine_vllm_chunk_tokens", 0))
+            if (block, chunk) != (plan.block, plan.chunk):
+                if attempt:
+                    raise UnsupportedModelError(f"the connector's blocks ({block}) and chunks ({chunk}) changed "
+                                                "between two starts of the same engine")
+                # a hybrid model's attention block is sized in the engine core to hold its state page
+                following = _Plan.of(block, chunk, k, kinds)
+            elif not plan.calibrated:
+                # several KV cache groups share the block pool in shares only vLLM's allocator knows
+                following = plan.calibrate(*_measure(engine, watch, plan, clock, vocab))
+            else:
                 break
-            # A hybrid model's attention block is sized in the engine core to hold its state page: unknown
-            # before the first start. Nothing ran yet; start again with the budget and prompts it needs.
+            # nothing was compared yet: start again with the budget and prompts the proof needs
             stack.close()
-            if attempt:
-                raise UnsupportedModelError(f"the connector's blocks ({served.block}) and chunks ({served.chunk}) "
-                                            "changed between two starts of the same engine")
-            plan = served
-        prompts = _prompts(plan, k, vocab)
+            plan = following
+        prompts = _prompts(plan, k, vocab, hybrid)
         desc = ", ".join(f"{p.name} ({'+'.join(str(len(t)) for t in p.tokens)} tokens)" for p in prompts)
         clock.step(f"block size {plan.block}, chunk {plan.chunk}{', prefix caching on (hybrid)' if hybrid else ''}; "
                    f"prompts: {desc}")
@@ -205,12 +224,12 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
         want = {p.name: _run(engine, p, clock, "reference") for p in prompts}
     if fresh:
         clock.step("reader: a fresh engine process with the connector, loading from the configured tiers")
-        with _engine(connector_args(plan), counter) as engine:
+        with _engine(connector_args(plan), watch) as engine:
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
     failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want)]
-    preempted = counter.preempted
+    preempted = watch.preempted
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
     clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted {preempted} "
@@ -247,29 +266,77 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """Block and chunk sizes, and what follows from them: the KV budget of the connector engines and the
-    longest sequence they take.
+    """Block and chunk sizes, and what follows from them: the KV budget of the connector engines, how far
+    the preempted requests decode, and the longest sequence the engines take.
 
-    Preempted requests have prompts of ``m`` blocks less a token (``m`` more than any other request needs)
-    and decode a block and a token more. The budget, ``2m + 1`` blocks per KV cache group, admits two of them
-    while the first has grown by one block and then leaves none free: the next block either asks for
-    preempts the other."""
+    Preempted requests have prompts of ``m`` blocks less a token (``m`` more than any other request needs).
+    One KV cache group: the budget, ``2m + 1`` blocks, admits two of them; decoding a block and a token
+    more, each asks for one block when none is left, so vLLM preempts one.
+
+    Several groups share vLLM's one block pool, and a request's share of it is not ``m`` per group: a
+    sliding window or a recurrent state (``mamba_cache_mode 'align'``) holds fewer blocks, some only while
+    prefilling. So the first plan's budget holds one request, whose use of it is measured
+    (:func:`_measure`), and :meth:`calibrate` sizes the budget and decode from that."""
 
     block: int
     chunk: int
     per_request: int  # m
     budget: int
+    decode_blocks: int  # g
     max_len: int
+    #: the budget is known to preempt (one group), or was sized from measured usage
+    calibrated: bool = field(default=False, kw_only=True)
 
     @classmethod
     def of(cls, block: int, chunk: int | None, k: int, kinds: int) -> _Plan:
         """``chunk`` None: the connector's "auto" (``layout.resolve_chunk_size``) for one block size."""
         chunk = chunk or block * -(-256 // block)
         m = -(-(2 * chunk + chunk // 2 + 1 + 2 * k) // block) + 1
-        return cls(block, chunk, m, (2 * m + 1) * kinds, (m + 2) * block)
+        # several groups: a budget for one request at least, until measured (calibrate)
+        return cls(block, chunk, m, (2 * m + 1) * kinds, 1, (m + 1) * block, calibrated=kinds == 1)
+
+    def calibrate(self, peak: int, settled: int, growth: int) -> _Plan:
+        """The plan for preempted requests measured alone (blocks in use, :func:`_measure`): ``peak`` while
+        prefilling, ``settled`` once decoding, and ``growth`` per block decoded. With ``n`` of them
+        (:data:`PREEMPTED_REQUESTS`), a budget of ``(n - 1) settled + peak`` blocks (and vLLM's null block)
+        admits the last once the others have settled; once all settled, ``peak - settled`` blocks are left,
+        which they outgrow within ``g = (peak - settled) // (n growth) + 1`` blocks decoded each. (Fewer
+        requests admitted would leave more to outgrow, so a longer ``max_model_len``, which vLLM's start-up
+        check, counting a sliding window as the whole sequence, refuses on such a budget.)"""
+        if growth <= 0 or settled <= 0 or peak < settled:
+            raise UnsupportedModelError(f"cannot size a KV budget that preempts: one request held {peak} blocks "
+                                        f"prefilling, {settled} decoding, and grew by {growth} per block decoded")
+        n = PREEMPTED_REQUESTS
+        g = (peak - settled) // (n * growth) + 1
+        return _Plan(self.block, self.chunk, self.per_request, (n - 1) * settled + peak + 1, g,
+                     (self.per_request + g) * self.block, calibrated=True)
 
 
-def _prompts(plan: _Plan, k: int, vocab: int) -> list[_Prompt]:
+def _measure(engine: Any, watch: type[_SchedulerWatch], plan: _Plan, clock: ProofClock,
+             vocab: int) -> tuple[int, int, int]:
+    """Blocks one preempted-size request holds alone (see :meth:`_Plan.calibrate`): at its peak while
+    prefilling, once decoding, and its growth over a block decoded; from the KV cache usage vLLM reports
+    after each step (a step's report follows its frees: the finishing step shows none), on a fresh prompt
+    (no hit, nothing shared in vLLM's prefix cache)."""
+    rng = random.Random(4321)
+    tokens = tuple(rng.randrange(3, min(vocab, 32000)) for _ in range(plan.per_request * plan.block - 1))
+    watch.steps, watch.recording = [], True
+    try:
+        _run(engine, _Prompt("budget calibration", (tokens,), plan.block + 2), clock, "writer")
+    finally:
+        watch.recording = False
+    used = [round(usage * (plan.budget - 1)) for usage, _ in watch.steps]  # vLLM's null block is not counted
+    prefilled = next((i for i, (_, prompt) in enumerate(watch.steps) if prompt), None)
+    if prefilled is None or len(used) < prefilled + 3:
+        raise UnsupportedModelError("vLLM reported no KV cache usage per step: cannot size the preemption budget")
+    settled = min(used[prefilled + 1: -1])  # once vLLM retired what only the prefill needed
+    return max(used[: prefilled + 1]), settled, used[-2] - settled
+
+
+def _prompts(plan: _Plan, k: int, vocab: int, prefix_cached: bool) -> list[_Prompt]:
+    """The proof's prompts (module docs). With vLLM's prefix cache on (``prefix_cached``: hybrid models) the
+    preempted requests share no prefix: vLLM would hold its blocks once, and the measured budget
+    (:meth:`_Plan.calibrate`) is per request; they hit on resuming, in their own chunks."""
     rng = random.Random(1234)
     top = min(vocab, 32000)
 
@@ -281,11 +348,12 @@ def _prompts(plan: _Plan, k: int, vocab: int) -> list[_Prompt]:
     shared = first[: chunk + chunk // 2] + fresh(chunk // 2 + chunk // 4 + 3)
     turn1 = fresh(2 * chunk - k // 2)  # its reply completes the second chunk while decoding
     preempted = plan.per_request * plan.block - 1
-    preempt = tuple(tuple(first[: 2 * chunk] + fresh(preempted - 2 * chunk)) for _ in range(PREEMPTED_REQUESTS))
+    common = 0 if prefix_cached else 2 * chunk
+    preempt = tuple(tuple(first[:common] + fresh(preempted - common)) for _ in range(PREEMPTED_REQUESTS))
     return [_Prompt("full and partial chunks", (tuple(first),), k),
             _Prompt("shared prefix", (tuple(shared),), k),
             _Prompt(FIRST_TURN, (tuple(turn1),), k),
-            _Prompt(PREEMPTION, preempt, plan.block + 1),
+            _Prompt(PREEMPTION, preempt, plan.decode_blocks * plan.block + 1),
             # the next turn over the first turn's reply: its tokens are filled in from the writer's reply
             _Prompt(NEXT_TURN, (tuple(turn1) + (0,) * k + tuple(fresh(7)),), k)]
 
@@ -347,12 +415,12 @@ def _engine_config(model: str, settings: VllmProofSettings) -> Any:
 
 
 @contextlib.contextmanager
-def _engine(args: dict[str, Any], counter: type[_PreemptionCount] | None = None) -> Iterator[Any]:
+def _engine(args: dict[str, Any], watch: type[_SchedulerWatch] | None = None) -> Iterator[Any]:
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[counter] if counter else None)
+        engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[watch] if watch else None)
     except Exception as exc:  # vLLM surfaces the connector's refusal as its own start-up failure
         raise UnsupportedModelError(f"vLLM did not start: {type(exc).__name__}: {exc}") from exc
     try:

@@ -163,3 +163,28 @@ def test_a_checkpoint_whose_generation_config_sets_a_repetition_penalty_is_still
                        fresh_reader=False, model_id="tiny-llama-penalty")
     assert result.ok and result.tokens_loaded > 0
     assert model.generation_config.repetition_penalty == 1.3
+
+
+@pytest.mark.parametrize("peak, settled, growth", [(6, 5, 1), (6, 3, 1), (8, 8, 2), (14, 9, 2)])
+def test_vllm_budget_from_measured_blocks_admits_two_preempted_requests_then_overflows(peak, settled, growth):
+    """``kvengine verify vllm`` with several KV cache groups: the budget it sizes from one request's measured
+    blocks admits all the preempted-size requests, and their growth over the planned decode overflows it."""
+    from kvengine.integrations.vllm.verify_run import PREEMPTED_REQUESTS, _Plan
+
+    first = _Plan.of(256, 256, 16, kinds=2)
+    assert not first.calibrated
+    plan = first.calibrate(peak, settled, growth)
+    assert plan.calibrated and (plan.block, plan.chunk, plan.per_request) == (256, 256, first.per_request)
+    n = PREEMPTED_REQUESTS
+    free = plan.budget - 1  # vLLM keeps one null block
+    assert (n - 1) * settled + peak <= free  # the last is admitted once the others settled
+    assert n * (settled + plan.decode_blocks * growth) > free  # all decoding outgrow the pool: one is preempted
+    assert plan.max_len == plan.per_request * plan.block - 1 + plan.decode_blocks * plan.block + 1
+
+
+def test_vllm_budget_refuses_a_request_that_does_not_grow():
+    from kvengine.errors import UnsupportedModelError
+    from kvengine.integrations.vllm.verify_run import _Plan
+
+    with pytest.raises(UnsupportedModelError, match="cannot size a KV budget that preempts"):
+        _Plan.of(256, 256, 16, kinds=2).calibrate(6, 5, 0)

@@ -104,14 +104,15 @@ MLA_ARGS = ("--engine-args", json.dumps({"compilation_config": {"custom_ops": ["
 
 @pytest.mark.parametrize("family, dtype, groups, extra", [
     ("gemma2", "float32", ["group 0 (sliding_window)", "group 1 (full_attention)"], ()),
+    ("qwen3_next", "bfloat16", ["group 0 (recurrent_state)", "group 1 (full_attention)"], ()),
     pytest.param("deepseek_v2", "bfloat16", ["group 0 (mla_latent)"], MLA_ARGS,
                  marks=pytest.mark.skipif(not _amx(), reason="vLLM serves MLA on CPU through AMX_MLA only")),
 ])
 def test_sliding_window_hybrid_and_mla_models_are_exact(tmp_path, family, dtype, groups, extra):
-    """Gemma2 (sliding window + full attention; memory only: the writer engine reads its own chunks) and, on AMX
-    CPUs, DeepSeek-V2 (MLA latent pages, bf16, with the engine settings it is served with). Qwen3-Next is not
-    here yet: its proof passed in two runs (EXACT, 2 requests preempted) but in a CI run vLLM preempted none on
-    its budget, and the proof fails closed then; the hybrid budget must first make preemption certain."""
+    """Gemma2 (sliding window + full attention; memory only: the writer engine reads its own chunks),
+    Qwen3-Next (linear-attention state + full attention, bf16, prefix caching on; fresh reader over disk) and,
+    on AMX CPUs, DeepSeek-V2 (MLA latent pages, bf16, with the engine settings it is served with). Models of
+    several KV cache groups run on a budget sized from one preempted-size request's measured use of it."""
     code, out, records = _verify(tmp_path, family, dtype=dtype, disk=family != "gemma2", extra=extra)
     _assert_proven(code, out, records, groups)
 
