@@ -68,6 +68,8 @@ class LookupCall:
     salt: str
     tokens: bytes  # little-endian uint32 token ids
     max_tokens: int
+    #: a handed-off prompt: its partial last chunk too (:mod:`.handoff`)
+    tail: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +103,10 @@ class Reply:
 class LookupHandler(Protocol):
     """What the worker answers with (its cache engine)."""
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer: ...
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False) -> Answer: ...
 
-    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer | None:
+    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
+                   tail: bool = False) -> Answer | None:
         """The answer if it needs no wait (memory holds it), without blocking; None: call ``lookup``."""
         ...
 
@@ -239,7 +242,7 @@ class LookupService:
     def _handle_now(self, msg: LookupCall) -> Reply | None:
         """The reply if the handler has it without waiting; None (also on an error): the pool answers."""
         try:
-            answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens)
+            answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens, msg.tail)
         except Exception:  # the pool's call reports it (as a miss, with the error)
             return None
         return None if answer is None else _answered(msg, answer)
@@ -247,7 +250,8 @@ class LookupService:
     def _handle(self, msg: object) -> Reply | None:
         try:
             if isinstance(msg, LookupCall):
-                return _answered(msg, self._handler.lookup(msg.request_id, msg.salt, msg.tokens, msg.max_tokens))
+                return _answered(msg, self._handler.lookup(msg.request_id, msg.salt, msg.tokens, msg.max_tokens,
+                                                          msg.tail))
             if isinstance(msg, ReleaseCall):
                 self._handler.release(msg.request_id)
                 return None
@@ -307,9 +311,9 @@ class LookupClient:
             self.close()
             raise ChannelClosed(f"kvengine vLLM channel broke: {exc}") from None
 
-    def submit(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> int:
+    def submit(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, *, tail: bool = False) -> int:
         self._seq += 1
-        self._send(LookupCall(self._seq, request_id, salt, tokens, max_tokens))
+        self._send(LookupCall(self._seq, request_id, salt, tokens, max_tokens, tail))
         return self._seq
 
     def release(self, request_id: str) -> None:

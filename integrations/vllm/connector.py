@@ -3,7 +3,7 @@
 >>> LLM(model=..., kv_transfer_config={
 ...     "kv_connector": "KVEngineConnector",
 ...     "kv_connector_module_path": "kvengine.integrations.vllm.connector",
-...     "kv_role": "kv_both",
+...     "kv_role": "kv_both",  # or kv_producer / kv_consumer (prefill/decode disaggregation, .handoff)
 ...     "kv_load_failure_policy": "recompute",
 ...     "kv_connector_extra_config": {"kvengine": {"chunk_size": 256, "disk": {"path": "/var/cache/kv"}}},
 ... })
@@ -50,6 +50,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvengine.errors import ConfigError, UnsupportedModelError
 
+from .handoff import Role
 from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunk_size
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
@@ -95,8 +96,12 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     if vllm_config.model_config.enable_sleep_mode:
         raise UnsupportedModelError(SLEEP_MODE_REFUSAL)
     kt = vllm_config.kv_transfer_config
-    if kt.kv_role != "kv_both":
-        raise ConfigError(f"kvengine vLLM connector: kv_role must be 'kv_both' (a local cache), got {kt.kv_role!r}")
+    if kt.kv_role not in {r.value for r in Role}:
+        raise ConfigError(f"kvengine vLLM connector: kv_role must be one of {[r.value for r in Role]} (a local "
+                          f"cache; prefill or decode instance of a disaggregated deployment), got {kt.kv_role!r}")
+    if kt.kv_role != Role.BOTH.value and pc.tensor_parallel_size != 1:
+        raise UnsupportedModelError(f"kvengine vLLM connector: kv_role {kt.kv_role!r} with tensor_parallel_size="
+                                    f"{pc.tensor_parallel_size} has not been validated (handoffs run at one rank)")
     if kt.kv_load_failure_policy != "recompute":
         raise ConfigError(
             "kvengine vLLM connector: set kv_transfer_config kv_load_failure_policy='recompute': a cache fault "
@@ -127,6 +132,22 @@ def check_tensor_parallel(plans: tuple[GroupPlan, ...], options: ConnectorOption
     if options.engine.shadow.enabled:
         raise UnsupportedModelError(f"kvengine vLLM connector: shadow checks with tensor_parallel_size={world_size} "
                                     "are not supported (each rank would sample its own hits)")
+
+
+def check_roles(plans: tuple[GroupPlan, ...], options: ConnectorOptions, role: Role) -> None:
+    """Refuse what a prefill/decode handoff (:mod:`.handoff`) cannot serve exactly, or lacks to run."""
+    if role is Role.PRODUCER and options.handoff.listen is None:
+        raise ConfigError("kvengine vLLM connector: kv_role 'kv_producer' needs kv_connector_extra_config "
+                          "handoff.listen: 'host:port' where decode instances fetch the prompts' KV")
+    if role is Role.CONSUMER and not options.engine.peers.peers:
+        raise ConfigError("kvengine vLLM connector: kv_role 'kv_consumer' needs kvengine.peers.peers: the prefill "
+                          "instances' handoff addresses (handoff.advertise), the only producers it loads from")
+    state = [p.group_id for p in plans if p.kind is GroupKind.STATE]
+    if role is not Role.BOTH and state:
+        raise UnsupportedModelError(
+            f"kvengine vLLM connector: kv_role {role.value!r} with recurrent-state KV cache groups {state} is not "
+            "supported: the decode instance would need the state after the prompt's last token but one, which "
+            "vLLM materializes only at block-aligned prefill ends")
 
 
 def check_config(vllm_config: VllmConfig) -> ConnectorOptions:
@@ -166,6 +187,8 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         options = check_config(vllm_config)
         plans = plan_groups(kv_cache_config)
         check_tensor_parallel(plans, options, vllm_config.parallel_config.tensor_parallel_size)
+        kv_role = Role(vllm_config.kv_transfer_config.kv_role)
+        check_roles(plans, options, kv_role)
         self._plans = plans
         requested = options.chunk_size
         options = options.with_chunk_size(resolve_chunk_size(plans, requested))
@@ -184,10 +207,11 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, asynchronous=asynchronous,
                                             lookup_wait_s=options.lookup_wait_s,
-                                            has_state=any(p.kind is GroupKind.STATE for p in plans))
+                                            has_state=any(p.kind is GroupKind.STATE for p in plans), role=kv_role,
+                                            producers=frozenset(options.engine.peers.peers))
         else:
             self._worker = WorkerSide(vllm_config=vllm_config, kv_cache_config=kv_cache_config, options=options,
-                                      plans=plans, asynchronous=asynchronous)
+                                      plans=plans, asynchronous=asynchronous, role=kv_role)
         self._worker_stats: WorkerStatsSource | None = None
         self._scheduler_stats = SchedulerStatsSource(self._scheduler.stats) if self._scheduler is not None else None
         logger.info("kvengine: %s half ready (groups %s, %s loads)", role.name.lower(),

@@ -46,3 +46,14 @@ class SaveSpec:
     #: a shadow check: compare the stored chunks of tokens ``[lo, hi)`` (computed by this step instead
     #: of loaded) with the pages vLLM just computed
     verify: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandoffSpec:
+    """A producer computed a prompt (:mod:`.handoff`): store the partial last chunk of ``tokens`` (the
+    prompt less its last token) from the request's blocks, and hold its chunks for a consumer."""
+
+    request_id: str
+    salt: str
+    tokens: bytes
+    block_ids: BlockIds

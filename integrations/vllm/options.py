@@ -20,6 +20,11 @@ Keys (everything else is refused with :class:`~kvengine.errors.ConfigError`):
   ``serve_unverified_backend_risking_wrong_outputs`` (default false): serve on
   such a backend without a record, logged loudly at start-up
   (:mod:`.acceptance`).
+* ``handoff`` -- a prefill instance's (``kv_role: kv_producer``, :mod:`.handoff`)
+  server for decode instances: ``listen`` (``host:port``, required for a
+  producer; port 0: any free port), ``advertise`` (the address consumers
+  dial, default ``listen``), ``tls_cert`` / ``tls_key`` (PEM: TLS on). Records
+  are sealed with ``kvengine.peers.secret_file``, required off loopback.
 * ``lookup_wait_ms`` -- the longest the scheduler waits for the worker's first
   word on a new lookup (its answer from memory, or "pending" when it must
   promote from disk or peers) before it tells vLLM "not known yet" (``None``:
@@ -44,8 +49,29 @@ from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 from kvengine.trust.verification import DEFAULT_RECORDS_DIR
 
-_KEYS = ("kvengine", "lookup_wait_ms", "model_fingerprint", "verification")
+_KEYS = ("handoff", "kvengine", "lookup_wait_ms", "model_fingerprint", "verification")
+_HANDOFF_KEYS = ("advertise", "listen", "tls_cert", "tls_key")
 _VERIFICATION_KEYS = ("records", "secret_file", "serve_unverified_backend_risking_wrong_outputs")
+
+
+def _check_section(raw: Any, section: str, keys: tuple[str, ...]) -> None:
+    """:raises ConfigError: ``raw`` is not a mapping, or has a key not in ``keys`` (named)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"kv_connector_extra_config['{section}'] must be a mapping")
+    unknown = sorted(set(raw) - set(keys))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config['{section}'] keys {unknown} (allowed: {list(keys)})")
+
+
+def _paths(raw: Mapping[str, Any], section: str, keys: tuple[str, ...]) -> dict[str, Path | None]:
+    """``raw``'s ``keys`` as paths (None where unset). :raises ConfigError: one is not a path (named)."""
+    paths = {}
+    for key in keys:
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+            raise ConfigError(f"{section}.{key} must be a path, got {value!r}")
+        paths[key] = None if value is None else Path(value).expanduser()
+    return paths
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,24 +88,39 @@ class VerificationOptions:
         """:raises ConfigError: not a mapping, an unknown key, or a mistyped value (each named)."""
         if raw is None:
             return cls()
-        if not isinstance(raw, Mapping):
-            raise ConfigError("kv_connector_extra_config['verification'] must be a mapping")
-        unknown = sorted(set(raw) - set(_VERIFICATION_KEYS))
-        if unknown:
-            raise ConfigError(f"unknown kv_connector_extra_config['verification'] keys {unknown} "
-                              f"(allowed: {list(_VERIFICATION_KEYS)})")
-        paths = {}
-        for key in ("records", "secret_file"):
-            value = raw.get(key)
-            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
-                raise ConfigError(f"verification.{key} must be a path, got {value!r}")
-            paths[key] = None if value is None else Path(value).expanduser()
+        _check_section(raw, "verification", _VERIFICATION_KEYS)
+        paths = _paths(raw, "verification", ("records", "secret_file"))
         risk = raw.get("serve_unverified_backend_risking_wrong_outputs", False)
         if not isinstance(risk, bool):
             raise ConfigError(f"verification.serve_unverified_backend_risking_wrong_outputs must be true or false, "
                               f"got {risk!r}")
         return cls(records=paths["records"] or DEFAULT_RECORDS_DIR, secret_file=paths["secret_file"],
                    serve_unverified_backend_risking_wrong_outputs=risk)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandoffOptions:
+    """A producer's server for consumers (:mod:`.handoff`)."""
+
+    listen: str | None = None
+    #: the address consumers dial (None: ``listen``)
+    advertise: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @classmethod
+    def from_extra(cls, raw: Any) -> HandoffOptions:
+        """:raises ConfigError: not a mapping, an unknown key, or a malformed value (each named)."""
+        if raw is None:
+            return cls()
+        _check_section(raw, "handoff", _HANDOFF_KEYS)
+        for key in ("listen", "advertise"):
+            value = raw.get(key)
+            host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+            if value is not None and (not host or not port.isdigit() or int(port) > 65535):
+                raise ConfigError(f"handoff.{key} must be 'host:port', got {value!r}")
+        return cls(listen=raw.get("listen"), advertise=raw.get("advertise"),
+                   **_paths(raw, "handoff", ("tls_cert", "tls_key")))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +133,7 @@ class ConnectorOptions:
     #: An explicit model identity (None: the content digest of the weight files).
     model_fingerprint: str | None = None
     verification: VerificationOptions = field(default_factory=VerificationOptions)
+    handoff: HandoffOptions = field(default_factory=HandoffOptions)
 
     def __post_init__(self) -> None:
         if not 0 < self.lookup_wait_s <= 60:
@@ -117,10 +159,11 @@ class ConnectorOptions:
         if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
             raise ConfigError(f"model_fingerprint must be a non-empty string, got {fingerprint!r}")
         verification = VerificationOptions.from_extra(extra.get("verification"))
+        handoff = HandoffOptions.from_extra(extra.get("handoff"))
         engine, chunk_size = load_config_auto_chunk(source)
         check_codecs(engine)
         return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s, model_fingerprint=fingerprint,
-                   verification=verification)
+                   verification=verification, handoff=handoff)
 
     def for_rank(self, rank: int, world_size: int) -> ConnectorOptions:
         """These options for tensor-parallel rank ``rank`` of ``world_size`` (>1): each rank's engine gets

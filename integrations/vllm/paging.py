@@ -65,6 +65,10 @@ class PagedCopier:
             dst.append(block * t.kernel_ratio + (pos % bs) // kt)
         return src, dst
 
+    def device(self, i: int) -> torch.device:
+        """Where tensor ``i``'s cache lives (a gather's destination must be there too)."""
+        return self._caches[i].device
+
     def usable_chunks(self, starts: Sequence[int], block_ids: BlockIds, null: int) -> int:
         """How many of the chunks starting at ``starts`` (in order) hold every page a store needs.
 
@@ -79,15 +83,17 @@ class PagedCopier:
                 return n
         return len(starts)
 
-    def gather_into(self, i: int, start: int, block_ids: BlockIds, null: int, out: torch.Tensor) -> None:
-        """Copy tensor ``i``'s pages of the chunk starting at token ``start`` into ``out``.
+    def gather_into(self, i: int, start: int, block_ids: BlockIds, null: int, out: torch.Tensor, *,
+                    end: int | None = None) -> None:
+        """Copy tensor ``i``'s pages of the chunk starting at token ``start`` into ``out``; with ``end``, only
+        the pages holding tokens before it (a prompt's partial last chunk, :mod:`.handoff`).
 
-        Pages of freed sliding-window blocks are zero-filled.
+        Pages of freed sliding-window blocks, and pages from ``end`` on, are zero-filled.
 
         :raises MissingPage: if a full-attention or MLA page is gone (see :meth:`usable_chunks`).
         """
         t, cache = self.layout.tensors[i], self._caches[i]
-        src, dst = self._pages(t, start, block_ids, null, start, start + self._chunk)
+        src, dst = self._pages(t, start, block_ids, null, start, start + self._chunk if end is None else end)
         if len(src) == t.pages:
             idx = _as_index(dst)
             if isinstance(idx, slice):

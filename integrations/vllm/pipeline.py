@@ -34,6 +34,7 @@ from .paging import PagedCopier
 
 if TYPE_CHECKING:  # importable without vLLM (unit tests in the main environment)
     from .copy_specs import LoadSpec, SaveSpec
+    from .handoff import PromptTail
     from .replica import LatentBroadcast
 
 logger = logging.getLogger("vllm.kvengine")
@@ -49,7 +50,11 @@ class LoadJob:
     null_block_id: int
     #: hybrid models: the recurrent state at the hit's end (installed by the worker once all pages are in)
     state: tuple[torch.Tensor, ...] | None = None
+    #: a handed-off prompt's partial last chunk, after the views (:mod:`.handoff`)
+    tail: PromptTail | None = None
     loaded: int = 0
+    #: whether every stage copied the tail in
+    tail_loaded: bool = True
 
     def __post_init__(self) -> None:
         self.loaded = len(self.views)
@@ -121,6 +126,9 @@ class LayerPipeline:
                                                                                view.token_range[0]):
                     job.loaded = min(job.loaded, view.index)
                     break
+            tail = job.tail
+            if tail is not None and job.tail_loaded and job.loaded == len(job.views) and tail.end > job.spec.start:
+                job.tail_loaded = self._copy_in(i, job, tail.tensors[i], tail.start)
 
     def _copy_in(self, i: int, job: LoadJob, tensor: torch.Tensor, start: int) -> bool:
         """Stage ``i`` of the chunk starting at token ``start`` into the job's blocks (the part vLLM lacks)."""

@@ -19,6 +19,12 @@ Per request, a small state machine (:class:`_Phase`):
   the next turn of a chat hits through the previous reply).
 * ``request_finished`` releases whatever is still reserved.
 
+Prefill/decode disaggregation (:mod:`.handoff`): a producer's step that
+completes a prompt also asks the worker to hand it off (``HandoffSpec``),
+and ``request_finished`` returns the params a consumer needs; a consumer
+checks a request's params once (a producer it trusts, its own namespace,
+this prompt) and then looks the prompt up with its tail.
+
 So a request that was looked up but never scheduled (no blocks, aborted,
 rejected) leaves nothing pinned: it is released when vLLM finishes it, or
 reclaimed by the engine's lease if vLLM never speaks of it again.
@@ -41,8 +47,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvengine.errors import InvalidRequestError
+
 from .channel import ChannelClosed
-from .copy_specs import LoadSpec, SaveSpec
+from .copy_specs import HandoffSpec, LoadSpec, SaveSpec
+from .handoff import HandoffParams, Role
 from .metadata import StepMetadata
 from .ranks import RankedLookup
 
@@ -84,6 +93,10 @@ class _RequestState:
     stored_until: int = 0
     #: a hit sampled for a shadow check: vLLM computes its first ``shadow_until`` tokens, the worker compares
     shadow_until: int = 0
+    #: a consumer's handed-off prompt (:mod:`.handoff`): its tail is looked up too
+    handed_in: bool = False
+    #: a producer's handed-off prompt: the tokens whose KV it stored for a consumer (0: not yet)
+    handed_out: int = 0
 
 
 @dataclass(slots=True)
@@ -103,14 +116,23 @@ class SchedulerStats:
     shadow_checks: int = 0  # hits recomputed instead of loaded, to be compared by the worker
     skipped_requests: int = 0  # multimodal, LoRA or prompt-embedding requests
     by_reason: dict[str, int] = field(default_factory=dict)
+    handoffs: int = 0  # producer: prompts handed off; consumer: handed-off prompts looked up
+    refused_handoffs: dict[str, int] = field(default_factory=dict)  # consumer: params refused, by reason
 
 
 class SchedulerSide:
-    def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float, has_state: bool = False) -> None:
+    def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float, has_state: bool = False,
+                 role: Role = Role.BOTH, producers: frozenset[str] = frozenset()) -> None:
         self._chunk = chunk_size
         self._async = asynchronous
         self._has_state = has_state
         self._wait = lookup_wait_s
+        self._role = role
+        #: a consumer's trusted producers (its ``peers``)
+        self._producers = producers
+        #: the worker's namespace and (a producer) handoff address, from its handshake
+        self._namespace = ""
+        self._handoff = ""
         self._client: RankedLookup | None = None
         self._manager: KVCacheManager | None = None
         self._states: dict[str, _RequestState] = {}
@@ -121,6 +143,7 @@ class SchedulerSide:
     def connect(self, addresses: Sequence[ChannelAddress]) -> None:
         """Connect to every tensor-parallel rank's engine (rank order)."""
         self._client = RankedLookup(addresses)
+        self._namespace, self._handoff = addresses[0].namespace, addresses[0].handoff
         pids = [a.pid for a in addresses]
         logger.info("kvengine: scheduler half in pid %d, worker half (cache engine) in pid%s %s: %s", os.getpid(),
                     "s" if len(pids) > 1 else "", ", ".join(map(str, pids)),
@@ -133,7 +156,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         limit = request.num_tokens - 1  # vLLM computes at least the last token
-        if not st.can_read or self._client is None or limit < self._chunk:
+        if not st.can_read or self._client is None or limit < (1 if st.handed_in else self._chunk):
             return 0, False
         try:
             wait = 0.0  # asked again: the answer is there or still pending, never waited for twice
@@ -141,7 +164,8 @@ class SchedulerSide:
                 if st.pending_seq:
                     self._client.forget(st.pending_seq)
                 st.pending_seq = self._client.submit(request.request_id, st.salt,
-                                                     token_bytes(request.all_token_ids[:limit]), limit)
+                                                     token_bytes(request.all_token_ids[:limit]), limit,
+                                                     tail=st.handed_in)
                 st.pending_len = limit
                 self.stats.lookups += 1
                 wait = self._wait
@@ -200,6 +224,8 @@ class SchedulerSide:
                 st.phase = _Phase.IDLE  # the worker consumes the reservation by loading it
         self._committed.clear()
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        if self._role is Role.PRODUCER:
+            self._hand_off(meta, scheduled, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
         for request_id, computed_before in scheduled:
@@ -221,6 +247,24 @@ class SchedulerSide:
             self.stats.save_specs += 1
         return meta
 
+    def _hand_off(self, meta: StepMetadata, scheduled: list[tuple[str, int]],
+                  scheduler_output: SchedulerOutput) -> None:
+        """A producer: the requests whose prompt this step completes hand it off (:mod:`.handoff`)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        for request_id, computed_before in scheduled + list(zip(cached.req_ids, cached.num_computed_tokens)):
+            st = self._states.get(request_id)
+            if st is None or not st.can_write or st.handed_out or self._manager is None:
+                continue
+            prompt = int(st.request.num_prompt_tokens)
+            if computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0) < prompt or prompt < 2:
+                continue
+            st.handed_out = prompt - 1  # the consumer computes the last token
+            meta.handoffs.append(HandoffSpec(request_id=request_id, salt=st.salt,
+                                             tokens=token_bytes(st.request.all_token_ids[: st.handed_out]),
+                                             block_ids=tuple(tuple(b) for b in
+                                                             self._manager.get_block_ids(request_id))))
+            self.stats.handoffs += 1
+
     def update_connector_output(self, failed_recving: set[str]) -> None:
         """Requests whose asynchronous load failed are recomputed by vLLM; never offer them a hit again
         (a load that keeps failing would otherwise loop: fail, re-admit, look up, fail)."""
@@ -231,14 +275,19 @@ class SchedulerSide:
                 self.stats.failed_loads += 1
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Release what the request holds; a producer returns the params of its handed-off prompt (the
+        blocks are free at once: the worker copied the pages out in the step that computed them)."""
         st = self._states.pop(request.request_id, None)
-        if st is not None:
-            if st.pending_seq and self._client is not None:
-                self._client.forget(st.pending_seq)
-                st.pending_seq = 0
-                st.phase = _Phase.RESERVED  # the in-flight lookup may have reserved: release after it
-            self._release(st)
-        return False, None
+        if st is None:
+            return False, None
+        if st.pending_seq and self._client is not None:
+            self._client.forget(st.pending_seq)
+            st.pending_seq = 0
+            st.phase = _Phase.RESERVED  # the in-flight lookup may have reserved: release after it
+        self._release(st)
+        if not st.handed_out:
+            return False, None
+        return False, HandoffParams(self._handoff, st.handed_out, self._namespace).to_transfer_params()
 
     def shutdown(self) -> None:
         if self._client is not None:
@@ -267,9 +316,40 @@ class SchedulerSide:
                 self.stats.skipped_requests += 1
                 self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
             st = _RequestState(request=request, salt=request.cache_salt or "", can_read=not reason and
-                               not _skips_connector_reads(request), can_write=not reason)
+                               not _skips_connector_reads(request),
+                               can_write=not reason and self._role is not Role.CONSUMER)
+            st.handed_in = self._role is Role.CONSUMER and st.can_read and self._handed_in(request)
             self._states[request.request_id] = st
         return st
+
+    def _handed_in(self, request: Request) -> bool:
+        """Whether a consumer's request carries a prompt handed off by a producer it may load from; a
+        refusal is counted by reason and logged once (the request is served as a plain lookup)."""
+        try:
+            params = HandoffParams.from_transfer_params(request.kv_transfer_params)
+        except InvalidRequestError as exc:
+            return self._refuse_handoff("malformed", str(exc))
+        if params is None:
+            return False
+        if params.producer not in self._producers:
+            return self._refuse_handoff("untrusted_producer", f"producer {params.producer} is not one of this "
+                                        f"instance's kvengine.peers ({sorted(self._producers)})")
+        if params.namespace != self._namespace:
+            return self._refuse_handoff("namespace_mismatch", f"producer {params.producer} computed KV in namespace "
+                                        f"{params.namespace}, this instance reads {self._namespace}: another model, "
+                                        "weights, dtype, KV layout or tensor-parallel split; its KV is not loaded")
+        if params.tokens != request.num_tokens - 1:
+            return self._refuse_handoff("token_count", f"the producer stored {params.tokens} tokens of a prompt of "
+                                        f"{request.num_tokens}: not this request's prompt")
+        self.stats.handoffs += 1
+        return True
+
+    def _refuse_handoff(self, reason: str, why: str) -> bool:
+        refused = self.stats.refused_handoffs
+        refused[reason] = refused.get(reason, 0) + 1
+        if refused[reason] == 1:
+            logger.error("kvengine: handed-off prompt refused (%s); computed here instead", why)
+        return False
 
     def _release(self, st: _RequestState) -> None:
         if st.phase is _Phase.IDLE:

@@ -38,10 +38,14 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
                           "Blocks kvengine reported to vLLM for recompute"),
     "stored_chunks": ("kvengine_stored_chunks_total", "tier", "Chunks kvengine wrote, per tier"),
     "loads": ("kvengine_vllm_loads_total", "outcome", "kvengine loads into vLLM blocks, per outcome"),
+    "handoffs": ("kvengine_vllm_handoffs_total", "event",
+                 "Prefill/decode handoffs: tails stored and loaded, holds confirmed by a consumer or expired"),
     # scheduler half
     "lookups_in_flight": ("", None, "Lookups whose answer was not back within lookup_wait_ms "
                                     "(vLLM was told 'not known yet' and asked again)"),
     "offered_tokens": ("", None, "External tokens the scheduler half offered vLLM (repeats included)"),
+    "refused_handoffs": ("", "reason", "Handed-off prompts a decode instance refused and computed itself, "
+                                       "per reason"),
 }
 #: vLLM gauge name -> (kvengine sample, documentation).
 GAUGES: dict[str, tuple[str, str]] = {
@@ -146,8 +150,9 @@ class SchedulerStatsSource:
 
     def take(self) -> KVEngineStats | None:
         counters = {}
-        for name in ("lookups_in_flight", "offered_tokens"):
-            value = float(getattr(self._stats, name))
+        values = {name: float(getattr(self._stats, name)) for name in ("lookups_in_flight", "offered_tokens")}
+        values.update({f"refused_handoffs:{reason}": float(n) for reason, n in self._stats.refused_handoffs.items()})
+        for name, value in values.items():
             increase = value - self._last.get(name, 0.0)
             self._last[name] = value
             if increase:

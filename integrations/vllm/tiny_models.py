@@ -115,8 +115,8 @@ def build_model_dir(path: str | Path, family: str = "llama", *, vocab_size: int 
         return path
     path.mkdir(parents=True, exist_ok=True)
     kwargs.setdefault("tie_word_embeddings", False)  # vLLM's Gemma2 always ties
-    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, max_position_embeddings=8192,
-                                  bos_token_id=0, eos_token_id=1, pad_token_id=0, **kwargs)
+    config = AutoConfig.for_model(model_type, **{"vocab_size": vocab_size, "max_position_embeddings": 8192,
+                                                 "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, **kwargs})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _rescale(model, seed, family)

@@ -20,6 +20,10 @@ Lifecycle:
   back to the last chunk boundary whose state is stored, loads install that
   state, and a step that ends on a chunk boundary stores the state it
   materialized (:mod:`.state`).
+* Prefill/decode disaggregation (:mod:`.handoff`): a producer stores each
+  computed prompt's tail and holds its chunks, and serves its memory tier to
+  consumers; a consumer's lookups of handed-off prompts offer the tail too,
+  and its loads copy it in after the chunks.
 * ``shutdown`` stops the service and closes the engine, flushing queued
   disk writes.
 
@@ -51,7 +55,8 @@ from kvengine.types import ModelBinding
 
 from .acceptance import accept_backends, publish_platform, vllm_platform
 from .channel import Answer, LookupService
-from .copy_specs import SaveSpec
+from .copy_specs import HandoffSpec, SaveSpec
+from .handoff import HandoffServer, PromptTail, PromptTails, Role
 from .layout import GroupKind, GroupPlan, PagedLayout
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
@@ -68,6 +73,15 @@ logger = logging.getLogger("vllm.kvengine")
 def build_engine(options: ConnectorOptions) -> KVEngine:
     """The worker's cache engine, with every tier its configuration names (:func:`kvengine.tiers.build_tiers`)."""
     return KVEngine(options.engine)
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """A held hit, taken for loading: its chunks (None: a prompt tail alone), and what follows them."""
+
+    reservation: Reservation | None
+    state: BoundaryState | None = None
+    tail: PromptTail | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,17 +104,23 @@ class ReservationDesk:
     """
 
     def __init__(self, engine: KVEngine, namespace: Namespace, layout: ChunkLayout,
-                 states: BoundaryStates | None = None, broadcast: LatentBroadcast | None = None) -> None:
+                 states: BoundaryStates | None = None, broadcast: LatentBroadcast | None = None,
+                 tails: PromptTails | None = None) -> None:
         self.engine = engine
         self.states = states
+        #: prompt tails handed off by producers (:mod:`.handoff`), looked up when the scheduler asks
+        self.tails = tails
         #: MLA under tensor parallelism: no hit is offered once sharing with the other ranks broke
         self._broadcast = broadcast
         self._namespace = namespace
         self._layout = layout
         self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout)}
-        self._held: dict[str, Reservation] = {}
+        #: None: a hit that is a prompt tail alone (no whole chunk before it)
+        self._held: dict[str, Reservation | None] = {}
         #: hybrid models: the recurrent state at each held reservation's end
         self._held_states: dict[str, _HeldState] = {}
+        #: handed-off prompts: the tail after each held reservation's end
+        self._held_tails: dict[str, PromptTail] = {}
         #: requests whose hit is shadow-checked instead of loaded, and its tokens (asked again: same answer)
         self._shadowed: dict[str, int] = {}
         self._sampler = ShadowSampler(engine.config.shadow)
@@ -118,7 +138,8 @@ class ReservationDesk:
                 self._bindings[salt] = binding
         return binding
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer:
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False) -> Answer:
+        """``tail``: a handed-off prompt (:mod:`.handoff`): its partial last chunk too, up to ``max_tokens``."""
         with self._lock:
             shadowed = self._shadowed.get(request_id)
         if shadowed is not None:
@@ -130,35 +151,56 @@ class ReservationDesk:
         state = None
         if self.states is not None and found.matched_tokens:
             res, state = self._resumable(binding, request_id, ids, found)
-        return self._answer(binding, request_id, res, None if state is None else _HeldState(state, binding, ids))
+        chunk = self._layout.chunk_size
+        held_tail = None
+        if tail and self.tails is not None and max_tokens % chunk and \
+                (res.matched_tokens if res is not None else 0) == max_tokens // chunk * chunk:
+            held_tail = self.tails.find(binding, ids, max_tokens)  # the chunks before it are all held
+        return self._answer(binding, request_id, res, None if state is None else _HeldState(state, binding, ids),
+                            held_tail)
 
-    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int) -> Answer | None:
+    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
+                   tail: bool = False) -> Answer | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread; None: call :meth:`lookup`.
 
-        Hybrid models (recurrent state to find) and salts not bound yet always take :meth:`lookup`.
+        Hybrid models (recurrent state to find), prompt tails and salts not bound yet always take
+        :meth:`lookup`.
         """
         with self._lock:
             shadowed = self._shadowed.get(request_id)
             binding = self._bindings.get(salt)
         if shadowed is not None:
             return Answer(shadow_tokens=shadowed)
-        if binding is None or self.states is not None:
+        if binding is None or self.states is not None or tail:
             return None
         res = self.engine.lookup_resident(binding, request_id, np.frombuffer(tokens, dtype="<u4"),
                                           max_tokens=max_tokens)
         return None if res is None else self._answer(binding, request_id, res, None)
 
     def _answer(self, binding: ModelBinding, request_id: str, res: Reservation | None,
-                state: _HeldState | None) -> Answer:
-        """Hold ``res`` for the request's load (or sample it for a shadow check) and say what it offers."""
-        if res is None or res.matched_tokens == 0 or (self._broadcast is not None and self._broadcast.broken):
+                state: _HeldState | None, tail: PromptTail | None = None) -> Answer:
+        """Hold ``res`` (and a handed-off prompt's ``tail`` after it) for the request's load (or sample it
+        for a shadow check) and say what it offers."""
+        if res is not None and res.matched_tokens == 0 and tail is not None:
+            self.engine.release(res)  # a tail alone: no chunk to hold
+            res = None
+        if (res is None or res.matched_tokens == 0) and tail is None or \
+                (self._broadcast is not None and self._broadcast.broken):
             if res is not None:
                 self.engine.release(res)
             with self._lock:
                 self._held.pop(request_id, None)
                 self._held_states.pop(request_id, None)
+                self._held_tails.pop(request_id, None)
             return Answer()
+        if tail is not None:
+            with self._lock:
+                self._held[request_id] = res
+                self._held_tails[request_id] = tail
+            return Answer(matched_tokens=tail.end)
+        assert res is not None
         with self._lock:
+            self._held_tails.pop(request_id, None)
             known = self._held.get(request_id) is res  # asked again: the same reservation, already counted
         if not known and self._sampler.pick(binding):
             self.engine.release(res)
@@ -194,33 +236,41 @@ class ReservationDesk:
         with self._lock:
             res = self._held.pop(request_id, None)
             self._held_states.pop(request_id, None)
+            self._held_tails.pop(request_id, None)
             self._shadowed.pop(request_id, None)
         if res is not None:
             self.engine.release(res)
 
-    def take(self, request_id: str, end: int | None = None) -> tuple[Reservation, BoundaryState | None] | None:
-        """The request's reservation, now the caller's to load (or None: never made, released, replaced),
-        and a hybrid model's recurrent state at ``end`` (default: the reservation's end).
+    def take(self, request_id: str, end: int | None = None) -> _Taken | None:
+        """The request's hit, now the caller's to load (or None: never made, released, replaced): its
+        reservation, a hybrid model's recurrent state at ``end`` (default: the reservation's end), and a
+        handed-off prompt's tail.
 
         Under tensor parallelism vLLM is offered the least hit over the ranks, which may end before this
         rank's: the state at that earlier boundary is looked up then (None if this rank has none there:
         the load fails and every rank recomputes)."""
         with self._lock:
+            known = request_id in self._held
             res = self._held.pop(request_id, None)
             held = self._held_states.pop(request_id, None)
-        if res is None:
+            tail = self._held_tails.pop(request_id, None)
+        if not known:
             return None
+        if tail is not None:
+            return _Taken(res, None, tail if end is None or end == tail.end else None)
+        assert res is not None
         if held is None or end is None or end == res.matched_tokens:
-            return res, None if held is None else held.state
+            return _Taken(res, None if held is None else held.state)
         assert self.states is not None
         n, state = self.states.find(held.binding, held.tokens, end)
-        return res, state if n == end else None
+        return _Taken(res, state if n == end else None)
 
     def release_all(self) -> None:
         with self._lock:
-            held, self._held, self._held_states = list(self._held.values()), {}, {}
+            held, self._held, self._held_states, self._held_tails = list(self._held.values()), {}, {}, {}
         for res in held:
-            self.engine.release(res)
+            if res is not None:
+                self.engine.release(res)
 
     def stats(self) -> dict[str, float]:
         m = self.engine.metrics
@@ -236,7 +286,8 @@ class ReservationDesk:
 
 class WorkerSide:
     def __init__(self, *, vllm_config: object, kv_cache_config: object, options: ConnectorOptions,
-                 plans: tuple[GroupPlan, ...], asynchronous: bool) -> None:
+                 plans: tuple[GroupPlan, ...], asynchronous: bool, role: Role = Role.BOTH) -> None:
+        self._role = role
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._options = options
@@ -255,6 +306,9 @@ class WorkerSide:
         self._error_blocks: set[int] = set()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        #: a producer's prompt tails, holds and server for consumers (:mod:`.handoff`); a consumer's tails
+        self._tails: PromptTails | None = None
+        self._handoff: HandoffServer | None = None
 
     # -- start-up -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -303,14 +357,20 @@ class WorkerSide:
             check = run_self_check(self.layout, kv_caches, self._copier, forward_order, num_blocks=num_blocks,
                                    codecs=tuple(self.engine.core.tiers.by_codec))
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
-            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast)
+            if self._role is not Role.BOTH:
+                self._tails = PromptTails(self.engine, self.layout, self._copier)
+            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast, self._tails)
             self._metrics()
             publish_platform(self.engine.metrics.registry, platform, namespace, acceptance)
             self._step_metrics(self.engine.metrics.registry)
+            if self._role is Role.PRODUCER:
+                self._handoff = HandoffServer.start(self.engine, options.handoff, self._m_handoffs)
             publish_self_check(check, self.engine.metrics.registry)
             self._service = LookupService(self.desk)
             self._service.start()
         except BaseException:
+            if self._handoff is not None:
+                self._handoff.stop()
             self.engine.close(flush=False)
             raise
         logger.info("kvengine: worker cache engine ready (chunk %d tokens, %.1f KiB, %d tensors, layout %s)",
@@ -320,7 +380,10 @@ class WorkerSide:
     def handshake(self) -> ChannelAddress | None:
         if self._service is None:
             return None
-        return ChannelAddress(self._service.path, self._service.authkey, os.getpid())
+        assert self.desk is not None
+        return ChannelAddress(self._service.path, self._service.authkey, os.getpid(),
+                              namespace=self.desk.binding("").digest.hex(),
+                              handoff=self._handoff.address if self._handoff is not None else "")
 
     def _metrics(self) -> None:
         assert self.engine is not None and self.desk is not None
@@ -349,6 +412,9 @@ class WorkerSide:
         self._m_save_stages = Counter("kvengine_vllm_save_stages",
                                       "Layer copies into staged chunks, queued by save_kv_layer (layer) or "
                                       "left for wait_for_save (step_end)", ["via"], registry=r)
+        self._m_handoffs = Counter("kvengine_vllm_handoffs",
+                                   "Prefill/decode handoffs: prompt tails stored (producer) and loaded (consumer), "
+                                   "holds ended by a consumer's fetch or by their lease", ["event"], registry=r)
         self._m_shared_tokens = Counter("kvengine_vllm_shared_load_tokens",
                                         "MLA under tensor parallelism: tokens loaded through rank 0's broadcast "
                                         "(sent by rank 0, copied in by the others)", registry=r)
@@ -364,11 +430,13 @@ class WorkerSide:
         assert self.engine is not None and self.desk is not None
         jobs = []
         for spec in meta.loads:
-            res, state = self.desk.take(spec.request_id, spec.end) or (None, None)
-            if res is None:
+            taken = self.desk.take(spec.request_id, spec.end)
+            if taken is None:
                 logger.warning("kvengine: no reservation for %s (lease expired?); it is recomputed", spec.request_id)
+                taken = _Taken(None)
+            res = taken.reservation
             views = self.engine.begin_load(res) if res is not None else ()
-            jobs.append(LoadJob(spec, res, views, meta.null_block_id, state))
+            jobs.append(LoadJob(spec, res, views, meta.null_block_id, taken.state, tail=taken.tail))
         if jobs:
             self._pipeline.begin_loads(jobs)
 
@@ -406,6 +474,29 @@ class WorkerSide:
                 self._save_state(spec, meta.null_block_id)
             if spec.verify is not None:
                 self._verify(spec, meta.null_block_id)
+        for handoff in meta.handoffs:
+            self._hand_off(handoff, meta.null_block_id)
+
+    def _hand_off(self, spec: HandoffSpec, null: int) -> None:
+        """A producer computed a prompt: store its tail, hold its chunks for the consumer (:mod:`.handoff`)."""
+        assert self.desk is not None
+        if self._handoff is None or self._tails is None:
+            return
+        ids = np.frombuffer(spec.tokens, dtype="<u4")
+        binding = self.desk.binding(spec.salt)
+        try:
+            self._handoff.share(binding, self._tails.binding(binding))
+            last = self._tails.last_key(binding, ids, len(ids))
+            if len(ids) % self._tails.chunk_size:
+                if not self._tails.save(binding, ids, len(ids), spec.block_ids, null):
+                    self._m_store_skips.labels(reason="handoff_tail").inc()
+                    return
+                self._m_handoffs.labels(event="tail_stored").inc()
+            self._handoff.holds.hold(last, binding, spec.request_id, ids, len(ids) // self._tails.chunk_size *
+                                     self._tails.chunk_size)
+        except Exception as exc:  # the consumer then computes what it cannot load
+            logger.warning("kvengine: handoff of %s not stored: %s: %s", spec.request_id, type(exc).__name__, exc)
+            self._m_store_skips.labels(reason="handoff_tail").inc()
 
     def _verify(self, spec: SaveSpec, null: int) -> None:
         """A shadow check: compare the stored chunks of ``spec.verify`` with the pages this step computed.
@@ -518,6 +609,9 @@ class WorkerSide:
             loaded = max(loaded, min(spec.end, job.loaded * self.layout.chunk.chunk_size))
         if self._pipeline is not None and self._pipeline.shares_loads:
             self._m_shared_tokens.inc(loaded - spec.start)
+        if job.tail is not None and job.tail_loaded and loaded >= job.tail.start and job.loaded == len(job.views):
+            loaded = max(loaded, job.tail.end)
+            self._m_handoffs.labels(event="tail_loaded").inc()
         if loaded >= spec.end and not self._install_state(job):
             loaded = spec.start  # the pages without their state are no hit: recompute it all
         if loaded >= spec.end:
@@ -558,6 +652,9 @@ class WorkerSide:
         if self._service is not None:
             self._service.close()
             self._service = None
+        if self._handoff is not None:
+            self._handoff.stop()
+            self._handoff = None
         if self.desk is not None:
             self.desk.release_all()
         if self.engine is not None:

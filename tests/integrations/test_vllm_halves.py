@@ -319,22 +319,47 @@ def vllm_config(**over):
 
 @pytest.mark.parametrize("over, error, match", [
     ({"kv_transfer_config.kv_load_failure_policy": "fail"}, "ConfigError", "kv_load_failure_policy='recompute'"),
-    ({"kv_transfer_config.kv_role": "kv_producer"}, "ConfigError", "kv_both"),
+    ({"kv_transfer_config.kv_role": "kv_mirror"}, "ConfigError", "kv_role must be one of"),
+    ({"kv_transfer_config.kv_role": "kv_consumer", "parallel_config.tensor_parallel_size": 2},
+     "UnsupportedModelError", "kv_role 'kv_consumer' with tensor_parallel_size=2"),
     ({"parallel_config.pipeline_parallel_size": 2}, "UnsupportedModelError", "pipeline_parallel_size=2"),
     ({"cache_config.cache_dtype": "fp8"}, "UnsupportedModelError", "kv_cache_dtype"),
     ({"speculative_config": object()}, "UnsupportedModelError", "speculative"),
     ({"model_config.enable_sleep_mode": True}, "UnsupportedModelError", "enable_sleep_mode is not supported"),
 ])
 def test_vllm_settings_the_connector_refuses(over, error, match):
-    """The default settings pass; a non-recompute failure policy, a role other than kv_both, pipeline parallelism,
-    an fp8 KV cache, speculative decoding or sleep mode (weights reloaded after wake-up are not the ones
-    fingerprinted) are refused by name."""
+    """The default settings pass; a non-recompute failure policy, an unknown role, a handoff role under tensor
+    parallelism, pipeline parallelism, an fp8 KV cache, speculative decoding or sleep mode (weights reloaded
+    after wake-up are not the ones fingerprinted) are refused by name."""
     import kvengine.errors as errors
     from kvengine.integrations.vllm.connector import check_vllm_config
 
     check_vllm_config(vllm_config())  # the defaults pass
     with pytest.raises(getattr(errors, error), match=match):
         check_vllm_config(vllm_config(**over))
+
+
+@pytest.mark.parametrize("role, extra, kinds, error, match", [
+    ("kv_producer", {}, ("full_attention",), "ConfigError", "needs kv_connector_extra_config handoff.listen"),
+    ("kv_consumer", {}, ("full_attention",), "ConfigError", "needs kvengine.peers.peers"),
+    ("kv_producer", {"handoff": {"listen": "127.0.0.1:0"}}, ("recurrent_state", "full_attention"),
+     "UnsupportedModelError", "recurrent-state KV cache groups \\[0\\] is not supported"),
+])
+def test_handoff_roles_refuse_what_they_lack_or_cannot_serve(role, extra, kinds, error, match):
+    """A producer without a handoff address, a consumer without producers to load from, and a hybrid model in
+    either role (the decode side would need a recurrent state vLLM never materializes there)."""
+    import kvengine.errors as errors
+    from kvengine.integrations.vllm.connector import check_roles
+    from kvengine.integrations.vllm.handoff import Role
+    from kvengine.integrations.vllm.layout import GroupKind, GroupPlan
+    from kvengine.integrations.vllm.options import ConnectorOptions
+
+    plans = tuple(GroupPlan(group_id=i, kind=GroupKind(kind), block_size=BS, layer_names=(f"l{i}",))
+                  for i, kind in enumerate(kinds))
+    options = ConnectorOptions.from_extra_config(extra)
+    check_roles(plans, options, Role.BOTH)  # a local cache needs neither
+    with pytest.raises(getattr(errors, error), match=match):
+        check_roles(plans, options, Role(role))
 
 
 # ------------------------------------------------------------------ scheduler half --
@@ -637,7 +662,8 @@ def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
     for _ in range(2):
         assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 2 * CHUNK
         assert h.engine.core.memory.total_pins() == 2
-    res, state = h.desk.take("r")
+    taken = h.desk.take("r")
+    res, state = taken.reservation, taken.state
     assert res.matched_tokens == 2 * CHUNK and state[0].eq(7).all()
     h.states.install(state, 3)
     assert torch.equal(h.cache[3], h.cache[5])
@@ -660,7 +686,8 @@ def test_hybrid_load_offered_less_than_this_ranks_hit_gets_the_state_at_the_offe
         assert h.states.save(h.desk.binding(""), ids[:chunks * CHUNK], block_id=block)
     for end, want in ((CHUNK, 3), (2 * CHUNK, 7), (CHUNK + BS, None)):
         assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 2 * CHUNK
-        res, state = h.desk.take("r", end)
+        taken = h.desk.take("r", end)
+        res, state = taken.reservation, taken.state
         assert res.matched_tokens == 2 * CHUNK
         assert (state is None) if want is None else state[0].eq(want).all()
         h.engine.release(res)

@@ -35,7 +35,7 @@ class FakeHandler:
         self.fail = False
         self.released = threading.Event()
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int):
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False):
         from kvengine.integrations.vllm.channel import Answer
 
         time.sleep(self.delays.get(request_id, self.delay))
@@ -47,7 +47,7 @@ class FakeHandler:
         self.calls.append(("lookup", request_id))
         return Answer(matched_tokens=min(8, len(tokens) // 4, max_tokens))
 
-    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int):
+    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False):
         from kvengine.integrations.vllm.channel import Answer
 
         if request_id not in self.resident:

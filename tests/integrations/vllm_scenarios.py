@@ -78,11 +78,11 @@ def kv_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_args(model: str, *, dtype: str = "float32", connector: dict[str, Any] | None = None,
-                **over: Any) -> dict[str, Any]:
+                kv_transfer_config_role: str = "kv_both", **over: Any) -> dict[str, Any]:
     args = dict(model=model, dtype=dtype, max_model_len=2048, enforce_eager=True, max_num_seqs=4,
                 enable_prefix_caching=False, seed=0)
     if connector is not None:
-        args["kv_transfer_config"] = kv_config(connector)
+        args["kv_transfer_config"] = {**kv_config(connector), "kv_role": kv_transfer_config_role}
     args.update(over)
     return args
 
@@ -101,16 +101,20 @@ def start(args: dict[str, Any], *, stat_loggers: list[Any] | None = None) -> Any
 
 def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: str = "r",
         abort_at_step: int = -1, abort: frozenset[int] = frozenset(),
-        logprobs: bool = False) -> list[dict[str, Any] | None]:
-    """Greedy outputs (None for aborted requests), vLLM's ``num_cached_tokens`` per prompt and, with
-    ``logprobs``, the log-probability of each generated token."""
+        logprobs: bool = False, transfer: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any] | None]:
+    """Greedy outputs (None for aborted requests), vLLM's ``num_cached_tokens`` per prompt, the finished
+    request's ``kv_transfer_params`` and, with ``logprobs``, the log-probability of each generated token.
+    ``transfer``: each request's ``kv_transfer_params`` (a decode instance's, from the prefill's output)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0 if logprobs else None)
     run.counter = getattr(run, "counter", 0) + 1  # type: ignore[attr-defined]
     ids = [f"{prefix}{run.counter}-{i}" for i in range(len(prompts))]  # type: ignore[attr-defined]
-    for rid, p in zip(ids, prompts):
+    for i, (rid, p) in enumerate(zip(ids, prompts)):
+        params = transfer[i] if transfer is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=0 if logprobs else None,
+                            extra_args={"kv_transfer_params": params} if params is not None else None)
         engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
     done: dict[str, dict[str, Any]] = {}
     t, steps = time.perf_counter(), 0
@@ -118,7 +122,8 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: 
         for out in engine.step():
             if out.finished and out.outputs[0].finish_reason != "abort":
                 c = out.outputs[0]
-                done[out.request_id] = {"tokens": list(c.token_ids), "cached": int(out.num_cached_tokens or 0)}
+                done[out.request_id] = {"tokens": list(c.token_ids), "cached": int(out.num_cached_tokens or 0),
+                                        "transfer": out.kv_transfer_params}
                 if logprobs:
                     done[out.request_id]["logprobs"] = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         steps += 1
@@ -777,6 +782,83 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
     return m.get('kvengine_stored_chunks_total{tier="memory"}', 0.0) == done + failed
 
 
+def scenario_disagg(work: Path) -> dict[str, Any]:
+    """Prefill/decode disaggregation (Llama, fp32), both instances in vLLM's default topology and alive at
+    once: a producer (``kv_producer``, its handoff server on loopback) runs each prompt with ``max_tokens=1``;
+    a consumer (``kv_consumer``, the producer its only peer) runs it with the returned ``kv_transfer_params``
+    and 16 tokens. Prompts with a partial last chunk, one that ends on a chunk boundary, one shorter than a
+    chunk. Then: params naming another namespace, and another producer (refused: computed locally); a
+    prompt handed off and never consumed (its hold expires with the producer's lease, LEASE_S); the producer
+    shut down before the consumer reads (every load a miss, computed locally)."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    model = str(build_model_dir(work / "llama", "llama"))
+    from vllm import EngineArgs
+
+    block = int(EngineArgs(**engine_args(model)).create_engine_config().cache_config.block_size)  # no engine
+    chunk = block * -(-256 // block)  # the connector's "auto" chunk for one block size
+    prompts = [prompt(401, 2 * chunk + chunk // 3), prompt(402, chunk + 1), prompt(403, chunk // 2),
+               prompt(404, 3 * chunk - 7)]
+    late = [prompt(405, chunk + chunk // 2)]
+    report: dict[str, Any] = {"prompts": prompts, "chunk": chunk}
+    report["ref"], report["ref_late"] = _references_with_logprobs(model, prompts, late)
+    set_topology(in_process=False)
+    handoff_port, pport, cport = free_port(), free_port(), free_port()
+    producer = start(engine_args(model, connector={
+        "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": pport, "lease_seconds": LEASE_S},
+        "handoff": {"listen": f"127.0.0.1:{handoff_port}"}}, kv_transfer_config_role="kv_producer"))
+    consumer = None
+    try:
+        consumer = start(engine_args(model, connector={
+            "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": cport,
+                         "peers": {"peers": [f"127.0.0.1:{handoff_port}"], "request_timeout": 2.0}}},
+            kv_transfer_config_role="kv_consumer"))
+        prefill = run(producer, prompts, 1)
+        report["prefill"] = prefill
+        report["producer_after_prefill"] = scrape(pport)
+        params = [o["transfer"] for o in prefill]  # type: ignore[index]
+        report["decode"] = run(consumer, prompts, 16, logprobs=True, transfer=params)
+        report["producer_after_decode"] = scrape(pport)
+        report["consumer"] = scrape(cport)
+        # refused params: computed locally, exactly
+        other_ns = [{**p, "kvengine_handoff": {**p["kvengine_handoff"], "namespace": "00" * 16}} for p in params[:1]]
+        other_producer = [{**p, "kvengine_handoff": {**p["kvengine_handoff"], "producer": "127.0.0.1:9"}}
+                          for p in params[3:4]]
+        report["refused"] = run(consumer, [prompts[0], prompts[3]], 16, logprobs=True,
+                                transfer=other_ns + other_producer)
+        # handed off, never consumed: the hold expires (swept at the next handoff) and its pins are reclaimed
+        report["late_prefill"] = run(producer, late, 1)
+        time.sleep(LEASE_S + 1)
+        run(producer, [prompt(406, 40)], 1)
+        report["producer_after_expiry"] = unpinned([pport], timeout_s=10)[0]
+        # the producer gone before the consumer reads: a miss, computed locally, within the peers' deadline
+        shutdown(producer)
+        producer = None
+        t = time.perf_counter()
+        report["orphan"] = run(consumer, late, 16, logprobs=True, transfer=[report["late_prefill"][0]["transfer"]])
+        report["orphan_wall_s"] = time.perf_counter() - t
+        report["consumer_end"] = scrape(cport)
+    finally:
+        for engine in (consumer, producer):
+            if engine is not None:
+                shutdown(engine)
+    return report
+
+
+#: the disagg producer's lease: its holds must outlast one decode pass on a loaded machine
+LEASE_S = 8
+
+
+def _references_with_logprobs(model: str, *batches: list[list[int]]) -> list[Any]:
+    """Greedy outputs with log-probabilities (16 tokens) of vLLM without a connector, per batch."""
+    set_topology(in_process=True)
+    engine = start(engine_args(model))
+    try:
+        return [run(engine, prompts, 16, logprobs=True) for prompts in batches]
+    finally:
+        shutdown(engine)
+
+
 def scenario_unlock(work: Path) -> dict[str, Any]:
     """A verification record written by ``kvengine verify vllm`` (test_vllm_verify.py: ``work/model``,
     ``work/records``, ``work/secret``) unlocking a real engine whose backend needs proof. vLLM's CPU backend is
@@ -858,7 +940,7 @@ def scenario_verify_fault(work: Path) -> dict[str, Any]:
             "tokens_loaded": result.tokens_loaded}
 
 
-SCENARIOS = {"first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
+SCENARIOS = {"disagg": scenario_disagg, "first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "hybrid_tp": scenario_hybrid_tp,

@@ -1,0 +1,195 @@
+"""Prefill/decode disaggregation through kvengine: what the handoff costs the decode instance.
+
+A prefill instance (``kv_role: kv_producer``) and a decode instance
+(``kv_consumer``), both vLLM CPU engines in their default topology, alive at
+once in this run on the same machine. Model: the random ~80M-parameter Llama
+of ``bench_vllm.py`` (12 layers, 4 KV heads of 64), fp32: 24 KiB of KV per
+token. Per prompt length (distinct prompts, ``--repeats`` each):
+
+* ``prefill``  -- the producer's TTFT (``max_tokens=1``): the prompt computed
+  and handed off;
+* ``handoff``  -- the consumer's TTFT for that prompt with the producer's
+  ``kv_transfer_params``: every token but the last loaded from the producer's
+  memory over the peer wire (tcp, loopback), the last computed;
+* ``transfer`` -- of that, the consumer's promotions from the producer
+  (``kvengine_tier_read_seconds{tier="peers_tcp"}``: reads, verification and
+  copy into its memory tier);
+* ``local``    -- the consumer's TTFT computing a prompt of that length itself
+  (what a colocated instance pays);
+* ``raw wire`` -- the same bytes over a plain loopback TCP socket in this run
+  (``sendall``/``recv_into``), the floor any transfer over it pays.
+
+Figures are medians; ``transfer / handoff`` is the share of the decode
+instance's TTFT the handoff costs, and ``raw / transfer`` what the peer wire
+achieves of the raw socket. Both instances share this machine's cores, so the
+prefill never overlaps the decode here; the multi-node expectation is a
+calculation from these per-byte costs (``docs/benchmarks.md``).
+
+    .venv-vllm/bin/python benchmarks/bench_disagg.py [--sizes 1024 4096] [--repeats 3]
+
+Results: ``benchmarks/results/disagg.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import machine_info, print_header, print_table, write_json
+
+from kvengine.metrics import scrape
+
+MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+             num_key_value_heads=4, head_dim=64)
+KV_BYTES_PER_TOKEN = 12 * 2 * 4 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32
+CONNECTOR = "kvengine.integrations.vllm.connector"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n)]
+
+
+def _engine(model: str, role: str, extra: dict[str, Any], max_len: int) -> Any:
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=model, dtype="float32", max_model_len=max_len, enforce_eager=True, max_num_seqs=4,
+        enable_prefix_caching=False, seed=0, kv_transfer_config={
+            "kv_connector": "KVEngineConnector", "kv_connector_module_path": CONNECTOR, "kv_role": role,
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}))
+
+
+def _ttft(engine: Any, tokens: list[int], params: dict[str, Any] | None = None) -> tuple[float, Any]:
+    """Seconds to the first (only) token, and the request's finished output."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _ttft.n = getattr(_ttft, "n", 0) + 1  # type: ignore[attr-defined]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    start = time.perf_counter()
+    engine.add_request(f"b{_ttft.n}", TokensPrompt(prompt_token_ids=tokens), sp)  # type: ignore[attr-defined]
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return time.perf_counter() - start, out
+
+
+def _raw_wire_s(nbytes: int, repeats: int = 3) -> float:
+    """Median seconds to move ``nbytes`` over a loopback TCP socket (one connection, sendall / recv_into)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = os.urandom(min(nbytes, 1 << 20)) * -(-nbytes // (1 << 20))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(repeats):
+                conn.recv(1)
+                conn.sendall(memoryview(payload)[:nbytes])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    times = []
+    buf = bytearray(nbytes)
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            client.sendall(b"x")
+            view, got = memoryview(buf), 0
+            while got < nbytes:
+                got += client.recv_into(view[got:])
+            times.append(time.perf_counter() - start)
+    thread.join()
+    server.close()
+    return statistics.median(times)
+
+
+def _read_seconds(metrics: dict[str, float]) -> float:
+    return metrics.get('kvengine_tier_read_seconds_sum{tier="peers_tcp"}', 0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    print_header()
+    max_len = max(args.sizes) + 64
+    work = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
+    model = str(build_model_dir(work / "model", "llama", vocab_size=4096, dtype="float32", **MODEL,
+                                max_position_embeddings=max_len))
+    handoff, pport, cport = _free_port(), _free_port(), _free_port()
+    capacity = f"{max(256, 4 * max(args.sizes) * args.repeats * KV_BYTES_PER_TOKEN >> 20)}MiB"
+    producer = _engine(model, "kv_producer", {
+        "kvengine": {"memory": {"capacity_bytes": capacity}, "metrics_port": pport, "lease_seconds": 120},
+        "handoff": {"listen": f"127.0.0.1:{handoff}"}}, max_len)
+    consumer = _engine(model, "kv_consumer", {"kvengine": {
+        "memory": {"capacity_bytes": capacity}, "metrics_port": cport,
+        "peers": {"peers": [f"127.0.0.1:{handoff}"], "request_timeout": 30.0, "read_deadline": 60.0}}}, max_len)
+    rows, results = [], []
+    try:
+        _ttft(producer, _prompt(1, 64))  # warm-up, both
+        _ttft(consumer, _prompt(2, 64))
+        for n in args.sizes:
+            sample: dict[str, list[float]] = {"prefill": [], "handoff": [], "transfer": [], "local": []}
+            cached = []
+            for r in range(args.repeats):
+                tokens = _prompt(1000 * n + r, n)
+                t, out = _ttft(producer, tokens)
+                sample["prefill"].append(t)
+                before = _read_seconds(scrape(cport))
+                t, got = _ttft(consumer, tokens, out.kv_transfer_params)
+                sample["handoff"].append(t)
+                sample["transfer"].append(_read_seconds(scrape(cport)) - before)
+                cached.append(int(got.num_cached_tokens or 0))
+                sample["local"].append(_ttft(consumer, _prompt(2000 * n + r, n))[0])
+            med = {k: statistics.median(v) for k, v in sample.items()}
+            nbytes = (n - 1) * KV_BYTES_PER_TOKEN
+            raw = _raw_wire_s(nbytes)
+            result = {"tokens": n, "kv_bytes": nbytes, "cached_tokens": cached, **{f"{k}_s": v for k, v in med.items()},
+                      "raw_wire_s": raw, "transfer_share_of_ttft": med["transfer"] / med["handoff"],
+                      "raw_over_transfer": raw / med["transfer"] if med["transfer"] else None,
+                      "local_over_handoff": med["local"] / med["handoff"],
+                      "transfer_gb_s": nbytes / med["transfer"] / 1e9 if med["transfer"] else None,
+                      "raw_wire_gb_s": nbytes / raw / 1e9}
+            results.append(result)
+            rows.append([n, f"{nbytes / 2**20:.1f}", f"{med['prefill'] * 1e3:.0f}", f"{med['handoff'] * 1e3:.0f}",
+                         f"{med['transfer'] * 1e3:.1f}", f"{result['transfer_share_of_ttft']:.2f}",
+                         f"{med['local'] * 1e3:.0f}", f"{result['local_over_handoff']:.1f}",
+                         f"{result['transfer_gb_s'] or 0:.2f}", f"{result['raw_wire_gb_s']:.2f}",
+                         min(cached) == max(cached) == n - 1])
+    finally:
+        for engine in (consumer, producer):
+            engine.engine_core.shutdown()
+    print_table("prefill/decode handoff (medians; ms unless said)",
+                ["tokens", "KV MiB", "prefill TTFT", "handoff TTFT", "transfer", "transfer/TTFT", "local TTFT",
+                 "local/handoff", "transfer GB/s", "raw wire GB/s", "all but last loaded"], rows)
+    path = write_json("disagg.json", {"machine": machine_info().as_dict(), "model": MODEL, "dtype": "float32",
+                                      "repeats": args.repeats, "results": results})
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

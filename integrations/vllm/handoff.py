@@ -1,0 +1,305 @@
+"""Prefill/decode disaggregation: a producer instance hands each prompt's KV to a consumer instance.
+
+Roles (vLLM's ``kv_role``):
+
+* ``kv_producer`` (prefill): stores every chunk of the prompt as a ``kv_both``
+  instance does, and, once the prompt is computed, its **tail**: the pages of
+  the last, partial chunk up to the prompt's last token (the consumer computes
+  that token). The tail is a keyed record (:data:`TAIL_SCHEME`) in the same
+  tiers, record format and verification as the chunks. The producer then
+  *holds* the prompt's chunks (a reservation, so memory pressure cannot evict
+  them) until a consumer fetches the tail, or the engine's lease
+  (``kvengine.lease_seconds``) expires; and its worker serves its memory tier
+  to consumers over the peer wire (``handoff.listen``). vLLM returns
+  :class:`HandoffParams` in the finished request's ``kv_transfer_params``.
+* ``kv_consumer`` (decode): given those params, looks the prompt up through its
+  peer tier (the producers are its ``peers``), tail included, and loads all of
+  it into its pages: it computes only the prompt's last token. Any fault (the
+  producer gone, the lease expired, a record that does not verify) is a
+  shorter hit or a miss: vLLM computes the rest, exactly.
+
+A consumer accepts params only from a producer in its ``peers`` list and in
+its own namespace (the same model, weights, dtype, KV layout and tensor
+split): others are refused with the reason, counted, and computed locally.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvengine import Reservation
+from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.keys import ChunkKey
+from kvengine.config import MIN_MEMORY_BYTES
+from kvengine.errors import ConfigError, InvalidRequestError
+from kvengine.facade import KVEngine
+from kvengine.keyed import SyncKeyedStore, keyed_chunk_key, keyed_namespace
+from kvengine.transport import Buffer
+from kvengine.types import ModelBinding
+
+from .layout import BlockIds, PagedLayout
+from .options import HandoffOptions
+from .paging import PagedCopier
+
+if TYPE_CHECKING:
+    from kvengine.transports.peer_service import ServerThread
+    from kvengine.transports.peer_store import EngineStore
+
+logger = logging.getLogger("vllm.kvengine")
+
+class Role(enum.Enum):
+    """vLLM's ``kv_role``, as the connector plays it."""
+
+    BOTH = "kv_both"  # a cache: looks up and stores every request (the default)
+    PRODUCER = "kv_producer"  # prefill: hands each computed prompt off to a consumer
+    CONSUMER = "kv_consumer"  # decode: loads handed-off prompts; stores nothing
+
+
+#: Key scheme of the prompt tails' namespace (see :func:`kvengine.keyed.keyed_namespace`).
+TAIL_SCHEME = "vllm-prompt-tail"
+#: The entry of vLLM's ``kv_transfer_params`` that carries :class:`HandoffParams`.
+PARAMS_KEY = "kvengine_handoff"
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffParams:
+    """What a consumer needs to load a prompt a producer computed (in ``kv_transfer_params``)."""
+
+    #: ``host:port`` of the producer's handoff server (one of the consumer's ``peers``)
+    producer: str
+    #: tokens whose KV the producer stored: the prompt less its last token
+    tokens: int
+    #: hex digest of the producer's namespace (model, weights, dtype, layout, tensor split)
+    namespace: str
+
+    def to_transfer_params(self) -> dict[str, Any]:
+        return {PARAMS_KEY: {"producer": self.producer, "tokens": self.tokens, "namespace": self.namespace}}
+
+    @classmethod
+    def from_transfer_params(cls, params: Mapping[str, Any] | None) -> HandoffParams | None:
+        """The params in a request's ``kv_transfer_params`` (None: none given).
+
+        :raises InvalidRequestError: naming the field that is missing or ill-typed.
+        """
+        if not params or PARAMS_KEY not in params:
+            return None
+        raw = params[PARAMS_KEY]
+        if not isinstance(raw, Mapping):
+            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a mapping, got {type(raw).__name__}")
+        producer, tokens, namespace = raw.get("producer"), raw.get("tokens"), raw.get("namespace")
+        if not isinstance(producer, str) or not producer.rpartition(":")[0]:
+            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].producer must be 'host:port', "
+                                      f"got {producer!r}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].tokens must be a count, got {tokens!r}")
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].namespace must be a digest, "
+                                      f"got {namespace!r}")
+        return cls(producer, tokens, namespace)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTail:
+    """The pages of a prompt's last, partial chunk: tokens ``[start, end)`` (a copy, the holder's)."""
+
+    start: int
+    end: int
+    tensors: tuple[torch.Tensor, ...]
+
+
+class PromptTails:
+    """Store and find prompt tails (see the module docs), keyed by the chained hash of all ``end`` tokens."""
+
+    def __init__(self, engine: KVEngine, layout: PagedLayout, copier: PagedCopier) -> None:
+        self.engine = engine
+        self._layout = layout.chunk
+        self._chunk = layout.chunk.chunk_size
+        self._copier = copier
+        self._stores: dict[bytes, SyncKeyedStore] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def chunk_size(self) -> int:
+        return self._chunk
+
+    def binding(self, binding: ModelBinding) -> ModelBinding:
+        """The tails' binding beside the chunks' ``binding``."""
+        return self._store(binding).binding
+
+    def _store(self, binding: ModelBinding) -> SyncKeyedStore:
+        with self._lock:
+            store = self._stores.get(binding.digest)
+            if store is None:
+                keyed = self.engine.bind(keyed_namespace(binding.namespace, TAIL_SCHEME), self._layout)
+                store = self._stores[binding.digest] = SyncKeyedStore(self.engine, keyed)
+        return store
+
+    def key(self, binding: ModelBinding, tokens: np.ndarray, end: int) -> bytes:
+        return bytes(prefix_hashes(tokens[:end], self._chunk, binding.digest, partial=True)[-1])
+
+    def last_key(self, binding: ModelBinding, tokens: np.ndarray, end: int) -> ChunkKey:
+        """The address (in the engine and on the peer wire) of the record a consumer of ``tokens[:end]``
+        fetches last: the tail, or the last chunk where ``end`` is a chunk boundary."""
+        if end % self._chunk:
+            return keyed_chunk_key(self.binding(binding), self.key(binding, tokens, end))
+        return ChunkKey(binding.digest, prefix_hashes(tokens[:end], self._chunk, binding.digest)[-1])
+
+    def save(self, binding: ModelBinding, tokens: np.ndarray, end: int, block_ids: BlockIds, null: int) -> bool:
+        """Store the pages of tokens ``[end // chunk * chunk, end)`` held in ``block_ids``."""
+        start = end // self._chunk * self._chunk
+        tensors = [torch.empty(t.shape, dtype=t.dtype, device=self._copier.device(i))
+                   for i, t in enumerate(self._layout.tensors)]
+        for i, out in enumerate(tensors):
+            self._copier.gather_into(i, start, block_ids, null, out, end=end)
+        return self._store(binding).put([self.key(binding, tokens, end)], lambda _i: tensors)[0].ok
+
+    def find(self, binding: ModelBinding, tokens: np.ndarray, end: int) -> PromptTail | None:
+        """A copy of the tail of ``tokens[:end]`` (None: not stored here nor in a tier below)."""
+        got: list[tuple[torch.Tensor, ...]] = []
+
+        def keep(_i: int, tensors: Sequence[torch.Tensor]) -> None:
+            got.append(tuple(t.clone() for t in tensors))
+
+        if not self._store(binding).get([self.key(binding, tokens, end)], keep)[0].ok:
+            return None
+        return PromptTail(end // self._chunk * self._chunk, end, got[0])
+
+
+class HandoffHolds:
+    """The producer's holds on handed-off prompts, by the key of the record a consumer fetches last.
+
+    A hold is a reservation of the prompt's chunks (pinned against eviction). Fetching that record ends it
+    (:meth:`confirm`); else the engine's lease reclaims it, and :meth:`sweep` forgets it (counted expired).
+    Thread-safe: the worker holds, the handoff server's thread confirms.
+    """
+
+    def __init__(self, engine: KVEngine, lease_s: float, count: Callable[[str], None] = lambda event: None) -> None:
+        self.engine = engine
+        self._lease = lease_s
+        self._count = count  # "hold_confirmed", "hold_expired"
+        self._held: dict[ChunkKey, tuple[Reservation, float]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def hold(self, last: ChunkKey, binding: ModelBinding, request_id: str, tokens: np.ndarray, full: int) -> None:
+        """Pin the ``full`` tokens' chunks of ``tokens`` until ``last`` is fetched or the lease ends (a prompt
+        shorter than a chunk has none: its tail is one record, the most recently used)."""
+        self.sweep()
+        res = self.engine.lookup(binding, f"handoff:{request_id}", tokens[:full], max_tokens=full) if full else None
+        with self._lock:
+            old = self._held.pop(last, None)
+            if res is not None:
+                self._held[last] = (res, time.monotonic() + self._lease)
+        if old is not None:
+            self.engine.release(old[0])
+
+    def confirm(self, keys: Sequence[ChunkKey]) -> None:
+        """The consumer fetched ``keys``: release the holds they end."""
+        now = time.monotonic()
+        with self._lock:
+            ended = [held for k in keys if (held := self._held.pop(k, None)) is not None]
+        for res, until in ended:
+            self.engine.release(res)  # a no-op where the lease already reclaimed it
+            self._count("hold_confirmed" if until > now else "hold_expired")
+
+    def sweep(self) -> None:
+        """Forget holds past their lease (the engine has reclaimed their pins)."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [k for k, (_, until) in self._held.items() if until <= now]
+            ended = [self._held.pop(k) for k in gone]
+        for res, _ in ended:
+            self.engine.release(res)  # a no-op where the lease already reclaimed it
+            self._count("hold_expired")
+
+    def release_all(self) -> None:
+        with self._lock:
+            ended, self._held = list(self._held.values()), {}
+        for res, _ in ended:
+            self.engine.release(res)
+
+
+class HandoffStore:
+    """The producer's memory tier as a peer store (:class:`~kvengine.transports.peer_store.EngineStore`)
+    whose reads end the holds they complete."""
+
+    def __init__(self, inner: Any, holds: HandoffHolds) -> None:
+        self._inner = inner
+        self._holds = holds
+
+    async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        out: list[Buffer | None] = await self._inner.get(keys)
+        self._holds.confirm([k for k, record in zip(keys, out) if record is not None])
+        return out
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        result: list[bool] = await self._inner.exists(keys)
+        return result
+
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        return [False] * len(items)  # a producer serves what it computed; it takes nothing from peers
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [False] * len(keys)
+
+
+class HandoffServer:
+    """A producer's server for consumers: its memory tier over the peer wire (tcp; TLS with
+    ``handoff.tls_cert``), records sealed with ``peers.secret_file``, reads ending holds."""
+
+    def __init__(self, thread: ServerThread, store: EngineStore, holds: HandoffHolds, address: str) -> None:
+        self._thread = thread
+        self._store = store
+        self.holds = holds
+        #: as consumers dial it
+        self.address = address
+
+    @classmethod
+    def start(cls, engine: KVEngine, options: HandoffOptions, events: Any) -> HandoffServer:
+        """Serve on ``options.listen``; ``events``: a Prometheus counter labelled ``event``.
+
+        :raises ConfigError: no ``listen`` address, off loopback without a secret or TLS, or a bad TLS file.
+        """
+        from kvengine.transports.peer_client import require_protection
+        from kvengine.transports.peer_service import ServerOptions, ServerThread
+        from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
+        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
+        from kvengine.trust.secrets import read_secret_file
+
+        if options.listen is None:
+            raise ConfigError("kvengine vLLM connector: kv_role 'kv_producer' needs kv_connector_extra_config "
+                              "handoff.listen ('host:port' where decode instances fetch the prompts' KV)")
+        secret = read_secret_file(engine.config.peers.secret_file, "peers.secret_file")
+        tls = TlsConfig(cert=options.tls_cert, key=options.tls_key) if options.tls_cert is not None else None
+        require_protection([options.listen], secret=secret, encrypted=tls is not None, what="handoff.listen")
+        holds = HandoffHolds(engine, float(engine.config.lease_seconds),
+                             lambda event: events.labels(event=event).inc())
+        # the backing store holds nothing: a producer takes no records from peers (HandoffStore refuses puts)
+        store = EngineStore(engine.core, MemoryRecordStore(MIN_MEMORY_BYTES), secret=secret)
+        server = TcpPeerServer(HandoffStore(store, holds), options.listen, ServerOptions(secret=secret),
+                               TcpServerOptions(tls=tls))
+        thread = ServerThread(server)
+        bound = thread.start()
+        logger.info("kvengine: handoff server for decode instances on %s", bound)
+        return cls(thread, store, holds, options.advertise or bound)
+
+    def share(self, *bindings: ModelBinding) -> None:
+        """Serve these namespaces' chunks (a binding is shared once it hands off a prompt)."""
+        for binding in bindings:
+            self._store.share(binding)
+
+    def stop(self) -> None:
+        self._thread.stop()
+        self.holds.release_all()

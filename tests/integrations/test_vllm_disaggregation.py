@@ -1,0 +1,88 @@
+"""Prefill/decode disaggregation through kvengine, on real vLLM CPU engines (``vllm_scenarios.py disagg``).
+
+A producer instance (``kv_role: kv_producer``) and a consumer instance (``kv_consumer``) alive at once,
+each in vLLM's default topology: the consumer loads every prompt token but the last from the producer's
+memory over the peer wire and decodes exactly what one colocated vLLM does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from tests.integrations.test_vllm_e2e import _run
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (use .venv-vllm, see docs/vllm.md)"),
+    pytest.mark.slow,
+]
+
+FP32_LOGPROB = 1e-4
+
+
+@pytest.fixture(scope="module")
+def disagg(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    report, _log = _run("disagg", tmp_path_factory.mktemp("disagg"))
+    return report
+
+
+def _exact(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["tokens"] == want["tokens"]
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= FP32_LOGPROB
+
+
+def _handoffs(metrics: dict[str, float], event: str) -> float:
+    return metrics.get(f'kvengine_vllm_handoffs_total{{event="{event}"}}', 0.0)
+
+
+def test_the_producer_returns_what_the_consumer_needs(disagg: dict[str, Any]) -> None:
+    for p, out in zip(disagg["prompts"], disagg["prefill"]):
+        params = out["transfer"]["kvengine_handoff"]
+        assert params["tokens"] == len(p) - 1
+        assert params["producer"].startswith("127.0.0.1:")
+        assert len(params["namespace"]) == 32
+    # a partial last chunk is stored as a tail; a prompt whose last token but one ends a chunk has none
+    chunk = disagg["chunk"]
+    tails = sum((len(p) - 1) % chunk != 0 for p in disagg["prompts"])
+    assert tails == len(disagg["prompts"]) - 1
+    assert _handoffs(disagg["producer_after_prefill"], "tail_stored") == tails
+
+
+def test_the_consumer_decodes_exactly_and_computes_only_the_last_prompt_token(disagg: dict[str, Any]) -> None:
+    for p, got, want in zip(disagg["prompts"], disagg["decode"], disagg["ref"]):
+        _exact(got, want)
+        assert got["cached"] == len(p) - 1  # vLLM's own count: every prompt token but the last was loaded
+    chunk = disagg["chunk"]
+    tails = sum((len(p) - 1) % chunk != 0 for p in disagg["prompts"])
+    assert _handoffs(disagg["consumer"], "tail_loaded") == tails
+    # every handed-off prompt was fetched whole: each hold (a prompt of a chunk or more) ended by the
+    # consumer's read of its last record, none by its lease
+    held = sum(len(p) - 1 >= chunk for p in disagg["prompts"])
+    assert held == len(disagg["prompts"]) - 1
+    assert _handoffs(disagg["producer_after_decode"], "hold_confirmed") == held
+    assert _handoffs(disagg["producer_after_decode"], "hold_expired") == 0
+    assert disagg["producer_after_decode"]["kvengine_vllm_pinned_chunks"] == 0
+
+
+def test_params_of_another_namespace_or_producer_are_refused_and_computed(disagg: dict[str, Any]) -> None:
+    """Refused params are a plain lookup: never the tail (the consumer's own memory may hold whole chunks)."""
+    prompts = [disagg["prompts"][0], disagg["prompts"][3]]
+    for p, got, want in zip(prompts, disagg["refused"], [disagg["ref"][0], disagg["ref"][3]]):
+        _exact(got, want)
+        assert got["cached"] < len(p) - 1
+
+
+def test_an_unclaimed_handoff_expires_and_unpins(disagg: dict[str, Any]) -> None:
+    after = disagg["producer_after_expiry"]
+    assert _handoffs(after, "hold_expired") == 1
+    assert after["kvengine_vllm_pinned_chunks"] == 0
+
+
+def test_a_producer_gone_is_a_miss_computed_exactly_without_a_hang(disagg: dict[str, Any]) -> None:
+    (got,), (want,) = disagg["orphan"], disagg["ref_late"]
+    _exact(got, want)
+    assert got["cached"] == 0
+    assert disagg["orphan_wall_s"] < 30

@@ -1,0 +1,205 @@
+"""Parts of the prefill/decode handoff that need no vLLM (:mod:`kvengine.integrations.vllm.handoff`):
+the params a producer returns, prompt tails through a real engine and the page pipeline, and the holds.
+
+The two-instance path on real vLLM engines is in test_vllm_disaggregation.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvengine import KVEngine, Namespace
+from kvengine.errors import ConfigError, InvalidRequestError
+from kvengine.integrations.vllm.copy_specs import LoadSpec
+from kvengine.integrations.vllm.handoff import PARAMS_KEY, HandoffHolds, HandoffParams, PromptTails
+from kvengine.integrations.vllm.options import ConnectorOptions
+from kvengine.integrations.vllm.paging import PagedCopier
+from kvengine.integrations.vllm.pipeline import LayerPipeline, LoadJob
+
+from .test_vllm_units import BS, CHUNK, RATIO, fill, make_layout
+
+TOKENS = np.arange(100, 100 + 2 * CHUNK, dtype="<u4")
+SRC = ((1, 2, 3, 4), (5, 6, 7, 8))
+DST = ((10, 11, 12, 13), (0, 0, 14, 15))  # out-of-window sliding blocks are null (0)
+
+
+# ------------------------------------------------------------------ params --
+def test_params_round_trip_through_kv_transfer_params():
+    params = HandoffParams("10.0.0.2:7601", 1233, "ab" * 16)
+    assert HandoffParams.from_transfer_params(params.to_transfer_params()) == params
+    assert HandoffParams.from_transfer_params(None) is None
+    assert HandoffParams.from_transfer_params({"do_remote_prefill": True}) is None  # another connector's
+
+
+@pytest.mark.parametrize("raw, field", [
+    ("x", "must be a mapping"),
+    ({"producer": "nohost", "tokens": 3, "namespace": "ab"}, "producer"),
+    ({"producer": "h:1", "tokens": -1, "namespace": "ab"}, "tokens"),
+    ({"producer": "h:1", "tokens": True, "namespace": "ab"}, "tokens"),
+    ({"producer": "h:1", "tokens": 3, "namespace": ""}, "namespace"),
+])
+def test_malformed_params_are_refused_naming_the_field(raw, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        HandoffParams.from_transfer_params({PARAMS_KEY: raw})
+
+
+@pytest.mark.parametrize("handoff, message", [
+    ({"listen": "7601"}, "handoff.listen must be 'host:port'"),
+    ({"listen": "h:1", "advertize": "h:2"}, "unknown kv_connector_extra_config\\['handoff'\\] keys \\['advertize'\\]"),
+    ({"tls_cert": ""}, "handoff.tls_cert must be a path"),
+    ("h:1", "must be a mapping"),
+])
+def test_bad_handoff_options_are_refused_by_name(handoff, message):
+    with pytest.raises(ConfigError, match=message):
+        ConnectorOptions.from_extra_config({"handoff": handoff})
+
+
+def test_handoff_options_default_to_listen():
+    options = ConnectorOptions.from_extra_config({"handoff": {"listen": "127.0.0.1:0"}}).handoff
+    assert (options.listen, options.advertise, options.tls_cert) == ("127.0.0.1:0", None, None)
+
+
+# ------------------------------------------------------------------ tails --
+def _store_first_chunk(eng, binding, copier) -> None:
+    """The first chunk of TOKENS, from the SRC blocks, in the engine (as a producer's save stores it)."""
+    staged = eng.begin_store(binding, TOKENS[:CHUNK])
+    for i, tensor in enumerate(staged.chunks[0].tensors):
+        copier.gather_into(i, 0, SRC, 0, tensor)
+    eng.commit_store(staged, 1)
+
+
+@pytest.fixture
+def setup():
+    layout, caches = make_layout()
+    fill(caches["full"])
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}, "lease_seconds": 0.5},
+                  transports=[]) as eng:
+        copier = PagedCopier(layout, caches)
+        yield layout, caches["full"], copier, eng, eng.bind(Namespace(model="handoff"), layout.chunk)
+
+
+def test_a_tail_holds_the_pages_before_its_end_and_zeros_after(setup):
+    layout, backing, copier, eng, binding = setup
+    tails = PromptTails(eng, layout, copier)
+    end = CHUNK + BS + 1  # the partial chunk: one whole block, then one token of the next
+    assert tails.save(binding, TOKENS, end, SRC, 0)
+    tail = tails.find(binding, TOKENS, end)
+    assert tail is not None and (tail.start, tail.end) == (CHUNK, end)
+    kernel = BS // RATIO
+    used = -(-(end - CHUNK) // kernel)  # kernel pages holding tokens of the tail: 3 of 4
+    full = tail.tensors[0]
+    assert torch.equal(full[:used], backing[3 * RATIO:3 * RATIO + used])  # blocks 3, 4 of the source
+    assert not full[used:].any()
+    # a tail is keyed by every token before its end: another prompt, or another length, finds nothing
+    other = TOKENS.copy()
+    other[0] += 1
+    assert tails.find(binding, other, end) is None
+    assert tails.find(binding, TOKENS, end - 1) is None
+
+
+def test_a_tail_loads_after_the_chunks_and_only_up_to_its_end(setup):
+    layout, backing, copier, eng, binding = setup
+    tails = PromptTails(eng, layout, copier)
+    end = CHUNK + BS + 1
+    _store_first_chunk(eng, binding, copier)
+    assert tails.save(binding, TOKENS, end, SRC, 0)
+    before = backing.clone()
+    res = eng.lookup(binding, "consumer", TOKENS[:end], max_tokens=end)
+    assert res.matched_tokens == CHUNK
+    spec = LoadSpec(request_id="consumer", salt="", start=0, end=end, block_ids=DST, asynchronous=False)
+    job = LoadJob(spec, res, eng.begin_load(res), 0, tail=tails.find(binding, TOKENS, end))
+    pipe = LayerPipeline(copier, (0, 1))
+    try:
+        pipe.begin_loads([job])
+        (done,) = pipe.end_loads()
+    finally:
+        pipe.close()
+    eng.finish_load(res, done.loaded)
+    assert done.tail_loaded and done.loaded == 1
+    kernel = BS // RATIO
+    # full attention: the whole chunk and the tail's pages up to its end, no further
+    assert torch.equal(backing[10 * RATIO:12 * RATIO], before[1 * RATIO:3 * RATIO])
+    used = -(-(end - CHUNK) // kernel)
+    assert torch.equal(backing[12 * RATIO:12 * RATIO + used], before[3 * RATIO:3 * RATIO + used])
+    assert torch.equal(backing[12 * RATIO + used:14 * RATIO], before[12 * RATIO + used:14 * RATIO])
+
+
+# ------------------------------------------------------------------ holds --
+def test_a_hold_pins_the_prompt_until_the_consumer_fetches_its_last_record(setup):
+    layout, backing, copier, eng, binding = setup
+    staged = eng.begin_store(binding, TOKENS)
+    for view in staged.chunks:
+        for i, tensor in enumerate(view.tensors):
+            copier.gather_into(i, view.token_range[0], SRC, 0, tensor)
+    eng.commit_store(staged, len(staged.chunks))
+    tails = PromptTails(eng, layout, copier)
+    events: list[str] = []
+    holds = HandoffHolds(eng, 60.0, events.append)
+    last = tails.last_key(binding, TOKENS, 2 * CHUNK)
+    holds.hold(last, binding, "r", TOKENS, 2 * CHUNK)
+    assert len(holds) == 1 and eng.core.memory.total_pins() == 2
+    holds.confirm([tails.last_key(binding, TOKENS, CHUNK)])  # another record: the hold stays
+    assert len(holds) == 1
+    holds.confirm([last])
+    assert len(holds) == 0 and eng.core.memory.total_pins() == 0 and events == ["hold_confirmed"]
+
+
+def test_an_unclaimed_hold_expires_and_is_counted(setup):
+    layout, backing, copier, eng, binding = setup
+    _store_first_chunk(eng, binding, copier)
+    tails = PromptTails(eng, layout, copier)
+    events: list[str] = []
+    holds = HandoffHolds(eng, 0.2, events.append)
+    holds.hold(tails.last_key(binding, TOKENS, CHUNK), binding, "r", TOKENS, CHUNK)
+    assert eng.core.memory.total_pins() == 1
+    time.sleep(0.3)
+    holds.sweep()
+    assert len(holds) == 0 and events == ["hold_expired"] and eng.core.memory.total_pins() == 0
+
+
+def test_a_fetch_after_the_lease_counts_as_expired_not_confirmed(setup):
+    """The engine's lease already reclaimed the pins: the late read ends nothing, and says so."""
+    layout, backing, copier, eng, binding = setup
+    _store_first_chunk(eng, binding, copier)
+    tails = PromptTails(eng, layout, copier)
+    events: list[str] = []
+    holds = HandoffHolds(eng, 0.2, events.append)
+    last = tails.last_key(binding, TOKENS, CHUNK)
+    holds.hold(last, binding, "r", TOKENS, CHUNK)
+    time.sleep(0.3)
+    holds.confirm([last])
+    assert events == ["hold_expired"] and len(holds) == 0
+
+
+def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(setup):
+    """A consumer's lookup (``tail=True``) offers the whole chunks and the tail after them; a plain lookup of
+    the same tokens only the chunks; a prompt shorter than a chunk is a tail alone; a missing tail leaves the
+    chunks. What the desk holds is what its load takes, and releasing it leaves no pin."""
+    pytest.importorskip("vllm")
+    from kvengine.integrations.vllm.scheduler import token_bytes
+    from kvengine.integrations.vllm.worker import ReservationDesk
+
+    layout, backing, copier, eng, _ = setup
+    tails = PromptTails(eng, layout, copier)
+    desk = ReservationDesk(eng, Namespace(model="handoff-desk"), layout.chunk, tails=tails)
+    binding = desk.binding("")
+    _store_first_chunk(eng, binding, copier)
+    end, short = CHUNK + BS + 1, BS + 3
+    assert tails.save(binding, TOKENS, end, SRC, 0) and tails.save(binding, TOKENS, short, SRC, 0)
+    data = token_bytes(TOKENS[:end])
+    assert desk.lookup("plain", "", data, end).matched_tokens == CHUNK
+    assert desk.lookup("handed", "", data, end, tail=True).matched_tokens == end
+    taken = desk.take("handed")
+    assert taken.reservation.matched_tokens == CHUNK and (taken.tail.start, taken.tail.end) == (CHUNK, end)
+    eng.release(taken.reservation)
+    assert desk.lookup("short", "", token_bytes(TOKENS[:short]), short, tail=True).matched_tokens == short
+    alone = desk.take("short")
+    assert alone.reservation is None and (alone.tail.start, alone.tail.end) == (0, short)
+    assert desk.lookup("gone", "", data, end - 1, tail=True).matched_tokens == CHUNK  # no tail of that length
+    desk.release("gone")
+    desk.release("plain")
+    assert eng.core.memory.total_pins() == 0 and len(desk) == 0
