@@ -102,10 +102,12 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     if kt.kv_role != Role.BOTH.value and pc.tensor_parallel_size != 1:
         raise UnsupportedModelError(f"kvengine vLLM connector: kv_role {kt.kv_role!r} with tensor_parallel_size="
                                     f"{pc.tensor_parallel_size} has not been validated (handoffs run at one rank)")
-    if kt.kv_load_failure_policy != "recompute":
+    if kt.kv_load_failure_policy != "recompute" and not (kt.kv_load_failure_policy == "fail" and
+                                                         kt.kv_role == Role.CONSUMER.value):
         raise ConfigError(
             "kvengine vLLM connector: set kv_transfer_config kv_load_failure_policy='recompute': a cache fault "
-            f"must make vLLM recompute, not fail the request (got {kt.kv_load_failure_policy!r})")
+            f"must make vLLM recompute, not fail the request (got {kt.kv_load_failure_policy!r}; 'fail' is for "
+            "a kv_consumer, whose handed-off prompts then fail when they cannot be loaded)")
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kvengine vLLM connector: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} "
                                     "(quantized KV) has not been validated; use 'auto'")
@@ -208,7 +210,9 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, asynchronous=asynchronous,
                                             lookup_wait_s=options.lookup_wait_s,
                                             has_state=any(p.kind is GroupKind.STATE for p in plans), role=kv_role,
-                                            producers=frozenset(options.engine.peers.peers))
+                                            producers=frozenset(options.engine.peers.peers),
+                                            fail_short_handoffs=vllm_config.kv_transfer_config.kv_load_failure_policy
+                                            == "fail")
         else:
             self._worker = WorkerSide(vllm_config=vllm_config, kv_cache_config=kv_cache_config, options=options,
                                       plans=plans, asynchronous=asynchronous, role=kv_role)

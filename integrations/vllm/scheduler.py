@@ -118,11 +118,13 @@ class SchedulerStats:
     by_reason: dict[str, int] = field(default_factory=dict)
     handoffs: int = 0  # producer: prompts handed off; consumer: handed-off prompts looked up
     refused_handoffs: dict[str, int] = field(default_factory=dict)  # consumer: params refused, by reason
+    failed_handoffs: int = 0  # consumer, policy 'fail': handed-off prompts offered whole but not held whole
 
 
 class SchedulerSide:
     def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float, has_state: bool = False,
-                 role: Role = Role.BOTH, producers: frozenset[str] = frozenset()) -> None:
+                 role: Role = Role.BOTH, producers: frozenset[str] = frozenset(),
+                 fail_short_handoffs: bool = False) -> None:
         self._chunk = chunk_size
         self._async = asynchronous
         self._has_state = has_state
@@ -130,6 +132,9 @@ class SchedulerSide:
         self._role = role
         #: a consumer's trusted producers (its ``peers``)
         self._producers = producers
+        #: a consumer under kv_load_failure_policy 'fail': a handed-off prompt it cannot load whole is offered
+        #: whole anyway, so that its load fails and vLLM fails the request (else vLLM computes the rest)
+        self._fail_short = fail_short_handoffs
         #: the worker's namespace and (a producer) handoff address, from its handshake
         self._namespace = ""
         self._handoff = ""
@@ -183,6 +188,12 @@ class SchedulerSide:
             st.shadow_until = reply.shadow_tokens  # nothing reserved: vLLM computes it, the worker compares
             self.stats.shadow_checks += 1
         st.matched = reply.matched_tokens
+        if st.handed_in and self._fail_short and st.matched < limit:
+            self.stats.failed_handoffs += 1
+            logger.error("kvengine: handed-off prompt %s: %d of its %d tokens could be loaded from the producer "
+                         "(gone, lease expired, or a record that did not verify); kv_load_failure_policy 'fail' "
+                         "fails the request", request.request_id, st.matched, limit)
+            st.matched = limit  # the load fails at the first missing token: vLLM applies its policy
         st.phase = _Phase.RESERVED if st.matched else _Phase.IDLE
         external = st.matched - num_computed_tokens
         if external <= 0:

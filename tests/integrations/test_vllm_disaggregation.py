@@ -86,3 +86,11 @@ def test_a_producer_gone_is_a_miss_computed_exactly_without_a_hang(disagg: dict[
     _exact(got, want)
     assert got["cached"] == 0
     assert disagg["orphan_wall_s"] < 30
+
+
+def test_under_the_fail_policy_a_prompt_the_producer_cannot_supply_fails_the_request(disagg: dict[str, Any]) -> None:
+    """kv_load_failure_policy 'fail' on the consumer: the handed-off prompt could not be loaded (its producer is
+    gone), so vLLM fails the request (its error finish) instead of computing it; without a hang."""
+    (got,) = disagg["orphan_fail"]
+    assert got["finish"] == "error" and got["tokens"] == []
+    assert disagg["orphan_fail_wall_s"] < 30

@@ -339,6 +339,19 @@ def test_vllm_settings_the_connector_refuses(over, error, match):
         check_vllm_config(vllm_config(**over))
 
 
+def test_only_a_consumer_may_fail_requests_it_cannot_load():
+    """kv_load_failure_policy 'fail' is accepted for a kv_consumer (its handed-off prompts fail when they cannot
+    be loaded) and refused for a cache or a producer, where a fault must be a miss."""
+    from kvengine.errors import ConfigError
+    from kvengine.integrations.vllm.connector import check_vllm_config
+
+    check_vllm_config(vllm_config(**{"kv_transfer_config.kv_role": "kv_consumer",
+                                     "kv_transfer_config.kv_load_failure_policy": "fail"}))
+    with pytest.raises(ConfigError, match="'fail' is for a kv_consumer"):
+        check_vllm_config(vllm_config(**{"kv_transfer_config.kv_role": "kv_producer",
+                                         "kv_transfer_config.kv_load_failure_policy": "fail"}))
+
+
 @pytest.mark.parametrize("role, extra, kinds, error, match", [
     ("kv_producer", {}, ("full_attention",), "ConfigError", "needs kv_connector_extra_config handoff.listen"),
     ("kv_consumer", {}, ("full_attention",), "ConfigError", "needs kvengine.peers.peers"),

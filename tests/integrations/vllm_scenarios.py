@@ -123,7 +123,7 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int = 16, *, prefix: 
             if out.finished and out.outputs[0].finish_reason != "abort":
                 c = out.outputs[0]
                 done[out.request_id] = {"tokens": list(c.token_ids), "cached": int(out.num_cached_tokens or 0),
-                                        "transfer": out.kv_transfer_params}
+                                        "transfer": out.kv_transfer_params, "finish": str(c.finish_reason)}
                 if logprobs:
                     done[out.request_id]["logprobs"] = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         steps += 1
@@ -789,7 +789,8 @@ def scenario_disagg(work: Path) -> dict[str, Any]:
     and 16 tokens. Prompts with a partial last chunk, one that ends on a chunk boundary, one shorter than a
     chunk. Then: params naming another namespace, and another producer (refused: computed locally); a
     prompt handed off and never consumed (its hold expires with the producer's lease, LEASE_S); the producer
-    shut down before the consumer reads (every load a miss, computed locally)."""
+    shut down before the consumer reads (a miss, computed locally; under kv_load_failure_policy 'fail', in a
+    consumer started then, the request fails)."""
     from kvengine.integrations.vllm.tiny_models import build_model_dir
 
     model = str(build_model_dir(work / "llama", "llama"))
@@ -809,10 +810,9 @@ def scenario_disagg(work: Path) -> dict[str, Any]:
         "handoff": {"listen": f"127.0.0.1:{handoff_port}"}}, kv_transfer_config_role="kv_producer"))
     consumer = None
     try:
-        consumer = start(engine_args(model, connector={
-            "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": cport,
-                         "peers": {"peers": [f"127.0.0.1:{handoff_port}"], "request_timeout": 2.0}}},
-            kv_transfer_config_role="kv_consumer"))
+        consumer_extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": cport,
+                                       "peers": {"peers": [f"127.0.0.1:{handoff_port}"], "request_timeout": 2.0}}}
+        consumer = start(engine_args(model, connector=consumer_extra, kv_transfer_config_role="kv_consumer"))
         prefill = run(producer, prompts, 1)
         report["prefill"] = prefill
         report["producer_after_prefill"] = scrape(pport)
@@ -834,10 +834,19 @@ def scenario_disagg(work: Path) -> dict[str, Any]:
         # the producer gone before the consumer reads: a miss, computed locally, within the peers' deadline
         shutdown(producer)
         producer = None
+        orphan = [report["late_prefill"][0]["transfer"]]
         t = time.perf_counter()
-        report["orphan"] = run(consumer, late, 16, logprobs=True, transfer=[report["late_prefill"][0]["transfer"]])
+        report["orphan"] = run(consumer, late, 16, logprobs=True, transfer=orphan)
         report["orphan_wall_s"] = time.perf_counter() - t
         report["consumer_end"] = scrape(cport)
+        # the same under kv_load_failure_policy 'fail': the request fails (vLLM's error), within the deadline
+        shutdown(consumer)
+        failing = engine_args(model, connector=consumer_extra, kv_transfer_config_role="kv_consumer")
+        failing["kv_transfer_config"]["kv_load_failure_policy"] = "fail"
+        consumer = start(failing)
+        t = time.perf_counter()
+        report["orphan_fail"] = run(consumer, late, 16, transfer=orphan)
+        report["orphan_fail_wall_s"] = time.perf_counter() - t
     finally:
         for engine in (consumer, producer):
             if engine is not None:
