@@ -1,4 +1,5 @@
-"""Prefill/decode disaggregation through kvengine, on real vLLM CPU engines (``vllm_scenarios.py disagg``).
+"""Prefill/decode disaggregation through kvengine, on real vLLM CPU engines (``vllm_scenarios.py disagg``,
+``disagg_swa``).
 
 A producer instance (``kv_role: kv_producer``) and a consumer instance (``kv_consumer``) alive at once,
 each in vLLM's default topology: the consumer loads every prompt token but the last from the producer's
@@ -26,6 +27,12 @@ FP32_LOGPROB = 1e-4
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     report, _log = _run("disagg", tmp_path_factory.mktemp("disagg"))
+    return report
+
+
+@pytest.fixture(scope="module")
+def disagg_swa(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    report, _log = _run("disagg_swa", tmp_path_factory.mktemp("disagg_swa"))
     return report
 
 
@@ -94,3 +101,12 @@ def test_under_the_fail_policy_a_prompt_the_producer_cannot_supply_fails_the_req
     (got,) = disagg["orphan_fail"]
     assert got["finish"] == "error" and got["tokens"] == []
     assert disagg["orphan_fail_wall_s"] < 30
+
+
+def test_a_sliding_window_model_is_handed_off_exactly(disagg_swa: dict[str, Any]) -> None:
+    """Gemma2: a sliding-window group next to full attention (asynchronous loads; the tail's pages out of
+    the window are zeros, never read): exact, every prompt token but the last loaded, both tails."""
+    for p, got, want in zip(disagg_swa["prompts"], disagg_swa["decode"], disagg_swa["ref"]):
+        _exact(got, want)
+        assert got["cached"] == len(p) - 1
+    assert _handoffs(disagg_swa["consumer"], "tail_loaded") == len(disagg_swa["prompts"])

@@ -782,6 +782,32 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
     return m.get('kvengine_stored_chunks_total{tier="memory"}', 0.0) == done + failed
 
 
+#: the disagg producer's lease: its holds must outlast one decode pass on a loaded machine
+LEASE_S = 8
+
+
+class _HandoffPair:
+    """A producer (its handoff server on loopback) and a consumer (the producer its only peer) of ``model``,
+    each a vLLM engine in its default topology, started one after the other and alive at once."""
+
+    def __init__(self, model: str, dtype: str = "float32") -> None:
+        set_topology(in_process=False)
+        handoff = free_port()
+        self.producer_port, self.consumer_port = free_port(), free_port()
+        self.consumer_extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.consumer_port,
+                                            "peers": {"peers": [f"127.0.0.1:{handoff}"], "request_timeout": 2.0}}}
+        self.producer = start(engine_args(model, dtype=dtype, connector={
+            "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.producer_port,
+                         "lease_seconds": LEASE_S},
+            "handoff": {"listen": f"127.0.0.1:{handoff}"}}, kv_transfer_config_role="kv_producer"))
+        try:
+            self.consumer = start(engine_args(model, dtype=dtype, connector=self.consumer_extra,
+                                              kv_transfer_config_role="kv_consumer"))
+        except BaseException:
+            shutdown(self.producer)
+            raise
+
+
 def scenario_disagg(work: Path) -> dict[str, Any]:
     """Prefill/decode disaggregation (Llama, fp32), both instances in vLLM's default topology and alive at
     once: a producer (``kv_producer``, its handoff server on loopback) runs each prompt with ``max_tokens=1``;
@@ -803,16 +829,9 @@ def scenario_disagg(work: Path) -> dict[str, Any]:
     late = [prompt(405, chunk + chunk // 2)]
     report: dict[str, Any] = {"prompts": prompts, "chunk": chunk}
     report["ref"], report["ref_late"] = _references_with_logprobs(model, prompts, late)
-    set_topology(in_process=False)
-    handoff_port, pport, cport = free_port(), free_port(), free_port()
-    producer = start(engine_args(model, connector={
-        "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": pport, "lease_seconds": LEASE_S},
-        "handoff": {"listen": f"127.0.0.1:{handoff_port}"}}, kv_transfer_config_role="kv_producer"))
-    consumer = None
+    pair = _HandoffPair(model)
+    producer, consumer, pport, cport = pair.producer, pair.consumer, pair.producer_port, pair.consumer_port
     try:
-        consumer_extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": cport,
-                                       "peers": {"peers": [f"127.0.0.1:{handoff_port}"], "request_timeout": 2.0}}}
-        consumer = start(engine_args(model, connector=consumer_extra, kv_transfer_config_role="kv_consumer"))
         prefill = run(producer, prompts, 1)
         report["prefill"] = prefill
         report["producer_after_prefill"] = scrape(pport)
@@ -841,7 +860,8 @@ def scenario_disagg(work: Path) -> dict[str, Any]:
         report["consumer_end"] = scrape(cport)
         # the same under kv_load_failure_policy 'fail': the request fails (vLLM's error), within the deadline
         shutdown(consumer)
-        failing = engine_args(model, connector=consumer_extra, kv_transfer_config_role="kv_consumer")
+        consumer = None
+        failing = engine_args(model, connector=pair.consumer_extra, kv_transfer_config_role="kv_consumer")
         failing["kv_transfer_config"]["kv_load_failure_policy"] = "fail"
         consumer = start(failing)
         t = time.perf_counter()
@@ -854,8 +874,28 @@ def scenario_disagg(work: Path) -> dict[str, Any]:
     return report
 
 
-#: the disagg producer's lease: its holds must outlast one decode pass on a loaded machine
-LEASE_S = 8
+def scenario_disagg_swa(work: Path) -> dict[str, Any]:
+    """The handoff for Gemma2 (a sliding-window group next to full attention, so asynchronous loads, and
+    tails whose out-of-window pages are zeros): a prompt ending mid-chunk and one shorter than a chunk."""
+    from vllm import EngineArgs
+
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    model = str(build_model_dir(work / "gemma2", "gemma2"))
+    block = int(EngineArgs(**engine_args(model)).create_engine_config().cache_config.block_size)
+    chunk = block * -(-256 // block)
+    prompts = [prompt(501, 2 * chunk + chunk // 3), prompt(502, chunk // 2)]
+    report: dict[str, Any] = {"prompts": prompts, "chunk": chunk}
+    (report["ref"],) = _references_with_logprobs(model, prompts)
+    pair = _HandoffPair(model)
+    try:
+        params = [o["transfer"] for o in run(pair.producer, prompts, 1)]  # type: ignore[index]
+        report["decode"] = run(pair.consumer, prompts, 16, logprobs=True, transfer=params)
+        report["consumer"] = scrape(pair.consumer_port)
+    finally:
+        shutdown(pair.consumer)
+        shutdown(pair.producer)
+    return report
 
 
 def _references_with_logprobs(model: str, *batches: list[list[int]]) -> list[Any]:
@@ -949,7 +989,7 @@ def scenario_verify_fault(work: Path) -> dict[str, Any]:
             "tokens_loaded": result.tokens_loaded}
 
 
-SCENARIOS = {"disagg": scenario_disagg, "first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
+SCENARIOS = {"disagg": scenario_disagg, "disagg_swa": scenario_disagg_swa, "first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "hybrid_tp": scenario_hybrid_tp,
