@@ -235,10 +235,10 @@ class SchedulerSide:
                 st.phase = _Phase.IDLE  # the worker consumes the reservation by loading it
         self._committed.clear()
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
-        if self._role is Role.PRODUCER:
-            self._hand_off(meta, scheduled, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        if self._role is Role.PRODUCER:
+            self._hand_off(meta, scheduled, scheduler_output)
         for request_id, computed_before in scheduled:
             state = self._states.get(request_id)
             if state is None or not state.can_write:
@@ -260,9 +260,9 @@ class SchedulerSide:
 
     def _hand_off(self, meta: StepMetadata, scheduled: list[tuple[str, int]],
                   scheduler_output: SchedulerOutput) -> None:
-        """A producer: the requests whose prompt this step completes hand it off (:mod:`.handoff`)."""
-        cached = scheduler_output.scheduled_cached_reqs
-        for request_id, computed_before in scheduled + list(zip(cached.req_ids, cached.num_computed_tokens)):
+        """A producer: of the ``scheduled`` requests (id, tokens computed before this step), those whose prompt
+        this step completes hand it off (:mod:`.handoff`)."""
+        for request_id, computed_before in scheduled:
             st = self._states.get(request_id)
             if st is None or not st.can_write or st.handed_out or self._manager is None:
                 continue
