@@ -184,9 +184,10 @@ class KVEngine:
         return self.core.bind(namespace, layout)
 
     def lookup(
-        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
+        read_budget: float | None = None,
     ) -> Reservation:
-        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens))
+        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, read_budget=read_budget))
 
     def lookup_resident(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None

@@ -40,35 +40,50 @@ if TYPE_CHECKING:
 
 Buffer = bytes | bytearray | memoryview
 
-#: When the enclosing read scope began (None outside one). Tasks started inside a scope inherit it.
-_SCOPE_START: ContextVar[float | None] = ContextVar("kvengine_read_scope_start", default=None)
+@dataclass(frozen=True, slots=True)
+class _ReadScope:
+    start: float
+    budget: float | None
+
+
+#: The enclosing read scope (None outside one). Tasks started inside a scope inherit it.
+_SCOPE: ContextVar[_ReadScope | None] = ContextVar("kvengine_read_scope", default=None)
 
 
 @contextlib.contextmanager
-def read_scope() -> Iterator[None]:
+def read_scope(budget: float | None = None) -> Iterator[None]:
     """Mark the reads of one lookup: inside, :func:`read_deadline` counts from the scope's start.
 
-    A nested scope keeps the outer start, so a lookup's deadline cannot be
-    renewed from within it.
+    ``budget``: the seconds these reads may take, in place of each transport's own deadline and
+    request timeout (None: the transports' own). For a read the caller waits for whatever its size,
+    such as a prompt a producer handed off, where a miss costs a whole prefill.
+
+    A nested scope keeps the outer one, so a lookup's deadline cannot be renewed from within it.
     """
-    if _SCOPE_START.get() is not None:
+    if _SCOPE.get() is not None:
         yield
         return
-    token = _SCOPE_START.set(time.monotonic())
+    token = _SCOPE.set(_ReadScope(time.monotonic(), budget))
     try:
         yield
     finally:
-        _SCOPE_START.reset(token)
+        _SCOPE.reset(token)
+
+
+def read_budget(configured: float) -> float:
+    """The enclosing scope's budget where it sets one, else a transport's ``configured`` seconds."""
+    scope = _SCOPE.get()
+    return configured if scope is None or scope.budget is None else scope.budget
 
 
 def read_deadline(budget: float) -> float:
-    """The ``time.monotonic()`` by which a read allowed ``budget`` seconds must end.
+    """The ``time.monotonic()`` by which a read allowed ``budget`` seconds (a transport's own) must end.
 
-    Counted from the start of the enclosing :func:`read_scope` (one lookup's
-    reads share it), else from now.
+    Counted from the start of the enclosing :func:`read_scope` (one lookup's reads share it), else
+    from now; the scope's own budget, where it sets one, replaces ``budget``.
     """
-    start = _SCOPE_START.get()
-    return (time.monotonic() if start is None else start) + budget
+    scope = _SCOPE.get()
+    return (time.monotonic() if scope is None else scope.start) + read_budget(budget)
 
 
 @runtime_checkable

@@ -46,7 +46,7 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import seal_record, unpack_record, verify_seal
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
-from kvengine.transport import Buffer, RemoteTierStats, read_deadline
+from kvengine.transport import Buffer, RemoteTierStats, read_budget, read_deadline
 from kvengine.trust.secrets import read_secret_file
 
 from .byte_budget import ByteBudget
@@ -238,7 +238,9 @@ class PeerTransport:
     async def _call(
         self, peer: Peer, op: Op, keys: Sequence[ChunkKey], records: Sequence[Buffer], deadline: float
     ) -> Answer | None:
-        timeout = min(self.options.request_timeout, deadline - time.monotonic())
+        # inside a read scope with its own budget (a handed-off prompt), one request may take all of it
+        limit = read_budget(self.options.request_timeout) if op in (Op.GET, Op.EXISTS) else self.options.request_timeout
+        timeout = min(limit, deadline - time.monotonic())
         if timeout <= 0:
             self.counts["deadline_passed"] += 1
             return None

@@ -119,8 +119,10 @@ class PromptTail:
 class PromptTails:
     """Store and find prompt tails (see the module docs), keyed by the chained hash of all ``end`` tokens."""
 
-    def __init__(self, engine: KVEngine, layout: PagedLayout, copier: PagedCopier) -> None:
+    def __init__(self, engine: KVEngine, layout: PagedLayout, copier: PagedCopier, fetch_timeout: float) -> None:
         self.engine = engine
+        #: seconds a consumer's reads of a handed-off prompt's chunks, then of its tail, may take
+        self.fetch_timeout = fetch_timeout
         self._layout = layout.chunk
         self._chunk = layout.chunk.chunk_size
         self._copier = copier
@@ -169,7 +171,7 @@ class PromptTails:
         def keep(_i: int, tensors: Sequence[torch.Tensor]) -> None:
             got.append(tuple(t.clone() for t in tensors))
 
-        if not self._store(binding).get([self.key(binding, tokens, end)], keep)[0].ok:
+        if not self._store(binding).get([self.key(binding, tokens, end)], keep, read_budget=self.fetch_timeout)[0].ok:
             return None
         return PromptTail(end // self._chunk * self._chunk, end, got[0])
 

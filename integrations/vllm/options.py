@@ -50,7 +50,9 @@ from kvengine.errors import ConfigError
 from kvengine.trust.verification import DEFAULT_RECORDS_DIR
 
 _KEYS = ("handoff", "kvengine", "lookup_wait_ms", "model_fingerprint", "verification")
-_HANDOFF_KEYS = ("advertise", "listen", "tls_cert", "tls_key")
+#: a consumer's default handoff.fetch_timeout (seconds)
+DEFAULT_FETCH_TIMEOUT_S = 30.0
+_HANDOFF_KEYS = ("advertise", "fetch_timeout", "listen", "tls_cert", "tls_key")
 _VERIFICATION_KEYS = ("records", "secret_file", "serve_unverified_backend_risking_wrong_outputs")
 
 
@@ -100,13 +102,21 @@ class VerificationOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HandoffOptions:
-    """A producer's server for consumers (:mod:`.handoff`)."""
+    """A producer's server for consumers, and a consumer's wait for what it hands off (:mod:`.handoff`)."""
 
     listen: str | None = None
     #: the address consumers dial (None: ``listen``)
     advertise: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: a consumer's seconds to read a handed-off prompt's chunks, then its tail, in place of the peers'
+    #: ``read_deadline`` and ``request_timeout`` (tuned for a cache's reads, whose miss costs little): a
+    #: handed-off prompt is read whole or prefilled again, whatever its size. Past it: a failed load.
+    fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fetch_timeout <= 3600:
+            raise ConfigError(f"handoff.fetch_timeout must be in (0, 3600] seconds, got {self.fetch_timeout!r}")
 
     @classmethod
     def from_extra(cls, raw: Any) -> HandoffOptions:
@@ -119,7 +129,10 @@ class HandoffOptions:
             host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
             if value is not None and (not host or not port.isdigit() or int(port) > 65535):
                 raise ConfigError(f"handoff.{key} must be 'host:port', got {value!r}")
-        return cls(listen=raw.get("listen"), advertise=raw.get("advertise"),
+        timeout = raw.get("fetch_timeout", DEFAULT_FETCH_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ConfigError(f"handoff.fetch_timeout must be a number of seconds, got {timeout!r}")
+        return cls(listen=raw.get("listen"), advertise=raw.get("advertise"), fetch_timeout=float(timeout),
                    **_paths(raw, "handoff", ("tls_cert", "tls_key")))
 
 

@@ -146,7 +146,8 @@ class ReservationDesk:
             return Answer(shadow_tokens=shadowed)
         ids = np.frombuffer(tokens, dtype="<u4")
         binding = self.binding(salt)
-        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens)
+        budget = self.tails.fetch_timeout if tail and self.tails is not None else None
+        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, read_budget=budget)
         res: Reservation | None = found
         state = None
         if self.states is not None and found.matched_tokens:
@@ -358,7 +359,7 @@ class WorkerSide:
                                    codecs=tuple(self.engine.core.tiers.by_codec))
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
             if self._role is not Role.BOTH:
-                self._tails = PromptTails(self.engine, self.layout, self._copier)
+                self._tails = PromptTails(self.engine, self.layout, self._copier, options.handoff.fetch_timeout)
             self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast, self._tails)
             self._metrics()
             publish_platform(self.engine.metrics.registry, platform, namespace, acceptance)

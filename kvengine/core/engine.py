@@ -237,12 +237,15 @@ class CacheEngine:
 
     # -- lookup ----------------------------------------------------------------
     async def lookup(
-        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
+        read_budget: float | None = None,
     ) -> Reservation:
         """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``).
 
         Idempotent per ``request_id``: the same question returns the same
         reservation with a renewed lease, pinning and counting nothing again.
+        ``read_budget``: seconds the reads from lower tiers may take, in place of the tiers' own
+        deadlines (:func:`~kvengine.transport.read_scope`).
         """
         self.check_open()
         started = time.perf_counter()
@@ -252,7 +255,7 @@ class CacheEngine:
         entries = self.memory.pin_prefix(question.keys)
         sources = {"memory": len(entries)}
         if len(entries) < len(question.keys) and self.transports:
-            with read_scope():  # one deadline for all of this lookup's reads from lower tiers
+            with read_scope(read_budget):  # one deadline for all of this lookup's reads from lower tiers
                 promoted = await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
                                                        question.asked, sources)
             if promoted and self.events is not None:

@@ -51,6 +51,8 @@ def test_malformed_params_are_refused_naming_the_field(raw, field):
     ({"listen": "7601"}, "handoff.listen must be 'host:port'"),
     ({"listen": "h:1", "advertize": "h:2"}, "unknown kv_connector_extra_config\\['handoff'\\] keys \\['advertize'\\]"),
     ({"tls_cert": ""}, "handoff.tls_cert must be a path"),
+    ({"fetch_timeout": "30s"}, "handoff.fetch_timeout must be a number of seconds, got '30s'"),
+    ({"fetch_timeout": 0}, "handoff.fetch_timeout must be in \\(0, 3600\\] seconds, got 0"),
     ("h:1", "must be a mapping"),
 ])
 def test_bad_handoff_options_are_refused_by_name(handoff, message):
@@ -61,6 +63,8 @@ def test_bad_handoff_options_are_refused_by_name(handoff, message):
 def test_handoff_options_default_to_listen():
     options = ConnectorOptions.from_extra_config({"handoff": {"listen": "127.0.0.1:0"}}).handoff
     assert (options.listen, options.advertise, options.tls_cert) == ("127.0.0.1:0", None, None)
+    assert options.fetch_timeout == 30.0
+    assert ConnectorOptions.from_extra_config({"handoff": {"fetch_timeout": 4}}).handoff.fetch_timeout == 4.0
 
 
 # ------------------------------------------------------------------ tails --
@@ -84,7 +88,7 @@ def setup():
 
 def test_a_tail_holds_the_pages_before_its_end_and_zeros_after(setup):
     layout, backing, copier, eng, binding = setup
-    tails = PromptTails(eng, layout, copier)
+    tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     end = CHUNK + BS + 1  # the partial chunk: one whole block, then one token of the next
     assert tails.save(binding, TOKENS, end, SRC, 0)
     tail = tails.find(binding, TOKENS, end)
@@ -103,7 +107,7 @@ def test_a_tail_holds_the_pages_before_its_end_and_zeros_after(setup):
 
 def test_a_tail_loads_after_the_chunks_and_only_up_to_its_end(setup):
     layout, backing, copier, eng, binding = setup
-    tails = PromptTails(eng, layout, copier)
+    tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     end = CHUNK + BS + 1
     _store_first_chunk(eng, binding, copier)
     assert tails.save(binding, TOKENS, end, SRC, 0)
@@ -136,7 +140,7 @@ def test_a_hold_pins_the_prompt_until_the_consumer_fetches_its_last_record(setup
         for i, tensor in enumerate(view.tensors):
             copier.gather_into(i, view.token_range[0], SRC, 0, tensor)
     eng.commit_store(staged, len(staged.chunks))
-    tails = PromptTails(eng, layout, copier)
+    tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     events: list[str] = []
     holds = HandoffHolds(eng, 60.0, events.append)
     last = tails.last_key(binding, TOKENS, 2 * CHUNK)
@@ -151,7 +155,7 @@ def test_a_hold_pins_the_prompt_until_the_consumer_fetches_its_last_record(setup
 def test_an_unclaimed_hold_expires_and_is_counted(setup):
     layout, backing, copier, eng, binding = setup
     _store_first_chunk(eng, binding, copier)
-    tails = PromptTails(eng, layout, copier)
+    tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     events: list[str] = []
     holds = HandoffHolds(eng, 0.2, events.append)
     holds.hold(tails.last_key(binding, TOKENS, CHUNK), binding, "r", TOKENS, CHUNK)
@@ -165,7 +169,7 @@ def test_a_fetch_after_the_lease_counts_as_expired_not_confirmed(setup):
     """The engine's lease already reclaimed the pins: the late read ends nothing, and says so."""
     layout, backing, copier, eng, binding = setup
     _store_first_chunk(eng, binding, copier)
-    tails = PromptTails(eng, layout, copier)
+    tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     events: list[str] = []
     holds = HandoffHolds(eng, 0.2, events.append)
     last = tails.last_key(binding, TOKENS, CHUNK)
@@ -184,7 +188,7 @@ def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(se
     from kvengine.integrations.vllm.worker import ReservationDesk
 
     layout, backing, copier, eng, _ = setup
-    tails = PromptTails(eng, layout, copier)
+    tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     desk = ReservationDesk(eng, Namespace(model="handoff-desk"), layout.chunk, tails=tails)
     binding = desk.binding("")
     _store_first_chunk(eng, binding, copier)

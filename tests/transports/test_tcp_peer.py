@@ -18,6 +18,7 @@ import pytest
 from kvengine.config import load_config
 from kvengine.errors import ConfigError
 from kvengine.tiers import build_tiers
+from kvengine.transport import read_scope
 from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
 from kvengine.transports.peer_protocol import Op, encode_request
 from kvengine.transports.peer_service import ServerOptions
@@ -41,7 +42,7 @@ _LEN = struct.Struct("<I")
 
 async def _server(store: MemoryRecordStore | None = None, options: ServerOptions | None = None,
                   **tcp: Any) -> TcpPeerServer:
-    server = TcpPeerServer(store or MemoryRecordStore(256 * MiB), "127.0.0.2:0", options, TcpServerOptions(**tcp))
+    server = TcpPeerServer(store if store is not None else MemoryRecordStore(256 * MiB), "127.0.0.2:0", options, TcpServerOptions(**tcp))
     await server.start()
     return server
 
@@ -230,3 +231,26 @@ def test_a_receive_budget_too_small_for_a_clients_largest_batch_is_refused_namin
     with pytest.raises(ConfigError, match=r"receive_budget_bytes \(1048576\).*min_client_share_bytes"):
         TcpServerOptions(receive_budget_bytes=MiB)
     assert TcpServerOptions(receive_budget_bytes=MiB, min_client_share_bytes=MiB // 2).receive_budget_bytes == MiB
+
+
+async def test_a_read_scope_budget_replaces_the_peers_deadlines_for_its_reads(make_record: Any) -> None:
+    """A slow peer (1.5 s a get) is a miss within the client's own deadlines (0.5 s a request, 1 s a read);
+    inside a read scope with a budget of 5 s (a handed-off prompt) it is read; a budget of 0.8 s still bounds
+    the read, and writes keep their own timeout."""
+    server = await _server(DelayedStore(64 * MiB, 1.5))
+    item = make_record(MiB)
+    await server.service.store.put([item])
+    client = _client(server, PeerClientOptions(replicas=1, request_timeout=0.5, read_deadline=1.0, cooldown=0.01))
+    try:
+        assert await client.get([item[0]]) == [None]
+        await asyncio.sleep(0.05)  # past the cool-down
+        with read_scope(budget=5.0):
+            (got,) = await client.get([item[0]])
+        assert got is not None and bytes(got) == item[1]
+        t0 = time.monotonic()
+        with read_scope(budget=0.8):
+            assert await client.get([item[0]]) == [None]
+        assert 0.7 < time.monotonic() - t0 < 1.4
+    finally:
+        await client.close()
+        await server.close()

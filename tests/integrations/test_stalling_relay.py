@@ -1,0 +1,39 @@
+"""The test relay of the disaggregation tests against a real tcp peer server: it forwards whole records, and
+once armed cuts a transfer in the middle, runs its action and leaves the client a miss, not a hang."""
+
+from __future__ import annotations
+
+import threading
+
+from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
+from kvengine.transports.peer_store import MemoryRecordStore
+from kvengine.transports.placement import Membership
+from kvengine.transports.tcp_peer import TcpConnector, TcpOptions, TcpPeerServer, TcpServerOptions
+from tests.integrations.stalling_relay import StallingRelay
+from tests.transports.conftest import build_record
+
+MiB = 1 << 20
+OPTIONS = PeerClientOptions(replicas=1, request_timeout=5.0, read_deadline=5.0, write_timeout=5.0, cooldown=0.1)
+
+
+async def test_the_relay_forwards_records_and_cuts_an_armed_transfer_mid_record() -> None:
+    server = TcpPeerServer(MemoryRecordStore(64 * MiB), "127.0.0.1:0", None, TcpServerOptions())
+    await server.start()
+    assert server.address is not None
+    host, port = server.address.rsplit(":", 1)
+    relay = StallingRelay((host, int(port)))
+    client = PeerTransport(TcpConnector(OPTIONS.limits, TcpOptions()), Membership([f"127.0.0.1:{relay.port}"]),
+                           OPTIONS)
+    try:
+        key, record = build_record(9 * MiB)
+        assert await client.put([(key, record)]) == [True]
+        (got,) = await client.get([key])
+        assert got is not None and bytes(got) == record
+        ran = threading.Event()
+        done = relay.arm(MiB, connections=1, action=ran.set)
+        assert await client.get([key]) == [None]  # cut after 1 MiB of 9: a miss
+        assert done.wait(5) and ran.is_set()
+    finally:
+        await client.close()
+        relay.close()
+        await server.close()
