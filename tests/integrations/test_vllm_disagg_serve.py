@@ -10,6 +10,7 @@ with ``max_tokens`` 1 and then to the consumer with the returned ``kv_transfer_p
 from __future__ import annotations
 
 import importlib.util
+import random
 import re
 import subprocess
 import sys
@@ -21,8 +22,10 @@ from typing import Any
 
 import pytest
 
+from kvengine.metrics import scrape
 from tests.integrations.ports import free_port
 from tests.integrations.stalling_relay import StallingRelay
+from tests.integrations.test_vllm_disaggregation import _handoffs
 from tests.integrations.vllm_api_server import ApiServer, post_stream
 
 pytestmark = [
@@ -60,16 +63,6 @@ def _vllm_metrics(server: ApiServer) -> dict[str, float]:
         key = m.group(1) + (f"[{source.group(1)}]" if source else "")
         out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
-
-
-def _kvengine_metrics(port: int) -> dict[str, float]:
-    from kvengine.metrics import scrape
-
-    return scrape(port)
-
-
-def _handoffs(metrics: dict[str, float], event: str) -> float:
-    return metrics.get(f'kvengine_vllm_handoffs_total{{event="{event}"}}', 0.0)
 
 
 class Deployment:
@@ -205,16 +198,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         report["chat"] = _chat(lambda path, body: d.reference.post(path, body, url=d.proxy_url),
                                lambda path, body: post_stream(d.proxy_url + path, body), model)
         report["consumer_vllm"] = _vllm_metrics(d.consumer)
-        report["producer_after_chat"] = _kvengine_metrics(d.producer_metrics)
+        report["producer_after_chat"] = scrape(d.producer_metrics)
 
         # token-id prompts for the faults: three chunks and a tail each
-        rng = __import__("random").Random(7)
+        rng = random.Random(7)
         vocab = tokenizer.vocab_size
         killed_c, killed_p1, killed_p2 = ([rng.randrange(100, vocab) for _ in range(700 + k)] for k in range(3))
         report["ref_killed_producer"] = _complete(d.reference, killed_p1)[1]
 
         # a consumer killed mid-transfer: the producer's hold ends (read or lease), nothing stays pinned
-        before = _kvengine_metrics(d.producer_metrics)
+        before = scrape(d.producer_metrics)
         params = _prefill(d.producer, killed_c)
         done = d.relay.arm(CUT_BYTES, connections=1, action=d.doomed.kill)
         thread, out = _in_thread(_complete, d.doomed, killed_c, params)
@@ -224,7 +217,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         time.sleep(LEASE_S + 1)
         _prefill(d.producer, killed_c[:40])  # a new handoff sweeps the expired holds
         report["producer_before_kill"] = before
-        report["producer_after_consumer_killed"] = _kvengine_metrics(d.producer_metrics)
+        report["producer_after_consumer_killed"] = scrape(d.producer_metrics)
 
         # the producer killed mid-transfer to two consumers: recompute policy exact, fail policy an error
         params = [_prefill(d.producer, ids) for ids in (killed_p1, killed_p2)]
