@@ -26,7 +26,7 @@ budget too small for them, so that vLLM preempts them and resumes them by
 looking them up again. Every engine, the reference's too, runs on that budget
 (``num_gpu_blocks_override``); with several KV cache groups it is sized from
 the blocks one such request was measured to hold (:class:`_Plan`). The proof
-fails unless vLLM reports preemptions in the connector's passes.
+fails unless vLLM reports preemptions in each of the connector's passes.
 
 Greedy tokens must equal the reference's in the writer and the reader pass,
 and log-probabilities within :data:`ALONE_TOLERANCE` of it for a request run alone (the
@@ -199,7 +199,11 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
                 following = _Plan.of(block, chunk, k, kinds)
             elif not plan.calibrated:
                 # several KV cache groups share the block pool in shares only vLLM's allocator knows
-                following = plan.calibrate(*_measure(engine, watch, plan, clock, vocab))
+                measured = _measure(engine, watch, plan, clock, vocab)
+                following = plan.calibrate(*measured)
+                clock.step("one preempted-size request held {} blocks prefilling, {} decoding, {} more a block: "
+                           "a budget of {} blocks, {} boundaries past the first".format(
+                               *measured, following.budget, following.boundaries))
             else:
                 break
             # nothing was compared yet: start again with the budget and prompts the proof needs
@@ -214,11 +218,13 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             if p.name == NEXT_TURN:  # the next turn over the first turn's reply (checked against the reference)
                 prompts[i] = p = _with_reply(p, got["writer"][FIRST_TURN][0].tokens, k)
             got["writer"][p.name] = _run(engine, p, clock, "writer")
+        preempted = {"writer": watch.preempted}
         if not fresh:
             clock.step("reader (memory only: the writer engine again)")
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
+            preempted["reader"] = watch.preempted - preempted["writer"]
     clock.step("reference: vLLM without the connector")
     with _engine(plain_args(plan)) as engine:
         want = {p.name: _run(engine, p, clock, "reference") for p in prompts}
@@ -228,17 +234,16 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
+            preempted["reader"] = watch.preempted - preempted["writer"]
     failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want)]
-    preempted = watch.preempted
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
-    clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted {preempted} "
-               "requests over the writer and reader passes")
+    clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted "
+               f"{preempted['writer']} requests in the writer pass, {preempted['reader']} in the reader's")
     if loaded == 0:
         failures.append(f"loaded nothing: the reader pass reused no token (chunk size {plan.chunk})")
-    if preempted == 0:
-        failures.append(f"vLLM preempted no request on a budget of {plan.budget} blocks: the preemption case "
-                        "was not exercised")
+    failures += [f"vLLM preempted no request in the {which} pass on a budget of {plan.budget} blocks: the "
+                 "preemption case was not exercised" for which, n in preempted.items() if n == 0]
     dtype = str(probe.model_config.dtype).removeprefix("torch.")
     if dtype not in LOGPROB_TOLERANCE:
         raise UnsupportedModelError(f"kvengine verify vllm: no tolerance is established for {dtype} "
@@ -269,9 +274,11 @@ class _Plan:
     """Block and chunk sizes, and what follows from them: the KV budget of the connector engines, how far
     the preempted requests decode, and the longest sequence the engines take.
 
-    Preempted requests have prompts of ``m`` blocks less a token (``m`` more than any other request needs).
-    One KV cache group: the budget, ``2m + 1`` blocks, admits two of them; decoding a block and a token
-    more, each asks for one block when none is left, so vLLM preempts one.
+    Preempted requests have prompts of ``m`` blocks less a token (``m`` more than any other request needs),
+    so each asks for a block more on its third decoded token, and again every block after.
+
+    One KV cache group: the budget, ``2m + 1`` blocks (vLLM keeps one null block), admits two of them and
+    leaves none, so at that first boundary vLLM preempts one.
 
     Several groups share vLLM's one block pool, and a request's share of it is not ``m`` per group: a
     sliding window or a recurrent state (``mamba_cache_mode 'align'``) holds fewer blocks, some only while
@@ -282,8 +289,10 @@ class _Plan:
     chunk: int
     per_request: int  # m
     budget: int
-    decode_blocks: int  # g
-    max_len: int
+    #: block boundaries the preempted requests cross after their first (vLLM preempts at the last at the latest)
+    boundaries: int
+    #: tokens they decode past it: what a preempted request computes once resumed over the loaded KV
+    after: int
     #: the budget is known to preempt (one group), or was sized from measured usage
     calibrated: bool = field(default=False, kw_only=True)
 
@@ -292,24 +301,36 @@ class _Plan:
         """``chunk`` None: the connector's "auto" (``layout.resolve_chunk_size``) for one block size."""
         chunk = chunk or block * -(-256 // block)
         m = -(-(2 * chunk + chunk // 2 + 1 + 2 * k) // block) + 1
-        # several groups: a budget for one request at least, until measured (calibrate)
-        return cls(block, chunk, m, (2 * m + 1) * kinds, 1, (m + 1) * block, calibrated=kinds == 1)
+        # several groups: a budget for one request at least, and a block's decode to measure it (calibrate)
+        return cls(block, chunk, m, (2 * m + 1) * kinds, 0 if kinds == 1 else 1, k, calibrated=kinds == 1)
+
+    @property
+    def decode(self) -> int:
+        """Tokens each preempted request decodes: through its last boundary, then :attr:`after` more."""
+        return 2 + self.boundaries * self.block + self.after
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence: a preempted request's (in whole blocks; the others' are shorter)."""
+        return -(-(self.per_request * self.block - 1 + self.decode) // self.block) * self.block
 
     def calibrate(self, peak: int, settled: int, growth: int) -> _Plan:
         """The plan for preempted requests measured alone (blocks in use, :func:`_measure`): ``peak`` while
-        prefilling, ``settled`` once decoding, and ``growth`` per block decoded. With ``n`` of them
-        (:data:`PREEMPTED_REQUESTS`), a budget of ``(n - 1) settled + peak`` blocks (and vLLM's null block)
-        admits the last once the others have settled; once all settled, ``peak - settled`` blocks are left,
-        which they outgrow within ``g = (peak - settled) // (n growth) + 1`` blocks decoded each. (Fewer
-        requests admitted would leave more to outgrow, so a longer ``max_model_len``, which vLLM's start-up
-        check, counting a sliding window as the whole sequence, refuses on such a budget.)"""
+        prefilling, ``settled`` once decoding, and ``growth`` at each block boundary. With ``n`` of them
+        (:data:`PREEMPTED_REQUESTS`), vLLM may admit the last only once the others have crossed their first
+        boundary (added one by one, the first is decoding before the others arrive), so the budget is
+        ``(n - 1) (settled + growth) + peak`` blocks (and vLLM's null block). All of them past that boundary
+        leave ``peak - settled - growth`` blocks, which they outgrow within ``j = (peak - settled - growth)
+        // (n growth) + 1`` boundaries more (none where that is negative: the first overflows it). Admitted
+        earlier, they cross the first boundary together and reach the same point."""
         if growth <= 0 or settled <= 0 or peak < settled:
             raise UnsupportedModelError(f"cannot size a KV budget that preempts: one request held {peak} blocks "
                                         f"prefilling, {settled} decoding, and grew by {growth} per block decoded")
         n = PREEMPTED_REQUESTS
-        g = (peak - settled) // (n * growth) + 1
-        return _Plan(self.block, self.chunk, self.per_request, (n - 1) * settled + peak + 1, g,
-                     (self.per_request + g) * self.block, calibrated=True)
+        grown = settled + growth
+        boundaries = max(0, (peak - grown) // (n * growth) + 1)
+        return _Plan(self.block, self.chunk, self.per_request, (n - 1) * grown + peak + 1, boundaries, self.after,
+                     calibrated=True)
 
 
 def _measure(engine: Any, watch: type[_SchedulerWatch], plan: _Plan, clock: ProofClock,
@@ -353,7 +374,7 @@ def _prompts(plan: _Plan, k: int, vocab: int, prefix_cached: bool) -> list[_Prom
     return [_Prompt("full and partial chunks", (tuple(first),), k),
             _Prompt("shared prefix", (tuple(shared),), k),
             _Prompt(FIRST_TURN, (tuple(turn1),), k),
-            _Prompt(PREEMPTION, preempt, plan.decode_blocks * plan.block + 1),
+            _Prompt(PREEMPTION, preempt, plan.decode),
             # the next turn over the first turn's reply: its tokens are filled in from the writer's reply
             _Prompt(NEXT_TURN, (tuple(turn1) + (0,) * k + tuple(fresh(7)),), k)]
 

@@ -165,10 +165,12 @@ def test_a_checkpoint_whose_generation_config_sets_a_repetition_penalty_is_still
     assert model.generation_config.repetition_penalty == 1.3
 
 
-@pytest.mark.parametrize("peak, settled, growth", [(6, 5, 1), (6, 3, 1), (8, 8, 2), (14, 9, 2)])
-def test_vllm_budget_from_measured_blocks_admits_two_preempted_requests_then_overflows(peak, settled, growth):
+@pytest.mark.parametrize("peak, settled, growth", [(6, 5, 1), (6, 3, 1), (8, 8, 2), (14, 9, 2), (5, 5, 2)])
+def test_vllm_budget_from_measured_blocks_admits_every_preempted_request_then_overflows(peak, settled, growth):
     """``kvengine verify vllm`` with several KV cache groups: the budget it sizes from one request's measured
-    blocks admits all the preempted-size requests, and their growth over the planned decode overflows it."""
+    blocks admits all the preempted-size requests even once the first ones decoded past their first block
+    boundary (regression: sized for the others merely settled, the last waited until the first ones finished,
+    and a CI run preempted none), and the planned decode then overflows it."""
     from kvengine.integrations.vllm.verify_run import PREEMPTED_REQUESTS, _Plan
 
     first = _Plan.of(256, 256, 16, kinds=2)
@@ -177,9 +179,21 @@ def test_vllm_budget_from_measured_blocks_admits_two_preempted_requests_then_ove
     assert plan.calibrated and (plan.block, plan.chunk, plan.per_request) == (256, 256, first.per_request)
     n = PREEMPTED_REQUESTS
     free = plan.budget - 1  # vLLM keeps one null block
-    assert (n - 1) * settled + peak <= free  # the last is admitted once the others settled
-    assert n * (settled + plan.decode_blocks * growth) > free  # all decoding outgrow the pool: one is preempted
-    assert plan.max_len == plan.per_request * plan.block - 1 + plan.decode_blocks * plan.block + 1
+    assert (n - 1) * (settled + growth) + peak <= free  # the last is admitted beside the others, grown once
+    # all of them, past their first boundary and the planned ones after it, want more than the pool
+    assert n * (settled + (1 + plan.boundaries) * growth) > free
+    prompt = plan.per_request * plan.block - 1
+    # the decode crosses the last boundary: the (3 + j block)th token is the first past it
+    assert plan.decode >= 3 + plan.boundaries * plan.block and plan.decode - 2 - plan.boundaries * plan.block == 16
+    assert plan.max_len >= prompt + plan.decode and plan.max_len % plan.block == 0
+
+
+def test_vllm_one_group_budget_admits_two_preempted_requests_and_leaves_nothing_to_grow():
+    from kvengine.integrations.vllm.verify_run import _Plan
+
+    plan = _Plan.of(128, None, 16, kinds=1)
+    assert plan.calibrated and plan.boundaries == 0 and plan.budget - 1 == 2 * plan.per_request
+    assert plan.max_len >= plan.per_request * plan.block - 1 + plan.decode
 
 
 def test_vllm_budget_refuses_a_request_that_does_not_grow():
