@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from kvengine.errors import ConfigError
+from kvengine.threads import start_thread
 
 if TYPE_CHECKING:
     from kvengine.config import EventsConfig
@@ -327,9 +328,7 @@ class KVEventPublisher:
         except zmq.ZMQError as exc:
             ctx.destroy(linger=0)
             raise ConfigError(f"events: cannot open {opening!r}: {exc}") from None
-        self._thread = threading.Thread(target=self._run, args=(ctx, pub, replay), name="kvengine-events",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "kvengine-events", ctx, pub, replay)
         logger.info("kvengine: publishing KV events on %s (%s)%s", self.endpoint,
                     "bound" if self._binds else "connected",
                     f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")

@@ -30,6 +30,7 @@ from kvengine.core.reservations import Reservation
 from kvengine.core.staging import StagedStore
 from kvengine.errors import CLOSED_MESSAGE, EngineClosedError, KVEngineError
 from kvengine.metrics import EngineMetrics
+from kvengine.threads import start_thread
 from kvengine.tiers import Tier, build_tiers
 from kvengine.transport import ChunkTransport
 from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
@@ -78,8 +79,7 @@ class KVEngine:
         self._loop_stopping = False
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvengine-loop", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop.run_forever, "kvengine-loop")
         try:
             if transports is None:
                 transports = build_tiers(self.config)

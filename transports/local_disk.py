@@ -60,7 +60,6 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -72,6 +71,7 @@ from kvengine.chunks.keys import DIGEST_BYTES, ChunkKey, NamespaceDigest
 from kvengine.chunks.record import RecordHeader, decode_header, unpack_record
 from kvengine.config import DiskConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError, TransportError
+from kvengine.threads import executor, start_thread
 from kvengine.transport import Buffer
 from kvengine.untrusted_files import UnsafeFileError
 
@@ -175,7 +175,7 @@ class LocalDiskTransport:
                 raise TransportError(f"cannot create disk cache directory {options.path}: {exc}") from exc
         self._files = RecordFiles(options.path, direct_io=options.direct_io,
                                   pool_bytes=options.read_pool_bytes)
-        self._pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="kvengine-disk")
+        self._pool = executor(options.io_threads, "kvengine-disk")
         self._cond = threading.Condition()
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> record length, LRU first
         self._published = 0  # footprint of indexed records
@@ -193,7 +193,7 @@ class LocalDiskTransport:
         self._reconciling = threading.Lock()  # one reconcile at a time: they share _fresh
         self._ready = self._pool.submit(self._rebuild)
         if options.reconcile_seconds > 0:
-            threading.Thread(target=self._reconcile_loop, name="kvengine-disk-reconcile", daemon=True).start()
+            start_thread(self._reconcile_loop, "kvengine-disk-reconcile")
 
     # -- ChunkTransport -------------------------------------------------------
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:

@@ -37,7 +37,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -48,6 +47,7 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import decode_header, seal_record, verify_seal
 from kvengine.config import MooncakeConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError
+from kvengine.threads import executor, start_thread
 from kvengine.transport import Buffer, read_deadline
 from kvengine.trust.secrets import read_secret_file
 
@@ -161,7 +161,7 @@ class MooncakeStoreTransport:
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         self._factory = client_factory or _mooncake_client
         self._client: StoreClient | None = None
-        self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="kvengine-mooncake")
+        self._pool = executor(_THREADS, "kvengine-mooncake")
         self._buffers = BufferPool(capacity_bytes=256 << 20)
         self._lock = threading.Lock()
         self._stuck = 0  # calls past their deadline, still running on a thread
@@ -169,7 +169,7 @@ class MooncakeStoreTransport:
         self.counts: Counter[str] = Counter()
         self._closed = threading.Event()
         self._connected = threading.Event()
-        threading.Thread(target=self._connect, name="kvengine-mooncake-connect", daemon=True).start()
+        start_thread(self._connect, "kvengine-mooncake-connect")
 
     # -- ChunkTransport -------------------------------------------------------
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:

@@ -34,6 +34,7 @@ from typing import Protocol
 from kvengine.chunks.keys import ChunkKey, NamespaceDigest
 from kvengine.chunks.record import unpack_record, verify_seal
 from kvengine.errors import IntegrityError
+from kvengine.threads import start_thread
 from kvengine.transport import Buffer
 
 from .peer_protocol import (
@@ -268,11 +269,11 @@ class ServerThread:
     def __init__(self, server: PeerServer) -> None:
         self.server = server
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvengine-peer-server", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> str:
         """Start serving; returns the bound ``host:port``. Raises what the server's ``start`` raises."""
-        self._thread.start()
+        self._thread = start_thread(self._loop.run_forever, "kvengine-peer-server")
         try:
             asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result()
         except BaseException:
@@ -282,11 +283,12 @@ class ServerThread:
         return self.server.address
 
     def stop(self) -> None:
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result()
             self._halt()
 
     def _halt(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self._loop.close()

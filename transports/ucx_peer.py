@@ -54,6 +54,7 @@ import numpy as np
 from kvengine.chunks.keys import ChunkKey
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
+from kvengine.threads import start_thread
 from kvengine.transport import Buffer
 
 from .connection_pool import ConnectionPool
@@ -94,7 +95,7 @@ class _UcxLoop:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="kvengine-ucx", daemon=True).start()
+        start_thread(self.loop.run_forever, "kvengine-ucx")
         asyncio.run_coroutine_threadsafe(self._init(), self.loop).result()
 
     @staticmethod

@@ -52,6 +52,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Protocol
 
+from kvengine.threads import executor, start_thread
+
 from .frames import Frames
 
 logger = logging.getLogger("vllm.kvengine")
@@ -163,7 +165,7 @@ class LookupService:
 
     def __init__(self, handler: LookupHandler) -> None:
         self._handler = handler
-        self._pool = ThreadPoolExecutor(_HANDLERS, thread_name_prefix="kvengine-vllm-lookup")
+        self._pool = executor(_HANDLERS, "kvengine-vllm-lookup")
         self._calls = OrderedExecutor(self._pool)
         self._dir = tempfile.mkdtemp(prefix="kvengine-vllm-")
         self.path = os.path.join(self._dir, "lookup.sock")
@@ -178,9 +180,7 @@ class LookupService:
         return self.path, self.authkey
 
     def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._threads.append(start_thread(target, name, *args))
 
     def _accept_loop(self) -> None:
         assert self._listener is not None

@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvengine import Reservation, StagedStore
+from kvengine.threads import executor
 from kvengine.types import ChunkView
 
 from .paging import PagedCopier
@@ -86,7 +87,7 @@ class LayerPipeline:
         self._order = tuple(forward_order)
         #: MLA under tensor parallelism: loads are shared from rank 0 (:mod:`.replica`)
         self._broadcast = broadcast
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvengine-layers")
+        self._executor = executor(1, "kvengine-layers")
         self._loads: dict[int, Future[None]] = {}
         self._load_jobs: list[LoadJob] = []
         self._saves: dict[int, Future[None]] = {}

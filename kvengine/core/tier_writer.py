@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal, TypeVar, cast
@@ -35,6 +34,7 @@ from kvengine.core.tier_set import TierSet
 from kvengine.errors import InvalidRequestError
 from kvengine.events import BlockStored, KVEventPublisher, medium_of
 from kvengine.metrics import EngineMetrics
+from kvengine.threads import executor
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
 
@@ -62,7 +62,7 @@ class TierWriter:
         self._slots: asyncio.Semaphore | None = None
         self._writes: set[asyncio.Future[bool]] = set()  # write-behind tier writes in flight
         self._task: asyncio.Task[None] | None = None
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvengine-encode")
+        self._encoder = executor(1, "kvengine-encode")
 
     def start(self) -> None:
         """Start the background writer on the running loop."""

@@ -25,7 +25,7 @@ class ApiServer:
     """One ``vllm serve`` process on 127.0.0.1; its output goes to ``log``."""
 
     def __init__(self, model: str, log: Path, *, kv_transfer_config: dict[str, Any] | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), engine_in_server: bool = True) -> None:
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -36,10 +36,9 @@ class ApiServer:
                 *extra_args]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        # The engine in the server's process (no engine-core and worker processes): on two cores, two
-        # instances in vLLM's default topology starve each other's transfers (docs/vllm.md, "Known limits").
+        # engine_in_server: no engine-core and worker processes (less memory); else vLLM's default topology
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0" if engine_in_server else "1")
         with log.open("w") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
