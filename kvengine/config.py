@@ -40,6 +40,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvengine.addresses import split_host_port
 from kvengine.errors import ConfigError
 
 ENV_PREFIX = "KVENGINE_"
@@ -188,9 +189,7 @@ class MooncakeConfig(_Section):
     @classmethod
     def _address(cls, value: str | None) -> str | None:
         if value is not None:
-            host, _, port = value.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"must be 'host:port', got {value!r}")
+            split_host_port(value, any_port=False)
         return value
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvengine.addresses import format_address, split_host_port
 from kvengine.chunks.keys import ChunkKey
 from kvengine.errors import ConfigError
 
@@ -60,19 +61,6 @@ class Peer:
     def parse(cls, text: str) -> Peer:
         """Parse ``host:port``, ``[v6]:port`` or ``tcp://host:port``."""
         return cls(*split_host_port(text))
-
-
-def split_host_port(text: str) -> tuple[str, int]:
-    """``(host, port)`` of ``host:port``, ``[v6]:port`` or ``tcp://host:port`` (port 0 allowed)."""
-    raw = text.strip().removeprefix("tcp://")
-    host, sep, port = raw.rpartition(":")
-    if not sep or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"address must be host:port, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _score(peer: Peer, key_bytes: bytes) -> int:

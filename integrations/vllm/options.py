@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvengine.addresses import split_host_port
 from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 from kvengine.trust.verification import DEFAULT_RECORDS_DIR
@@ -126,9 +127,14 @@ class HandoffOptions:
         _check_section(raw, "handoff", _HANDOFF_KEYS)
         for key in ("listen", "advertise"):
             value = raw.get(key)
-            host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-            if value is not None and (not host or not port.isdigit() or int(port) > 65535):
-                raise ConfigError(f"handoff.{key} must be 'host:port', got {value!r}")
+            if value is None:
+                continue
+            try:
+                if not isinstance(value, str):
+                    raise ConfigError(f"got {value!r}")
+                split_host_port(value, any_port=key == "listen")  # consumers dial the advertised address
+            except ConfigError as exc:
+                raise ConfigError(f"handoff.{key} must be 'host:port': {exc}") from None
         timeout = raw.get("fetch_timeout", DEFAULT_FETCH_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise ConfigError(f"handoff.fetch_timeout must be a number of seconds, got {timeout!r}")
