@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         UnsupportedModelError,
     )
     from kvengine.facade import KVEngine
+    from kvengine.transport import ReadScope
     from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 #: Public name -> the module that defines it. Imported on first use (PEP 562): ``import kvengine``
@@ -43,6 +44,7 @@ _EXPORTS = {
     **dict.fromkeys(("AttachError", "CapacityError", "ConfigError", "EngineClosedError", "IntegrityError",
                      "InvalidRequestError", "KVEngineError", "TransportError", "UnsupportedModelError"), "kvengine.errors"),
     "KVEngine": "kvengine.facade",
+    "ReadScope": "kvengine.transport",
     **dict.fromkeys(("ChunkSink", "ChunkSource", "ChunkView", "LoadResult", "ModelBinding", "StoreResult"),
                     "kvengine.types"),
 }
@@ -67,6 +69,6 @@ __all__ = [
     "AttachError", "CacheEngine", "CapacityError", "ChunkHash", "ChunkKey", "ChunkLayout", "ChunkSink",
     "ChunkSource", "ChunkView", "ConfigError", "DiskConfig", "EngineClosedError", "EngineConfig", "IntegrityError",
     "InvalidRequestError", "KVCategory", "KVEngine", "KVEngineError", "LoadResult", "MemoryConfig",
-    "ModelBinding", "Namespace", "NamespaceDigest", "Reservation", "ReservationState", "StagedStore", "StoreResult",
+    "ModelBinding", "Namespace", "NamespaceDigest", "ReadScope", "Reservation", "ReservationState", "StagedStore", "StoreResult",
     "TensorSpec", "TransportError", "UnsupportedModelError", "load_config",
 ]

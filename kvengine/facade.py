@@ -32,7 +32,7 @@ from kvengine.errors import CLOSED_MESSAGE, EngineClosedError, KVEngineError
 from kvengine.metrics import EngineMetrics
 from kvengine.threads import start_thread
 from kvengine.tiers import Tier, build_tiers
-from kvengine.transport import ChunkTransport
+from kvengine.transport import ChunkTransport, ReadScope
 from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
 T = TypeVar("T")
@@ -185,9 +185,9 @@ class KVEngine:
 
     def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
-        read_budget: float | None = None,
+        reads: ReadScope | None = None,
     ) -> Reservation:
-        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, read_budget=read_budget))
+        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, reads=reads))
 
     def lookup_resident(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None

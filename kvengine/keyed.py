@@ -46,7 +46,7 @@ from kvengine.core.engine import CacheEngine
 from kvengine.core.memory_tier import MemoryEntry
 from kvengine.core.promotion import AdmitRejected
 from kvengine.errors import InvalidRequestError
-from kvengine.transport import Buffer, ChunkTransport, ReadsInPlace, read_scope, reads_in_place
+from kvengine.transport import Buffer, ChunkTransport, ReadScope, ReadsInPlace, read_scope, reads_in_place
 from kvengine.types import ChunkView, ModelBinding
 
 if TYPE_CHECKING:
@@ -196,22 +196,22 @@ class KeyedStore:
         return outcomes, held, error
 
     # -- get ----------------------------------------------------------------------
-    async def get(self, keys: Sequence[bytes], sink: KeyedSink, *, read_budget: float | None = None) -> list[GetOutcome]:
-        """Give each stored chunk to ``sink``; chunks found below memory are promoted into it (within
-        ``read_budget`` seconds where given, else the tiers' own deadlines)."""
+    async def get(self, keys: Sequence[bytes], sink: KeyedSink, *, reads: ReadScope | None = None) -> list[GetOutcome]:
+        """Give each stored chunk to ``sink``; chunks found below memory are promoted into it (read as
+        ``reads`` says where given, else within the tiers' own deadlines and placement)."""
         if self._refused("get", len(keys)):
             return [GetOutcome.MISS] * len(keys)
-        return await self._fetch(self.chunk_keys(keys), sink, read_budget)
+        return await self._fetch(self.chunk_keys(keys), sink, reads)
 
     async def _fetch(self, ckeys: list[ChunkKey], sink: KeyedSink | None,
-                     read_budget: float | None = None) -> list[GetOutcome]:
+                     reads: ReadScope | None = None) -> list[GetOutcome]:
         """Pin what memory holds, promote the rest from lower tiers, hand every hit to ``sink`` (if any)."""
         memory = self.engine.memory
         entries: list[MemoryEntry | None] = [memory.pin(k) for k in ckeys]
         outcomes = [GetOutcome.HIT if e is not None else GetOutcome.MISS for e in entries]
         try:
             if self.engine.transports and None in entries:
-                with read_scope(read_budget):
+                with read_scope(reads):
                     await self._promote(ckeys, entries, outcomes)
             if sink is not None:
                 await asyncio.to_thread(self._copy_out, entries, outcomes, sink)
@@ -299,8 +299,8 @@ class SyncKeyedStore:
     def put(self, keys: Sequence[bytes], source: KeyedSource) -> list[PutOutcome]:
         return self.kv.run(self.store.put(keys, in_callers_mode(source)))
 
-    def get(self, keys: Sequence[bytes], sink: KeyedSink, *, read_budget: float | None = None) -> list[GetOutcome]:
-        return self.kv.run(self.store.get(keys, in_callers_mode(sink), read_budget=read_budget))
+    def get(self, keys: Sequence[bytes], sink: KeyedSink, *, reads: ReadScope | None = None) -> list[GetOutcome]:
+        return self.kv.run(self.store.get(keys, in_callers_mode(sink), reads=reads))
 
 
 __all__ = [

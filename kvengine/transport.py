@@ -41,29 +41,43 @@ if TYPE_CHECKING:
 Buffer = bytes | bytearray | memoryview
 
 @dataclass(frozen=True, slots=True)
-class _ReadScope:
+class ReadScope:
+    """How the reads of one lookup may go, where the caller knows more than the tiers' defaults."""
+
+    #: seconds the reads may take, in place of each transport's own deadline and request timeout (None:
+    #: the transports' own): for a read the caller waits for whatever its size, such as a prompt a
+    #: producer handed off, where a miss costs a whole prefill
+    budget: float | None = None
+    #: ``host:port`` of a peer known to hold these records (the producer that computed a handed-off
+    #: prompt): a peer tier asks it first, before the peers its placement picks (None: placement alone)
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and not self.budget > 0:
+            raise ValueError(f"ReadScope.budget must be > 0 seconds, got {self.budget!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _OpenScope:
     start: float
-    budget: float | None
+    scope: ReadScope
 
 
 #: The enclosing read scope (None outside one). Tasks started inside a scope inherit it.
-_SCOPE: ContextVar[_ReadScope | None] = ContextVar("kvengine_read_scope", default=None)
+_SCOPE: ContextVar[_OpenScope | None] = ContextVar("kvengine_read_scope", default=None)
 
 
 @contextlib.contextmanager
-def read_scope(budget: float | None = None) -> Iterator[None]:
-    """Mark the reads of one lookup: inside, :func:`read_deadline` counts from the scope's start.
-
-    ``budget``: the seconds these reads may take, in place of each transport's own deadline and
-    request timeout (None: the transports' own). For a read the caller waits for whatever its size,
-    such as a prompt a producer handed off, where a miss costs a whole prefill.
+def read_scope(scope: ReadScope | None = None) -> Iterator[None]:
+    """Mark the reads of one lookup: inside, :func:`read_deadline` counts from the scope's start, and
+    ``scope`` (None: the defaults) says what the caller knows of them (:class:`ReadScope`).
 
     A nested scope keeps the outer one, so a lookup's deadline cannot be renewed from within it.
     """
     if _SCOPE.get() is not None:
         yield
         return
-    token = _SCOPE.set(_ReadScope(time.monotonic(), budget))
+    token = _SCOPE.set(_OpenScope(time.monotonic(), scope or ReadScope()))
     try:
         yield
     finally:
@@ -72,8 +86,15 @@ def read_scope(budget: float | None = None) -> Iterator[None]:
 
 def read_budget(configured: float) -> float:
     """The enclosing scope's budget where it sets one, else a transport's ``configured`` seconds."""
-    scope = _SCOPE.get()
-    return configured if scope is None or scope.budget is None else scope.budget
+    open_scope = _SCOPE.get()
+    budget = None if open_scope is None else open_scope.scope.budget
+    return configured if budget is None else budget
+
+
+def read_source() -> str | None:
+    """The enclosing scope's :attr:`ReadScope.source` (None: none, or outside a scope)."""
+    open_scope = _SCOPE.get()
+    return None if open_scope is None else open_scope.scope.source
 
 
 def read_deadline(budget: float) -> float:
@@ -82,8 +103,8 @@ def read_deadline(budget: float) -> float:
     Counted from the start of the enclosing :func:`read_scope` (one lookup's reads share it), else
     from now; the scope's own budget, where it sets one, replaces ``budget``.
     """
-    scope = _SCOPE.get()
-    return (time.monotonic() if scope is None else scope.start) + read_budget(budget)
+    open_scope = _SCOPE.get()
+    return (time.monotonic() if open_scope is None else open_scope.start) + read_budget(budget)
 
 
 @runtime_checkable

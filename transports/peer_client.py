@@ -46,7 +46,7 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import seal_record, unpack_record, verify_seal
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
-from kvengine.transport import Buffer, RemoteTierStats, read_budget, read_deadline
+from kvengine.transport import Buffer, RemoteTierStats, read_budget, read_deadline, read_source
 from kvengine.trust.secrets import read_secret_file
 
 from .byte_budget import ByteBudget
@@ -221,6 +221,18 @@ class PeerTransport:
             return [[] for _ in keys]
         return [[p for p in rendezvous_owners(k, peers, self.options.replicas) if self.health.usable(p)] for k in keys]
 
+    async def _read_owners(self, keys: Sequence[ChunkKey]) -> list[list[Peer]]:
+        """:meth:`_owners` for reads, after the enclosing read scope's source where it is one of the peers
+        (a consumer asks the producer that computed a prompt first, whatever placement picks)."""
+        owners = await self._owners(keys)
+        address = read_source()
+        source = next((p for p in self._known if p.address == address), None) if address is not None else None
+        if source is None or not self.health.usable(source):
+            if address is not None:
+                self.counts["read_source_unusable"] += 1
+            return owners
+        return [[source, *(p for p in peers if p != source)] for peers in owners]
+
     def _batches(self, indices: list[int], sizes: Sequence[int] | None = None) -> Iterator[list[int]]:
         batch: list[int] = []
         nbytes = 0
@@ -270,7 +282,7 @@ class PeerTransport:
         out = [False] * len(keys)
         sizes = [len(r) for r in records] if records else None
         by_peer: dict[Peer, list[int]] = defaultdict(list)
-        for i, owners in enumerate(await self._owners(keys)):
+        for i, owners in enumerate(await (self._read_owners(keys) if op is Op.EXISTS else self._owners(keys))):
             for peer in owners:
                 by_peer[peer].append(i)
 
@@ -305,7 +317,7 @@ class PeerTransport:
         out: list[Buffer | None] = [None] * len(keys)
         served_by: list[int] = [0] * len(keys)  # the rank of the owner whose copy is in ``out``
         candidates = []
-        for key, owners in zip(keys, await self._owners(keys)):
+        for key, owners in zip(keys, await self._read_owners(keys)):
             hinted = self._hints.pop(key, None)
             if hinted in owners:
                 owners.remove(hinted)
@@ -317,7 +329,7 @@ class PeerTransport:
                 if record is not None:
                     out[i], served_by[i] = record, rank
 
-        for rank in range(self.options.replicas):
+        for rank in range(max(map(len, candidates), default=0)):  # a read source adds one to the owners
             by_peer: dict[Peer, list[int]] = defaultdict(list)
             for i, owners in enumerate(candidates):
                 if out[i] is None and rank < len(owners):

@@ -70,8 +70,9 @@ class LookupCall:
     salt: str
     tokens: bytes  # little-endian uint32 token ids
     max_tokens: int
-    #: a handed-off prompt: its partial last chunk too (:mod:`.handoff`)
-    tail: bool = False
+    #: a handed-off prompt: the producer that computed it (``host:port``), read from first, and the prompt's
+    #: partial last chunk too (:mod:`.handoff`)
+    producer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +106,11 @@ class Reply:
 class LookupHandler(Protocol):
     """What the worker answers with (its cache engine)."""
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False) -> Answer: ...
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
+               producer: str | None = None) -> Answer: ...
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-                   tail: bool = False) -> Answer | None:
+                   producer: str | None = None) -> Answer | None:
         """The answer if it needs no wait (memory holds it), without blocking; None: call ``lookup``."""
         ...
 
@@ -242,7 +244,7 @@ class LookupService:
     def _handle_now(self, msg: LookupCall) -> Reply | None:
         """The reply if the handler has it without waiting; None (also on an error): the pool answers."""
         try:
-            answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens, msg.tail)
+            answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens, msg.producer)
         except Exception:  # the pool's call reports it (as a miss, with the error)
             return None
         return None if answer is None else _answered(msg, answer)
@@ -251,7 +253,7 @@ class LookupService:
         try:
             if isinstance(msg, LookupCall):
                 return _answered(msg, self._handler.lookup(msg.request_id, msg.salt, msg.tokens, msg.max_tokens,
-                                                          msg.tail))
+                                                          msg.producer))
             if isinstance(msg, ReleaseCall):
                 self._handler.release(msg.request_id)
                 return None
@@ -311,9 +313,10 @@ class LookupClient:
             self.close()
             raise ChannelClosed(f"kvengine vLLM channel broke: {exc}") from None
 
-    def submit(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, *, tail: bool = False) -> int:
+    def submit(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, *,
+               producer: str | None = None) -> int:
         self._seq += 1
-        self._send(LookupCall(self._seq, request_id, salt, tokens, max_tokens, tail))
+        self._send(LookupCall(self._seq, request_id, salt, tokens, max_tokens, producer))
         return self._seq
 
     def release(self, request_id: str) -> None:

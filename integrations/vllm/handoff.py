@@ -13,8 +13,9 @@ Roles (vLLM's ``kv_role``):
   to consumers over the peer wire (``handoff.listen``). vLLM returns
   :class:`HandoffParams` in the finished request's ``kv_transfer_params``.
 * ``kv_consumer`` (decode): given those params, looks the prompt up through its
-  peer tier (the producers are its ``peers``), tail included, and loads all of
-  it into its pages: it computes only the prompt's last token. Any fault (the
+  peer tier (the producers are its ``peers``), asking the producer the params
+  name first (:meth:`PromptTails.reads`), tail included, and loads all of it
+  into its pages: it computes only the prompt's last token. Any fault (the
   producer gone, the lease expired, a record that does not verify) is a
   shorter hit or a miss: vLLM computes the rest, exactly.
 
@@ -43,7 +44,7 @@ from kvengine.config import MIN_MEMORY_BYTES
 from kvengine.errors import ConfigError, InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore, keyed_chunk_key, keyed_namespace
-from kvengine.transport import Buffer
+from kvengine.transport import Buffer, ReadScope
 from kvengine.types import ModelBinding
 
 from .layout import BlockIds, PagedLayout
@@ -164,14 +165,19 @@ class PromptTails:
             self._copier.gather_into(i, start, block_ids, null, out, end=end)
         return self._store(binding).put([self.key(binding, tokens, end)], lambda _i: tensors)[0].ok
 
-    def find(self, binding: ModelBinding, tokens: np.ndarray, end: int) -> PromptTail | None:
-        """A copy of the tail of ``tokens[:end]`` (None: not stored here nor in a tier below)."""
+    def reads(self, producer: str) -> ReadScope:
+        """How a handed-off prompt is read: from ``producer`` first, within ``fetch_timeout``."""
+        return ReadScope(budget=self.fetch_timeout, source=producer)
+
+    def find(self, binding: ModelBinding, tokens: np.ndarray, end: int, producer: str) -> PromptTail | None:
+        """A copy of the tail of ``tokens[:end]`` (None: not stored here nor in a tier below), read from
+        ``producer`` first."""
         got: list[tuple[torch.Tensor, ...]] = []
 
         def keep(_i: int, tensors: Sequence[torch.Tensor]) -> None:
             got.append(tuple(t.clone() for t in tensors))
 
-        if not self._store(binding).get([self.key(binding, tokens, end)], keep, read_budget=self.fetch_timeout)[0].ok:
+        if not self._store(binding).get([self.key(binding, tokens, end)], keep, reads=self.reads(producer))[0].ok:
             return None
         return PromptTail(end // self._chunk * self._chunk, end, got[0])
 

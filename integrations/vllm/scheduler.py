@@ -93,8 +93,9 @@ class _RequestState:
     stored_until: int = 0
     #: a hit sampled for a shadow check: vLLM computes its first ``shadow_until`` tokens, the worker compares
     shadow_until: int = 0
-    #: a consumer's handed-off prompt (:mod:`.handoff`): its tail is looked up too
-    handed_in: bool = False
+    #: a consumer's handed-off prompt (:mod:`.handoff`): the producer that computed it (``host:port``),
+    #: read from first, tail included
+    handed_in_by: str | None = None
     #: a producer's handed-off prompt: the tokens whose KV it stored for a consumer (0: not yet)
     handed_out: int = 0
 
@@ -161,7 +162,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         limit = request.num_tokens - 1  # vLLM computes at least the last token
-        if not st.can_read or self._client is None or limit < (1 if st.handed_in else self._chunk):
+        if not st.can_read or self._client is None or limit < (1 if st.handed_in_by else self._chunk):
             return 0, False
         try:
             wait = 0.0  # asked again: the answer is there or still pending, never waited for twice
@@ -170,7 +171,7 @@ class SchedulerSide:
                     self._client.forget(st.pending_seq)
                 st.pending_seq = self._client.submit(request.request_id, st.salt,
                                                      token_bytes(request.all_token_ids[:limit]), limit,
-                                                     tail=st.handed_in)
+                                                     producer=st.handed_in_by)
                 st.pending_len = limit
                 self.stats.lookups += 1
                 wait = self._wait
@@ -188,7 +189,7 @@ class SchedulerSide:
             st.shadow_until = reply.shadow_tokens  # nothing reserved: vLLM computes it, the worker compares
             self.stats.shadow_checks += 1
         st.matched = reply.matched_tokens
-        if st.handed_in and self._fail_short and st.matched < limit:
+        if st.handed_in_by and self._fail_short and st.matched < limit:
             self.stats.failed_handoffs += 1
             logger.error("kvengine: handed-off prompt %s: %d of its %d tokens could be loaded from the producer "
                          "(gone, lease expired, or a record that did not verify); kv_load_failure_policy 'fail' "
@@ -329,38 +330,43 @@ class SchedulerSide:
             st = _RequestState(request=request, salt=request.cache_salt or "", can_read=not reason and
                                not _skips_connector_reads(request),
                                can_write=not reason and self._role is not Role.CONSUMER)
-            st.handed_in = self._role is Role.CONSUMER and st.can_read and self._handed_in(request)
+            if self._role is Role.CONSUMER and st.can_read:
+                st.handed_in_by = self._handed_in_by(request)
             self._states[request.request_id] = st
         return st
 
-    def _handed_in(self, request: Request) -> bool:
-        """Whether a consumer's request carries a prompt handed off by a producer it may load from; a
-        refusal is counted by reason and logged once (the request is served as a plain lookup)."""
+    def _handed_in_by(self, request: Request) -> str | None:
+        """The producer a consumer's request says computed its prompt, where it may load from it (None: not
+        handed off, or refused: counted by reason and logged once, and served as a plain lookup)."""
         try:
             params = HandoffParams.from_transfer_params(request.kv_transfer_params)
         except InvalidRequestError as exc:
-            return self._refuse_handoff("malformed", str(exc))
+            self._refuse_handoff("malformed", str(exc))
+            return None
         if params is None:
-            return False
+            return None
         if params.producer not in self._producers:
-            return self._refuse_handoff("untrusted_producer", f"producer {params.producer} is not one of this "
-                                        f"instance's kvengine.peers ({sorted(self._producers)})")
+            self._refuse_handoff("untrusted_producer", f"producer {params.producer} is not one of this "
+                                 f"instance's kvengine.peers ({sorted(self._producers)})")
+            return None
         if params.namespace != self._namespace:
-            return self._refuse_handoff("namespace_mismatch", f"producer {params.producer} computed KV in namespace "
-                                        f"{params.namespace}, this instance reads {self._namespace}: another model, "
-                                        "weights, dtype, KV layout or tensor-parallel split; its KV is not loaded")
+            self._refuse_handoff("namespace_mismatch", f"producer {params.producer} computed KV in namespace "
+                                 f"{params.namespace}, this instance reads {self._namespace}: another model, "
+                                 "weights, dtype, KV layout or tensor-parallel split; its KV is not loaded")
+            return None
         if params.tokens != request.num_tokens - 1:
-            return self._refuse_handoff("token_count", f"the producer stored {params.tokens} tokens of a prompt of "
-                                        f"{request.num_tokens}: not this request's prompt")
+            self._refuse_handoff("token_count", f"the producer stored {params.tokens} tokens of a prompt of "
+                                 f"{request.num_tokens}: not this request's prompt")
+            return None
         self.stats.handoffs += 1
-        return True
+        return params.producer
 
-    def _refuse_handoff(self, reason: str, why: str) -> bool:
+    def _refuse_handoff(self, reason: str, why: str) -> None:
         refused = self.stats.refused_handoffs
         refused[reason] = refused.get(reason, 0) + 1
         if refused[reason] == 1:
             logger.error("kvengine: handed-off prompt refused (%s); computed here instead", why)
-        return False
+        return None
 
     def _release(self, st: _RequestState) -> None:
         if st.phase is _Phase.IDLE:

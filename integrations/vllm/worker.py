@@ -138,30 +138,32 @@ class ReservationDesk:
                 self._bindings[salt] = binding
         return binding
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False) -> Answer:
-        """``tail``: a handed-off prompt (:mod:`.handoff`): its partial last chunk too, up to ``max_tokens``."""
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
+               producer: str | None = None) -> Answer:
+        """``producer``: a handed-off prompt (:mod:`.handoff`), read from the producer that computed it first,
+        its partial last chunk too, up to ``max_tokens``."""
         with self._lock:
             shadowed = self._shadowed.get(request_id)
         if shadowed is not None:
             return Answer(shadow_tokens=shadowed)
         ids = np.frombuffer(tokens, dtype="<u4")
         binding = self.binding(salt)
-        budget = self.tails.fetch_timeout if tail and self.tails is not None else None
-        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, read_budget=budget)
+        reads = self.tails.reads(producer) if producer is not None and self.tails is not None else None
+        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads)
         res: Reservation | None = found
         state = None
         if self.states is not None and found.matched_tokens:
             res, state = self._resumable(binding, request_id, ids, found)
         chunk = self._layout.chunk_size
         held_tail = None
-        if tail and self.tails is not None and max_tokens % chunk and \
+        if producer is not None and self.tails is not None and max_tokens % chunk and \
                 (res.matched_tokens if res is not None else 0) == max_tokens // chunk * chunk:
-            held_tail = self.tails.find(binding, ids, max_tokens)  # the chunks before it are all held
+            held_tail = self.tails.find(binding, ids, max_tokens, producer)  # the chunks before it are all held
         return self._answer(binding, request_id, res, None if state is None else _HeldState(state, binding, ids),
                             held_tail)
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-                   tail: bool = False) -> Answer | None:
+                   producer: str | None = None) -> Answer | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread; None: call :meth:`lookup`.
 
         Hybrid models (recurrent state to find), prompt tails and salts not bound yet always take
@@ -172,7 +174,7 @@ class ReservationDesk:
             binding = self._bindings.get(salt)
         if shadowed is not None:
             return Answer(shadow_tokens=shadowed)
-        if binding is None or self.states is not None or tail:
+        if binding is None or self.states is not None or producer is not None:
             return None
         res = self.engine.lookup_resident(binding, request_id, np.frombuffer(tokens, dtype="<u4"),
                                           max_tokens=max_tokens)

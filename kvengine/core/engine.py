@@ -63,7 +63,7 @@ from kvengine.errors import CLOSED_MESSAGE, CapacityError, ConfigError, EngineCl
 from kvengine.events import MEDIUM_MEMORY, AllBlocksCleared, BlockStored, KVEventPublisher
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
-from kvengine.transport import ChunkTransport, read_scope
+from kvengine.transport import ChunkTransport, ReadScope, read_scope
 from kvengine.trust.quarantine import Quarantine
 from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
@@ -238,14 +238,14 @@ class CacheEngine:
     # -- lookup ----------------------------------------------------------------
     async def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
-        read_budget: float | None = None,
+        reads: ReadScope | None = None,
     ) -> Reservation:
         """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``).
 
         Idempotent per ``request_id``: the same question returns the same
         reservation with a renewed lease, pinning and counting nothing again.
-        ``read_budget``: seconds the reads from lower tiers may take, in place of the tiers' own
-        deadlines (:func:`~kvengine.transport.read_scope`).
+        ``reads``: what the caller knows of the reads from lower tiers (their time, a peer holding
+        them: :class:`~kvengine.transport.ReadScope`; None: the tiers' own deadlines and placement).
         """
         self.check_open()
         started = time.perf_counter()
@@ -255,7 +255,7 @@ class CacheEngine:
         entries = self.memory.pin_prefix(question.keys)
         sources = {"memory": len(entries)}
         if len(entries) < len(question.keys) and self.transports:
-            with read_scope(read_budget):  # one deadline for all of this lookup's reads from lower tiers
+            with read_scope(reads):  # one deadline for all of this lookup's reads from lower tiers
                 promoted = await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
                                                        question.asked, sources)
             if promoted and self.events is not None:

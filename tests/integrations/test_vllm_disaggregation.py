@@ -3,7 +3,8 @@
 
 A producer instance (``kv_role: kv_producer``) and a consumer instance (``kv_consumer``) alive at once,
 each in vLLM's default topology: the consumer loads every prompt token but the last from the producer's
-memory over the peer wire and decodes exactly what one colocated vLLM does.
+memory over the peer wire (directed there, though a second, idle producer is among its peers) and decodes
+exactly what one colocated vLLM does.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def test_the_producer_returns_what_the_consumer_needs(disagg: dict[str, Any]) ->
 def test_the_consumer_decodes_exactly_and_computes_only_the_last_prompt_token(disagg: dict[str, Any]) -> None:
     for p, got, want in zip(disagg["prompts"], disagg["decode"], disagg["ref"]):
         _exact(got, want)
-        assert got["cached"] == len(p) - 1  # vLLM's own count: every prompt token but the last was loaded
+        # vLLM's own count: every prompt token but the last was loaded, though placement picks the consumer's
+        # idle second producer for about half the keys: each was read from the producer the params name
+        assert got["cached"] == len(p) - 1
     chunk = disagg["chunk"]
     tails = sum((len(p) - 1) % chunk != 0 for p in disagg["prompts"])
     assert _handoffs(disagg["consumer"], "tail_loaded") == tails

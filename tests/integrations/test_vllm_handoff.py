@@ -24,6 +24,8 @@ from .test_vllm_units import BS, CHUNK, RATIO, fill, make_layout
 
 TOKENS = np.arange(100, 100 + 2 * CHUNK, dtype="<u4")
 SRC = ((1, 2, 3, 4), (5, 6, 7, 8))
+#: the producer a handed-off prompt names (no peer tier here: the tails are in this engine's memory)
+PRODUCER = "127.0.0.1:7700"
 DST = ((10, 11, 12, 13), (0, 0, 14, 15))  # out-of-window sliding blocks are null (0)
 
 
@@ -91,7 +93,7 @@ def test_a_tail_holds_the_pages_before_its_end_and_zeros_after(setup):
     tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     end = CHUNK + BS + 1  # the partial chunk: one whole block, then one token of the next
     assert tails.save(binding, TOKENS, end, SRC, 0)
-    tail = tails.find(binding, TOKENS, end)
+    tail = tails.find(binding, TOKENS, end, PRODUCER)
     assert tail is not None and (tail.start, tail.end) == (CHUNK, end)
     kernel = BS // RATIO
     used = -(-(end - CHUNK) // kernel)  # kernel pages holding tokens of the tail: 3 of 4
@@ -101,8 +103,8 @@ def test_a_tail_holds_the_pages_before_its_end_and_zeros_after(setup):
     # a tail is keyed by every token before its end: another prompt, or another length, finds nothing
     other = TOKENS.copy()
     other[0] += 1
-    assert tails.find(binding, other, end) is None
-    assert tails.find(binding, TOKENS, end - 1) is None
+    assert tails.find(binding, other, end, PRODUCER) is None
+    assert tails.find(binding, TOKENS, end - 1, PRODUCER) is None
 
 
 def test_a_tail_loads_after_the_chunks_and_only_up_to_its_end(setup):
@@ -115,7 +117,7 @@ def test_a_tail_loads_after_the_chunks_and_only_up_to_its_end(setup):
     res = eng.lookup(binding, "consumer", TOKENS[:end], max_tokens=end)
     assert res.matched_tokens == CHUNK
     spec = LoadSpec(request_id="consumer", salt="", start=0, end=end, block_ids=DST, asynchronous=False)
-    job = LoadJob(spec, res, eng.begin_load(res), 0, tail=tails.find(binding, TOKENS, end))
+    job = LoadJob(spec, res, eng.begin_load(res), 0, tail=tails.find(binding, TOKENS, end, PRODUCER))
     pipe = LayerPipeline(copier, (0, 1))
     try:
         pipe.begin_loads([job])
@@ -180,7 +182,7 @@ def test_a_fetch_after_the_lease_counts_as_expired_not_confirmed(setup):
 
 
 def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(setup):
-    """A consumer's lookup (``tail=True``) offers the whole chunks and the tail after them; a plain lookup of
+    """A consumer's lookup (``producer`` set) offers the whole chunks and the tail after them; a plain lookup of
     the same tokens only the chunks; a prompt shorter than a chunk is a tail alone; a missing tail leaves the
     chunks. What the desk holds is what its load takes, and releasing it leaves no pin."""
     pytest.importorskip("vllm")
@@ -196,14 +198,14 @@ def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(se
     assert tails.save(binding, TOKENS, end, SRC, 0) and tails.save(binding, TOKENS, short, SRC, 0)
     data = token_bytes(TOKENS[:end])
     assert desk.lookup("plain", "", data, end).matched_tokens == CHUNK
-    assert desk.lookup("handed", "", data, end, tail=True).matched_tokens == end
+    assert desk.lookup("handed", "", data, end, producer=PRODUCER).matched_tokens == end
     taken = desk.take("handed")
     assert taken.reservation.matched_tokens == CHUNK and (taken.tail.start, taken.tail.end) == (CHUNK, end)
     eng.release(taken.reservation)
-    assert desk.lookup("short", "", token_bytes(TOKENS[:short]), short, tail=True).matched_tokens == short
+    assert desk.lookup("short", "", token_bytes(TOKENS[:short]), short, producer=PRODUCER).matched_tokens == short
     alone = desk.take("short")
     assert alone.reservation is None and (alone.tail.start, alone.tail.end) == (0, short)
-    assert desk.lookup("gone", "", data, end - 1, tail=True).matched_tokens == CHUNK  # no tail of that length
+    assert desk.lookup("gone", "", data, end - 1, producer=PRODUCER).matched_tokens == CHUNK  # no tail of that length
     desk.release("gone")
     desk.release("plain")
     assert eng.core.memory.total_pins() == 0 and len(desk) == 0

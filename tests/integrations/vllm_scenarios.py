@@ -787,15 +787,24 @@ LEASE_S = 8
 
 
 class _HandoffPair:
-    """A producer (its handoff server on loopback) and a consumer (the producer its only peer) of ``model``,
-    each a vLLM engine in its default topology, started one after the other and alive at once."""
+    """A producer (its handoff server on loopback) and a consumer of ``model``, each a vLLM engine in its
+    default topology, started one after the other and alive at once. The consumer has a second producer in
+    its peers, a handoff-wire server holding nothing: placement picks it for about half the keys, so every
+    key the consumer loads proves it asked the producer its params name (a directed fetch)."""
 
     def __init__(self, model: str, dtype: str = "float32") -> None:
+        from kvengine.transports.peer_service import ServerThread
+        from kvengine.transports.peer_store import MemoryRecordStore
+        from kvengine.transports.tcp_peer import TcpPeerServer
+
         set_topology(in_process=False)
         handoff = free_port()
+        self.idle_producer = ServerThread(TcpPeerServer(MemoryRecordStore(1 << 20), "127.0.0.1:0"))
+        idle = self.idle_producer.start()
         self.producer_port, self.consumer_port = free_port(), free_port()
         self.consumer_extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.consumer_port,
-                                            "peers": {"peers": [f"127.0.0.1:{handoff}"], "request_timeout": 2.0}}}
+                                            "peers": {"peers": [idle, f"127.0.0.1:{handoff}"],
+                                                      "request_timeout": 2.0}}}
         self.producer = start(engine_args(model, dtype=dtype, connector={
             "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.producer_port,
                          "lease_seconds": LEASE_S},
@@ -811,7 +820,8 @@ class _HandoffPair:
 def scenario_disagg(work: Path) -> dict[str, Any]:
     """Prefill/decode disaggregation (Llama, fp32), both instances in vLLM's default topology and alive at
     once: a producer (``kv_producer``, its handoff server on loopback) runs each prompt with ``max_tokens=1``;
-    a consumer (``kv_consumer``, the producer its only peer) runs it with the returned ``kv_transfer_params``
+    a consumer (``kv_consumer``; its peers: that producer and an idle one) runs it with the returned
+    ``kv_transfer_params``
     and 16 tokens. Prompts with a partial last chunk, one that ends on a chunk boundary, one shorter than a
     chunk. Then: params naming another namespace, and another producer (refused: computed locally); a
     prompt handed off and never consumed (its hold expires with the producer's lease, LEASE_S); the producer

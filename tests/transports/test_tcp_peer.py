@@ -18,12 +18,12 @@ import pytest
 from kvengine.config import load_config
 from kvengine.errors import ConfigError
 from kvengine.tiers import build_tiers
-from kvengine.transport import read_scope
+from kvengine.transport import ReadScope, read_scope
 from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
 from kvengine.transports.peer_protocol import Op, encode_request
 from kvengine.transports.peer_service import ServerOptions
 from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.placement import Membership, Peer
+from kvengine.transports.placement import Membership, Peer, rendezvous_owners
 from kvengine.transports.tcp_peer import (
     TcpConnector,
     TcpOptions,
@@ -244,13 +244,40 @@ async def test_a_read_scope_budget_replaces_the_peers_deadlines_for_its_reads(ma
     try:
         assert await client.get([item[0]]) == [None]
         await asyncio.sleep(0.05)  # past the cool-down
-        with read_scope(budget=5.0):
+        with read_scope(ReadScope(budget=5.0)):
             (got,) = await client.get([item[0]])
         assert got is not None and bytes(got) == item[1]
         t0 = time.monotonic()
-        with read_scope(budget=0.8):
+        with read_scope(ReadScope(budget=0.8)):
             assert await client.get([item[0]]) == [None]
         assert 0.7 < time.monotonic() - t0 < 1.4
     finally:
         await client.close()
         await server.close()
+
+
+async def test_a_read_scope_source_is_asked_first_whatever_placement_picks(make_record: Any) -> None:
+    """A consumer names the producer that computed a prompt (``ReadScope.source``): the record, held only by
+    the peer placement does not pick for it, is found there (exists and get); without the source it is a miss,
+    and a source that is not one of the peers leaves placement alone (counted)."""
+    servers = [await _server(), await _server()]
+    item = make_record(MiB)
+    peers = [Peer.parse(s.address or "") for s in servers]
+    (owner,) = rendezvous_owners(item[0], peers, 1)
+    holder = next(s for s, p in zip(servers, peers) if p != owner)
+    await holder.service.store.put([item])
+    client = PeerTransport(TcpConnector(FAST.limits, TcpOptions()), Membership([p.address for p in peers]), FAST)
+    try:
+        assert await client.exists([item[0]]) == [False] and await client.get([item[0]]) == [None]
+        with read_scope(ReadScope(source=holder.address)):
+            assert await client.exists([item[0]]) == [True]
+        with read_scope(ReadScope(source=holder.address)):
+            (got,) = await client.get([item[0]])
+        assert got is not None and bytes(got) == item[1]
+        with read_scope(ReadScope(source="127.0.0.9:1")):
+            assert await client.get([item[0]]) == [None]
+        assert client.counts["read_source_unusable"] == 1
+    finally:
+        await client.close()
+        for server in servers:
+            await server.close()
