@@ -789,8 +789,9 @@ LEASE_S = 8
 class _HandoffPair:
     """A producer (its handoff server on loopback) and a consumer of ``model``, each a vLLM engine in its
     default topology, started one after the other and alive at once. The consumer has a second producer in
-    its peers, a handoff-wire server holding nothing: placement picks it for about half the keys, so every
-    key the consumer loads proves it asked the producer its params name (a directed fetch)."""
+    its peers, a handoff-wire server holding nothing, and one owner a key: placement picks the idle one for
+    about half the keys, so every key the consumer loads proves it asked the producer its params name (a
+    directed fetch)."""
 
     def __init__(self, model: str, dtype: str = "float32") -> None:
         from kvengine.transports.peer_service import ServerThread
@@ -803,7 +804,7 @@ class _HandoffPair:
         idle = self.idle_producer.start()
         self.producer_port, self.consumer_port = free_port(), free_port()
         self.consumer_extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.consumer_port,
-                                            "peers": {"peers": [idle, f"127.0.0.1:{handoff}"],
+                                            "peers": {"peers": [idle, f"127.0.0.1:{handoff}"], "replicas": 1,
                                                       "request_timeout": 2.0}}}
         self.producer = start(engine_args(model, dtype=dtype, connector={
             "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.producer_port,
