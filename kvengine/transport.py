@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 from kvengine.chunks.keys import ChunkKey
+from kvengine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvengine.chunks.record import RecordHeader
@@ -54,7 +55,7 @@ class ReadScope:
 
     def __post_init__(self) -> None:
         if self.budget is not None and not self.budget > 0:
-            raise ValueError(f"ReadScope.budget must be > 0 seconds, got {self.budget!r}")
+            raise InvalidRequestError(f"ReadScope.budget must be > 0 seconds, got {self.budget!r}")
 
 
 @dataclass(frozen=True, slots=True)
