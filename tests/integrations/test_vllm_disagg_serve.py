@@ -37,8 +37,9 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 CONNECTOR = "kvengine.integrations.vllm.connector"
 FP32_LOGPROB = 1e-4
-#: the producer's lease: its holds must outlast a decode pass on a loaded machine
-LEASE_S = 8
+#: the producer's lease: its holds must outlast a chat turn's way from producer to consumer on a loaded
+#: machine (8 s was exceeded once, with another vLLM test run sharing the two cores: counted expired)
+LEASE_S = 20
 #: a stalled transfer is cut after this many bytes from the producer (SmolLM2 fp32 KV: ~46 KB a token,
 #: so a chunk's record is megabytes: the cut falls inside the first record)
 CUT_BYTES = 1 << 20
