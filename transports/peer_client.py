@@ -226,10 +226,14 @@ class PeerTransport:
         (a consumer asks the producer that computed a prompt first, whatever placement picks)."""
         owners = await self._owners(keys)
         address = read_source()
-        source = next((p for p in self._known if p.address == address), None) if address is not None else None
-        if source is None or not self.health.usable(source):
-            if address is not None:
-                self.counts["read_source_unusable"] += 1
+        if address is None:
+            return owners
+        try:
+            source: Peer | None = Peer.parse(address)
+        except ConfigError:
+            source = None
+        if source not in self._known or not self.health.usable(source):
+            self.counts["read_source_unusable"] += 1
             return owners
         return [[source, *(p for p in peers if p != source)] for peers in owners]
 

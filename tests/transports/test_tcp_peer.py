@@ -271,12 +271,13 @@ async def test_a_read_scope_source_is_asked_first_whatever_placement_picks(make_
         assert await client.exists([item[0]]) == [False] and await client.get([item[0]]) == [None]
         with read_scope(ReadScope(source=holder.address)):
             assert await client.exists([item[0]]) == [True]
-        with read_scope(ReadScope(source=holder.address)):
+        with read_scope(ReadScope(source=f"tcp://{holder.address}")):  # any spelling of a peer's address
             (got,) = await client.get([item[0]])
         assert got is not None and bytes(got) == item[1]
-        with read_scope(ReadScope(source="127.0.0.9:1")):
-            assert await client.get([item[0]]) == [None]
-        assert client.counts["read_source_unusable"] == 1
+        for stranger in ("127.0.0.9:1", "not an address"):
+            with read_scope(ReadScope(source=stranger)):
+                assert await client.get([item[0]]) == [None]
+        assert client.counts["read_source_unusable"] == 2
     finally:
         await client.close()
         for server in servers:
