@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kvengine import Reservation
+from kvengine.addresses import split_host_port
 from kvengine.chunks.hashing import prefix_hashes
 from kvengine.chunks.keys import ChunkKey
 from kvengine.config import MIN_MEMORY_BYTES
@@ -97,9 +98,13 @@ class HandoffParams:
         if not isinstance(raw, Mapping):
             raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a mapping, got {type(raw).__name__}")
         producer, tokens, namespace = raw.get("producer"), raw.get("tokens"), raw.get("namespace")
-        if not isinstance(producer, str) or not producer.rpartition(":")[0]:
-            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].producer must be 'host:port', "
-                                      f"got {producer!r}")
+        try:
+            if not isinstance(producer, str):
+                raise ConfigError(f"got {producer!r}")
+            split_host_port(producer, any_port=False)  # the address a consumer dials
+        except ConfigError as exc:
+            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].producer must be 'host:port': {exc}") \
+                from None
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].tokens must be a count, got {tokens!r}")
         if not isinstance(namespace, str) or not namespace:

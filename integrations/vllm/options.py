@@ -129,9 +129,9 @@ class HandoffOptions:
             value = raw.get(key)
             if value is None:
                 continue
+            if not isinstance(value, str):
+                raise ConfigError(f"handoff.{key} must be 'host:port', got {value!r}")
             try:
-                if not isinstance(value, str):
-                    raise ConfigError(f"got {value!r}")
                 split_host_port(value, any_port=key == "listen")  # consumers dial the advertised address
             except ConfigError as exc:
                 raise ConfigError(f"handoff.{key} must be 'host:port': {exc}") from None

@@ -224,7 +224,6 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
-            preempted["reader"] = watch.preempted - preempted["writer"]
     clock.step("reference: vLLM without the connector")
     with _engine(plain_args(plan)) as engine:
         want = {p.name: _run(engine, p, clock, "reference") for p in prompts}
@@ -234,7 +233,7 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
-            preempted["reader"] = watch.preempted - preempted["writer"]
+    preempted["reader"] = watch.preempted - preempted["writer"]  # the reference engine has no watch
     failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want)]
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
