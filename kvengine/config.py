@@ -81,6 +81,20 @@ class MemoryConfig(_Section):
     #: Touch the whole arena at start so the first stores take no page faults
     #: (costs about capacity / memory bandwidth at start-up).
     prefault: bool = False
+    #: Attach to the host's ``kvengine host`` service on this Unix socket ("unix:///run/kvengine.sock"
+    #: or a path) instead of holding an arena of this engine's own: the settings above are then the
+    #: service's (see docs/host.md). The engine refuses to start when the service does not answer.
+    service: str | None = None
+
+    @field_validator("service")
+    @classmethod
+    def _socket_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = value.removeprefix("unix://")
+        if not path.startswith("/"):
+            raise ValueError(f"must be an absolute Unix socket path (unix:///path or /path), got {value!r}")
+        return path
 
     @field_validator("capacity_bytes", "slab_bytes")
     @classmethod
@@ -281,6 +295,9 @@ class EngineConfig(_Section):
         curve = (self.peers.curve_public_key, self.peers.curve_secret_key, self.peers.curve_server_key)
         if self.peers.transport != "zmq" and any(curve):
             raise ValueError(f"peers.curve_* keys are ZeroMQ-only, not for peers.transport={self.peers.transport}")
+        if self.memory.service is not None and self.events.endpoint is not None:
+            raise ValueError("events.endpoint: KV events are not published through memory.service (the host "
+                             "service evicts chunks this engine never sees); unset one of them")
         tls = (self.peers.tls_ca, self.peers.tls_cert, self.peers.tls_key)
         if self.peers.transport != "tcp" and any(tls):
             raise ValueError(f"peers.tls_* files are for peers.transport=tcp, not {self.peers.transport}")

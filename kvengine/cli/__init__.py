@@ -59,6 +59,7 @@ _DELEGATED = {
     "demo": ("kvengine.integrations.hf", "run_demo", "multi-turn chat with a tiny local model, with and without the cache"),
     "inspect": ("kvengine.cli.inspect", "main", "show a model's KV spec and reuse plan from its config.json"),
     "serve": ("kvengine.cli.serve", "main", "run a standalone peer server with a store of its own (memory or --disk)"),
+    "host": ("kvengine.cli.host", "main", "run the host cache service: one shared memory tier for this machine's engines"),
     "quarantine": ("kvengine.cli.quarantine", "main",
                    "list or purge a disk tier's namespaces that failed a provenance check"),
     "stats": ("kvengine.cli.stats", "main", "show a running engine's hit rate, tiers and faults (its metrics endpoint)"),
@@ -74,6 +75,8 @@ examples:
   kvengine inspect path/to/config.json       a model's KV spec and what kvengine reuses of it
   kvengine serve --bind 127.0.0.1:7400 --disk /var/kv
                                              a peer server over a disk store
+  kvengine host --socket /run/kvengine.sock --capacity 64GiB
+                                             one memory tier shared by this machine's engines
   kvengine quarantine list --disk /var/kv    namespaces that failed a provenance check
   kvengine stats --port 9400                 a running engine's statistics (its metrics_port)
   kvengine top --port 9400 --interval 1      the same, live, with rates per second

@@ -22,6 +22,16 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def byte_size(text: str) -> int:
+    """A size with an optional unit ("4GiB", "512MiB"; a bare number is bytes)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB)") from None
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -44,22 +44,13 @@ import ssl
 import sys
 from typing import Any
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
-
 from kvengine.chunks.keys import DIGEST_BYTES, NamespaceDigest
-from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, one_line
+from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, byte_size, one_line
 from kvengine.errors import ConfigError, KVEngineError
 
 
 class FileOptionError(ConfigError):
     """A file or directory an option names is missing or malformed (exit status 2, like an argument error)."""
-
-
-def _size(text: str) -> int:
-    try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB)") from None
 
 
 def _namespace(text: str) -> NamespaceDigest:
@@ -80,7 +71,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="tcp (own framing, every bound holds before buffering; TLS), zmq (CURVE; libzmq buffers "
                         "each message whole before it can be checked) or ucx (default tcp)")
     p.add_argument("--disk", metavar="DIR", help="serve a local-disk tier in DIR instead of memory (default: memory)")
-    p.add_argument("--capacity", type=_size, default=_size("4GiB"), help="store capacity (default 4GiB)")
+    p.add_argument("--capacity", type=byte_size, default=byte_size("4GiB"), help="store capacity (default 4GiB)")
     p.add_argument("--namespace", type=_namespace, action="append", metavar="HEX",
                    help="serve only this namespace digest (repeatable; default: all)")
     p.add_argument("--max-concurrent", type=int, default=8, help="requests served at once (default 8)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -55,8 +56,11 @@ class _Slab:
 
 class SlabAllocator:
     def __init__(
-        self, capacity_bytes: int, slab_bytes: int, *, pin_memory: bool = False, prefault: bool = False
+        self, capacity_bytes: int, slab_bytes: int, *, pin_memory: bool = False, prefault: bool = False,
+        arena: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """``arena(nbytes)`` provides the memory (default: private anonymous, or page-locked with
+        ``pin_memory``); it must return a page-aligned uint8 tensor of ``nbytes`` at storage offset 0."""
         if slab_bytes < ALIGN:
             raise CapacityError(f"a slab must be at least {ALIGN} B, got {slab_bytes} B")
         slab_bytes = _round_down(slab_bytes, PAGE if slab_bytes >= LARGE_SLOT else ALIGN)
@@ -65,7 +69,9 @@ class SlabAllocator:
         self.slab_bytes = slab_bytes
         self.num_slabs = capacity_bytes // slab_bytes
         self.capacity_bytes = self.num_slabs * slab_bytes
-        self.arena = _page_aligned_empty(self.capacity_bytes, pin_memory)
+        check_physical(self.capacity_bytes)
+        self.arena = arena(self.capacity_bytes) if arena is not None else _page_aligned_empty(self.capacity_bytes,
+                                                                                                pin_memory)
         if prefault:
             self.arena.zero_()
         self._typed: dict[torch.dtype, torch.Tensor] = {torch.uint8: self.arena}
@@ -175,13 +181,8 @@ def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
     torch only promises 64-byte alignment; CUDA's pinned host allocator and
     anonymous mappings give whole pages.
 
-    :raises CapacityError: ``nbytes`` exceeds physical memory (an anonymous mapping may be granted
-        lazily, and fail only when touched), or the system refuses the allocation.
+    :raises CapacityError: the system refuses the allocation.
     """
-    physical = physical_memory_bytes()
-    if physical is not None and nbytes > physical:
-        raise CapacityError(f"a host arena of {_human(nbytes)} exceeds this machine's physical memory "
-                            f"({_human(physical)})")
     try:
         if pin_memory:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -189,6 +190,15 @@ def _page_aligned_empty(nbytes: int, pin_memory: bool) -> torch.Tensor:
         return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
     except (OSError, RuntimeError) as exc:  # mmap: ENOMEM; CUDA's pinned allocator: RuntimeError
         raise CapacityError(f"cannot allocate a host arena of {_human(nbytes)}: {exc}") from None
+
+
+def check_physical(nbytes: int) -> None:
+    """Refuse an arena larger than physical memory (an anonymous mapping may be granted lazily, and fail
+    only when touched) with a :class:`CapacityError` naming both sizes."""
+    physical = physical_memory_bytes()
+    if physical is not None and nbytes > physical:
+        raise CapacityError(f"a host arena of {_human(nbytes)} exceeds this machine's physical memory "
+                            f"({_human(physical)})")
 
 
 def physical_memory_bytes() -> int | None:

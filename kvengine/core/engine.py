@@ -47,12 +47,12 @@ from kvengine.chunks.hashing import TokenInput, check_max_tokens, prefix_hashes,
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.compression import default_codecs
-from kvengine.config import EngineConfig
+from kvengine.config import EngineConfig, MemoryConfig
 from kvengine.core.allocator import SlabAllocator
 from kvengine.core.buffers import BufferPool
 from kvengine.core.copies import copy_all
 from kvengine.core.eviction import make_policy
-from kvengine.core.memory_tier import MemoryEntry, MemoryTier
+from kvengine.core.memory_tier import HostMemory, MemoryEntry, MemoryTier
 from kvengine.core.promotion import Promoter
 from kvengine.core.reservations import Reservation, ReservationState, ReservationTable
 from kvengine.core.stager import Stager
@@ -61,6 +61,7 @@ from kvengine.core.tier_set import TierSet, resolve_codec
 from kvengine.core.tier_writer import TierWriter
 from kvengine.errors import CLOSED_MESSAGE, CapacityError, ConfigError, EngineClosedError, InvalidRequestError
 from kvengine.events import MEDIUM_MEMORY, AllBlocksCleared, BlockStored, KVEventPublisher
+from kvengine.host.client import ServiceMemory
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
 from kvengine.transport import ChunkTransport, ReadScope, read_scope
@@ -107,19 +108,9 @@ class CacheEngine:
         #: The codec of records this engine serves to peers from memory (see EngineStore).
         self.peer_codec = resolve_codec(self.codecs, config.peers.codec, "peers.codec")
         self._clock = clock
-        try:
-            allocator = SlabAllocator(
-                int(config.memory.capacity_bytes),
-                config.memory.effective_slab_bytes(),
-                pin_memory=_cuda_available(),
-                prefault=config.memory.prefault,
-            )
-        except CapacityError as exc:  # the arena cannot be had on this machine: the setting is what is wrong
-            raise ConfigError(f"memory.capacity_bytes: {exc}") from None
         #: KV events for routers (None: off). Started and closed with the engine.
         self.events = KVEventPublisher.from_config(config.events)
-        self.memory = MemoryTier(allocator, make_policy(config.memory.eviction), on_evict=self._on_evict,
-                                 events=self.events)
+        self.memory = self._memory_tier(config.memory)
         self.metrics.watch_memory(self.memory)
         #: Page-aligned record buffers, recycled: records written to tiers, encoded payloads read in place.
         record_buffers = BufferPool(min(_RECORD_POOL_BYTES, int(config.memory.capacity_bytes) // 4))
@@ -139,6 +130,17 @@ class CacheEngine:
         self._staged_events: dict[StagedStore, _StoreEvents] = {}
         self._memory_loaded_bytes = self.metrics.loaded_bytes.labels(tier="memory")
         self._memory_evictions = self.metrics.evictions.labels(tier="memory")
+
+    def _memory_tier(self, config: MemoryConfig) -> HostMemory:
+        """An arena of this process, or the host service's (``memory.service``)."""
+        if config.service is not None:
+            return ServiceMemory(config.service)
+        try:
+            allocator = SlabAllocator(int(config.capacity_bytes), config.effective_slab_bytes(),
+                                      pin_memory=_cuda_available(), prefault=config.prefault)
+        except CapacityError as exc:  # the arena cannot be had on this machine: the setting is what is wrong
+            raise ConfigError(f"memory.capacity_bytes: {exc}") from None
+        return MemoryTier(allocator, make_policy(config.eviction), on_evict=self._on_evict, events=self.events)
 
     @property
     def transports(self) -> tuple[ChunkTransport, ...]:
@@ -206,7 +208,8 @@ class CacheEngine:
                 f"layout chunk_size {layout.chunk_size} differs from the engine's chunk_size "
                 f"{self.config.chunk_size}"
             )
-        self.memory.check_fits(layout.nbytes())
+        binding = ModelBinding.create(namespace, layout)
+        self.memory.admit(binding.digest, layout)
         self.tiers.check_namespace(namespace)
         if not namespace.verified:
             logger.warning(
@@ -214,7 +217,6 @@ class CacheEngine:
                 "its chunks live in a separate namespace and are never served to verified readers",
                 namespace.model,
             )
-        binding = ModelBinding.create(namespace, layout)
         self._roots[binding.digest] = binding.root
         self.metrics.seed_model(namespace.model)  # its per-model series, at 0 from now on
         self.quarantine.note_binding(namespace, binding.digest)

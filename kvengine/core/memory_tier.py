@@ -32,10 +32,11 @@ import enum
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from kvengine.chunks.keys import ChunkKey
+from kvengine.chunks.keys import ChunkKey, NamespaceDigest
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.core.allocator import SlabAllocator
 from kvengine.core.eviction import EvictionPolicy
@@ -74,6 +75,36 @@ class MemoryEntry:
     def nbytes(self) -> int:
         """Payload bytes (a partial chunk's are fewer than its slot's)."""
         return self.layout.nbytes(self.num_tokens)
+
+
+class HostMemory(Protocol):
+    """The memory tier as the engine uses it: :class:`MemoryTier` (an arena of this process) or
+    :class:`~kvengine.host.client.ServiceMemory` (the host service's shared arena)."""
+
+    name: str
+
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def pinned(self) -> bool: ...
+    def __len__(self) -> int: ...
+    def total_pins(self) -> int: ...
+    def admit(self, digest: NamespaceDigest, layout: ChunkLayout) -> None: ...
+    def contains(self, key: ChunkKey) -> bool: ...
+    def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryEntry]: ...
+    def pin(self, key: ChunkKey) -> MemoryEntry | None: ...
+    def unpin(self, entries: Iterable[MemoryEntry]) -> None: ...
+    def prepare(self, key: ChunkKey, layout: ChunkLayout,
+                token_range: tuple[int, int]) -> MemoryEntry | Prepared: ...
+    def commit(self, entry: MemoryEntry, *, keep_pin: bool = False) -> None: ...
+    def abort(self, entry: MemoryEntry) -> None: ...
+    def announce(self, stored: Iterable[tuple[MemoryEntry, BlockStored]]) -> None: ...
+    def raw(self, entry: MemoryEntry) -> torch.Tensor: ...
+    def tensors(self, entry: MemoryEntry) -> tuple[torch.Tensor, ...]: ...
+    def discard(self, key: ChunkKey) -> bool: ...
+    def close(self) -> None: ...
 
 
 class MemoryTier:
@@ -118,6 +149,10 @@ class MemoryTier:
     def check_fits(self, nbytes: int) -> None:
         """Raise :class:`CapacityError` if an object of ``nbytes`` can never be stored."""
         self._alloc.slot_bytes(nbytes)
+
+    def admit(self, digest: NamespaceDigest, layout: ChunkLayout) -> None:
+        """Raise :class:`CapacityError` if chunks of ``layout`` (a binding's, ``digest``) can never be stored."""
+        self.check_fits(layout.nbytes())
 
     # -- lookups -------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:

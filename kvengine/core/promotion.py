@@ -38,7 +38,7 @@ from kvengine.chunks.codecs import CodecRegistry, RawCodec
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import RecordFlag, RecordHeader, TensorDescriptor, descriptors_for, unpack_record
 from kvengine.core.buffers import BufferPool
-from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
+from kvengine.core.memory_tier import HostMemory, MemoryEntry, Prepared
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import IntegrityError
 from kvengine.metrics import EngineMetrics
@@ -114,9 +114,9 @@ class _InFlight:
 
 
 class Promoter:
-    """Reads records from a :class:`TierSet` into a :class:`MemoryTier`."""
+    """Reads records from a :class:`TierSet` into the memory tier."""
 
-    def __init__(self, memory: MemoryTier, tiers: TierSet, codecs: CodecRegistry, metrics: EngineMetrics,
+    def __init__(self, memory: HostMemory, tiers: TierSet, codecs: CodecRegistry, metrics: EngineMetrics,
                  scratch: BufferPool) -> None:
         self.memory = memory
         self.tiers = tiers

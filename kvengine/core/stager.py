@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvengine.chunks.keys import ChunkKey
-from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
+from kvengine.core.memory_tier import HostMemory, MemoryEntry, Prepared
 from kvengine.core.staging import StagedStore
 from kvengine.errors import InvalidRequestError
 from kvengine.metrics import EngineMetrics
@@ -32,7 +32,7 @@ FillChunk = Callable[[ChunkView], bool]
 
 
 class Stager:
-    def __init__(self, memory: MemoryTier, metrics: EngineMetrics, *, hands_on: bool) -> None:
+    def __init__(self, memory: HostMemory, metrics: EngineMetrics, *, hands_on: bool) -> None:
         self.memory = memory
         self.metrics = metrics
         #: Whether committed chunks go on to lower tiers (they then stay pinned for the tier writer).

@@ -29,7 +29,7 @@ from kvengine.chunks.codecs import Codec, RawCodec
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import RecordFlag, descriptors_for, encode_header
 from kvengine.core.buffers import BufferPool
-from kvengine.core.memory_tier import MemoryEntry, MemoryTier
+from kvengine.core.memory_tier import HostMemory, MemoryEntry
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import InvalidRequestError
 from kvengine.events import BlockStored, KVEventPublisher, medium_of
@@ -47,7 +47,7 @@ WriteMode = Literal["write_behind", "write_through"]
 
 
 class TierWriter:
-    def __init__(self, memory: MemoryTier, tiers: TierSet, metrics: EngineMetrics, *, write_mode: WriteMode,
+    def __init__(self, memory: HostMemory, tiers: TierSet, metrics: EngineMetrics, *, write_mode: WriteMode,
                  max_pending: int, record_buffers: BufferPool, events: KVEventPublisher | None = None) -> None:
         self.memory = memory
         self.tiers = tiers

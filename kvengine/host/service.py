@@ -1,0 +1,320 @@
+"""``kvengine host``: one memory tier per machine, in shared memory, for every engine on it.
+
+The service owns the memory tier's index, pins and eviction
+(:class:`~kvengine.core.memory_tier.MemoryTier`, unchanged) over an arena in
+shared memory. Engines attach over a Unix socket
+(:class:`~kvengine.host.client.ServiceMemory`) and copy chunk bytes to and
+from the arena themselves.
+
+Lifetimes: everything a connection holds, its pins and its prepared (not yet
+committed) stores, is released when the connection closes, however the client
+ended (a SIGKILL closes its socket too). A prepared entry is invisible to
+lookups until committed, so nothing a client half-wrote is ever served.
+
+Who may attach: the socket file is created with ``mode`` (default owner only),
+and each connection's peer credentials (``SO_PEERCRED``) are checked against
+the service's own uid and ``allow_uids`` before anything else is answered.
+
+One thread per connection, blocking on its socket: a lookup's round trip is a
+few tens of microseconds, lower than an event loop's per-request overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvengine.chunks.keys import ChunkKey
+from kvengine.chunks.layout import ChunkLayout
+from kvengine.config import MemoryConfig
+from kvengine.core.allocator import SlabAllocator
+from kvengine.core.eviction import make_policy
+from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
+from kvengine.errors import CapacityError, ConfigError
+from kvengine.host import wire
+from kvengine.host.arena import SharedArena
+from kvengine.host.wire import Op, Status, WireError
+from kvengine.threads import start_thread
+
+logger = logging.getLogger("kvengine.host")
+
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass(frozen=True, slots=True)
+class HostStats:
+    """What the service holds and has done, for its log line and tests."""
+
+    connections: int
+    chunks: int
+    used_bytes: int
+    capacity_bytes: int
+    pins: int
+    evictions: int
+    #: Pins and prepared stores released because their connection closed without releasing them.
+    released_pins: int
+    aborted_stores: int
+    refused_connections: int
+
+
+@dataclass(eq=False)
+class _Client:
+    """One connection's holdings: released, whatever remains, when it closes."""
+
+    pid: int
+    uid: int
+    pins: dict[ChunkKey, tuple[MemoryEntry, int]] = field(default_factory=dict)
+    prepared: dict[ChunkKey, MemoryEntry] = field(default_factory=dict)
+    greeted: bool = False
+
+    def pin(self, entry: MemoryEntry) -> None:
+        held = self.pins.get(entry.key)
+        self.pins[entry.key] = (entry, held[1] + 1 if held else 1)
+
+    def unpin(self, key: ChunkKey) -> MemoryEntry | None:
+        """The entry of one of this client's pins of ``key``, released from its holdings; None if it holds
+        none (a client cannot release another's pins)."""
+        held = self.pins.get(key)
+        if held is None:
+            return None
+        entry, count = held
+        if count == 1:
+            del self.pins[key]
+        else:
+            self.pins[key] = (entry, count - 1)
+        return entry
+
+
+class HostService:
+    """The memory tier of ``memory`` in a shared arena, served on the Unix socket ``path``."""
+
+    def __init__(self, memory: MemoryConfig, path: str | Path, *, allow_uids: Iterable[int] = (),
+                 mode: int = 0o600) -> None:
+        self.path = Path(path)
+        self.mode = mode
+        self.allowed_uids = frozenset({os.getuid(), *allow_uids})
+        self._arena: SharedArena | None = None
+        try:
+            allocator = SlabAllocator(int(memory.capacity_bytes), memory.effective_slab_bytes(),
+                                      prefault=memory.prefault, arena=self._shared_arena)
+        except CapacityError as exc:
+            raise ConfigError(f"memory.capacity_bytes: {exc}") from None
+        self.prefaulted = memory.prefault
+        self.tier = MemoryTier(allocator, make_policy(memory.eviction), on_evict=self._evicted)
+        self._layouts: dict[bytes, ChunkLayout] = {}  # fingerprint -> layout
+        self._lock = threading.Lock()  # the counters and the connection set
+        self._connections: set[socket.socket] = set()
+        self._evictions = self._released_pins = self._aborted_stores = self._refused = 0
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+
+    def _shared_arena(self, nbytes: int) -> torch.Tensor:
+        self._arena = SharedArena.create(nbytes)
+        return self._arena.tensor
+
+    @property
+    def arena_bytes(self) -> int:
+        assert self._arena is not None
+        return self._arena.nbytes
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the socket and serve in background threads.
+
+        :raises ConfigError: another service answers on ``path``, or the socket cannot be created.
+        """
+        if self.path.exists() or self.path.is_symlink():
+            if not stat.S_ISSOCK(self.path.lstat().st_mode):
+                raise ConfigError(f"{self.path} exists and is not a socket: refusing to replace it")
+            if _answers(self.path):
+                raise ConfigError(f"a service already listens on {self.path}")
+            self.path.unlink()  # left by a service that died
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.path))
+            os.chmod(self.path, self.mode)
+            listener.listen(64)
+        except OSError as exc:
+            listener.close()
+            raise ConfigError(f"cannot serve on {self.path}: {exc}") from None
+        self._listener = listener
+        self._acceptor = start_thread(self._accept, "kvengine-host-accept")
+        logger.info("kvengine host: serving %s on %s", self.tier.capacity_bytes, self.path)
+
+    def close(self) -> None:
+        """Stop serving: drop every connection, remove the socket file, free the arena."""
+        listener, self._listener = self._listener, None
+        if listener is None:
+            return
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        if self._acceptor is not None:
+            self._acceptor.join()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            conn.shutdown(socket.SHUT_RDWR)  # its thread releases its holdings and exits
+        self.path.unlink(missing_ok=True)
+
+    def stats(self) -> HostStats:
+        with self._lock:
+            connections = len(self._connections)
+        return HostStats(connections, len(self.tier), self.tier.used_bytes, self.tier.capacity_bytes,
+                         self.tier.total_pins(), self._evictions, self._released_pins, self._aborted_stores,
+                         self._refused)
+
+    def _evicted(self, _entry: MemoryEntry) -> None:
+        self._evictions += 1  # under the tier's lock
+
+    # -- connections -------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while (listener := self._listener) is not None:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self._connections.add(conn)
+            start_thread(self._serve, "kvengine-host-client", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        pid, uid, _gid = _CREDENTIALS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                             _CREDENTIALS.size))
+        client = _Client(pid, uid)
+        try:
+            while True:
+                op, payload, _ = wire.recv_frame(conn)
+                answer = self._answer(client, op, payload)
+                if answer is not None:
+                    status, data, fds = answer
+                    wire.send_frame(conn, status, data, fds)
+                    if status == Status.FORBIDDEN:
+                        return
+        except (WireError, OSError) as exc:
+            if str(exc) != "connection closed":
+                logger.info("kvengine host: dropping client pid %d: %s", pid, exc)
+        except Exception:  # a bug here must cost one connection, never the service
+            logger.exception("kvengine host: dropping client pid %d", pid)
+        finally:
+            self._release(client)
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _release(self, client: _Client) -> None:
+        """Everything ``client`` still holds goes back: its pins, and its stores never committed."""
+        pins = [entry for entry, count in client.pins.values() for _ in range(count)]
+        self.tier.unpin(pins)
+        for entry in client.prepared.values():
+            self.tier.abort(entry)
+        with self._lock:
+            self._released_pins += len(pins)
+            self._aborted_stores += len(client.prepared)
+        client.pins.clear()
+        client.prepared.clear()
+
+    def _answer(self, client: _Client, op: int, payload: bytes) -> tuple[int, bytes, list[int]] | None:
+        """One request's status, payload and descriptors (the arena's, with HELLO); None: not answered."""
+        if not client.greeted:
+            return self._hello(client, op, payload)
+        if op == Op.PIN_PREFIX:
+            entries = self.tier.pin_prefix(wire.unpack_keys(payload))
+            for pinned in entries:
+                client.pin(pinned)
+            records = b"".join(wire.PINNED.pack(e.offset, e.token_start, e.num_tokens,
+                                                wire.fingerprint_bytes(e.layout)) for e in entries)
+            return Status.OK, records, []
+        if op == Op.UNPIN:
+            released = [e for e in map(client.unpin, wire.unpack_keys(payload)) if e is not None]
+            self.tier.unpin(released)
+            return None
+        if op == Op.PREPARE:
+            return self._prepare(client, payload)
+        if op in (Op.COMMIT, Op.ABORT):
+            raw, keep_pin = wire.unpack(wire.COMMIT, payload)
+            entry = client.prepared.pop(wire.key_from(raw), None)
+            if entry is None:  # not this connection's store: nothing to do (and nothing is answered)
+                return None
+            if op == Op.ABORT:
+                self.tier.abort(entry)
+            else:
+                self.tier.commit(entry, keep_pin=bool(keep_pin))
+                if keep_pin:
+                    client.pin(entry)
+            return None
+        if op in (Op.DISCARD, Op.CONTAINS):
+            key = wire.key_from(wire.unpack(wire.KEY, payload)[0])
+            done = self.tier.discard(key) if op == Op.DISCARD else self.tier.contains(key)
+            return Status.OK, bytes([done]), []
+        if op == Op.LAYOUT:
+            return self._layout(payload)
+        if op == Op.STATS:
+            own = sum(count for _, count in client.pins.values())
+            return Status.OK, wire.STATS.pack(len(self.tier), self.tier.used_bytes, own,
+                                              self.tier.total_pins()), []
+        raise WireError(f"unknown op {op}")
+
+    def _hello(self, client: _Client, op: int, payload: bytes) -> tuple[int, bytes, list[int]]:
+        if op != Op.HELLO:
+            raise WireError(f"op {op} before HELLO")
+        if client.uid not in self.allowed_uids:
+            with self._lock:
+                self._refused += 1
+            logger.warning("kvengine host: refused pid %d: uid %d is not allowed", client.pid, client.uid)
+            return Status.FORBIDDEN, (f"uid {client.uid} may not use the kvengine host service on {self.path} "
+                                      f"(allowed uids: {sorted(self.allowed_uids)})").encode(), []
+        (version,) = wire.unpack(wire.VERSION_FRAME, payload)
+        if version != wire.VERSION:
+            return Status.REFUSED, (f"protocol version {version}; this service speaks "
+                                    f"{wire.VERSION}").encode(), []
+        client.greeted = True
+        assert self._arena is not None
+        return Status.OK, wire.ARENA.pack(self._arena.nbytes, self.prefaulted), [self._arena.fd]
+
+    def _prepare(self, client: _Client, payload: bytes) -> tuple[int, bytes, list[int]]:
+        raw, fingerprint, start, end = wire.unpack(wire.PREPARE, payload)
+        key = wire.key_from(raw)
+        layout = self._layouts.get(fingerprint)
+        if layout is None:
+            return Status.REFUSED, b"unknown layout: send it (LAYOUT) first", []
+        if not 0 <= start < end or end - start > layout.chunk_size:
+            return Status.REFUSED, f"token range [{start}, {end}) is not a chunk".encode(), []
+        if key in client.prepared:
+            return Status.PRESENT, b"", []
+        entry = self.tier.prepare(key, layout, (start, end))
+        if entry is Prepared.PRESENT:
+            return Status.PRESENT, b"", []
+        if entry is Prepared.NO_ROOM:
+            return Status.NO_ROOM, b"", []
+        client.prepared[key] = entry
+        return Status.OK, wire.OFFSET.pack(entry.offset), []
+
+    def _layout(self, payload: bytes) -> tuple[int, bytes, list[int]]:
+        layout = wire.layout_from_json(payload)
+        try:
+            self.tier.check_fits(layout.nbytes())
+        except CapacityError as exc:
+            return Status.REFUSED, str(exc).encode(), []
+        self._layouts[wire.fingerprint_bytes(layout)] = layout
+        return Status.OK, b"", []
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

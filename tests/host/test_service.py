@@ -1,0 +1,270 @@
+"""``kvengine host`` with real processes: engines share one copy, and every lifetime fault is a miss or a
+release, never wrong data, a leak or a hang."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvengine import KVEngine, Namespace
+from kvengine.config import MemoryConfig
+from kvengine.errors import ConfigError
+from kvengine.host import client as client_module
+from kvengine.host.client import ServiceMemory
+from kvengine.host.service import HostService
+
+from ..conftest import FakeKV, copier, make_layout
+from .clients import TOKENS, config
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS = Path(__file__).with_name("clients.py")
+LAYOUT = make_layout()
+
+
+class Host:
+    """``kvengine host`` in a process of its own on ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvengine", "host", "--socket", str(self.path), "--capacity",
+             str(256 * LAYOUT.nbytes()), "--slab-bytes", str(8 * LAYOUT.nbytes()), *extra],
+            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("kvengine host:") and str(self.path) in line, line
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        self.proc.send_signal(signal.SIGTERM)
+        out = self.proc.stdout.read()
+        self.proc.wait(timeout=10)
+        return out
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = Host(tmp_path / "kvengine.sock")
+    h.start()
+    yield h
+    if h.proc is not None and h.proc.poll() is None:
+        h.kill()
+
+
+def _client(host: Host, *args: str) -> str:
+    return subprocess.run([sys.executable, str(CLIENTS), args[0], str(host.path), *args[1:]], cwd=ROOT,
+                          check=True, capture_output=True, text=True, timeout=300).stdout
+
+
+def test_two_engine_processes_share_one_copy_and_the_second_loads_it_exactly(host):
+    """An engine process stores a prompt's chunks and exits; another engine loads them from the service,
+    equal to what was stored; storing the same prompt again adds nothing (the bytes are held once)."""
+    _client(host, "store", "5")
+    with KVEngine(config(str(host.path))) as engine:
+        binding = engine.bind(Namespace(model="shared"), LAYOUT)
+        res = engine.lookup(binding, "r", TOKENS)
+        assert res.matched_tokens == len(TOKENS)
+        kv = FakeKV(len(TOKENS), seed=5)
+        out = [torch.zeros_like(t) for t in kv.layers]
+        assert engine.load(res, copier(out)).loaded_tokens == len(TOKENS)
+        assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+        again = engine.store(binding, TOKENS, FakeKV(len(TOKENS), seed=5).source)
+        assert (again.stored_chunks, again.present_chunks) == (0, 3)
+        stats = engine.core.memory.service_stats()
+        assert (stats.chunks, stats.all_pins) == (3, 0)
+    assert "3 chunks" in host.stop()
+
+
+def test_a_thousand_clients_killed_holding_pins_and_half_written_stores_leak_nothing(host):
+    """Each killed client held the prefix's pins and a prepared store it had half written: the service
+    releases both when the socket closes, and the half-written chunk is never visible."""
+    _client(host, "store", "1")
+    assert _client(host, "killed", "1000").split() == ["1000"]
+    memory = ServiceMemory(str(host.path))
+    try:
+        for _ in range(50):  # the last connections' closes may still be in flight
+            stats = memory.service_stats()
+            if stats.all_pins == 0:
+                break
+            time.sleep(0.1)
+        assert (stats.chunks, stats.all_pins) == (3, 0)
+    finally:
+        memory.close()
+    out = host.stop()
+    assert "3000 pins and 1000 stores released" in out, out  # three chunks pinned by each
+
+
+def test_the_service_killed_mid_traffic_is_a_miss_and_the_engine_reattaches(host, monkeypatch):
+    """Lookups, loads and stores run in a loop while the service is SIGKILLed: none raises, every load is
+    exact (a reservation taken before the kill still reads the old arena's bytes), lookups miss at once
+    while it is gone, and once it is back the engine stores and hits again."""
+    monkeypatch.setattr(client_module, "RETRY_S", 0.1)
+    kv = FakeKV(len(TOKENS), seed=3)
+    errors: list[BaseException] = []
+    misses: list[float] = []
+    stop = threading.Event()
+    with KVEngine(config(str(host.path))) as engine:
+        binding = engine.bind(Namespace(model="m"), LAYOUT)
+        assert engine.store(binding, TOKENS, kv.source).stored_chunks == 3
+        held = engine.lookup(binding, "held", TOKENS)
+
+        def traffic() -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    engine.store(binding, TOKENS, kv.source)
+                    t0 = time.perf_counter()
+                    res = engine.lookup(binding, f"r{i}", TOKENS)
+                    if res.matched_tokens == 0:
+                        misses.append(time.perf_counter() - t0)
+                    out = [torch.zeros_like(t) for t in kv.layers]
+                    n = engine.load(res, copier(out)).loaded_tokens
+                    assert all(torch.equal(o[:, :, :n], k[:, :, :n]) for o, k in zip(out, kv.layers))
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+
+        worker = threading.Thread(target=traffic)
+        worker.start()
+        time.sleep(0.5)
+        host.kill()
+        time.sleep(0.5)
+        out = [torch.zeros_like(t) for t in kv.layers]
+        assert engine.load(held, copier(out)).loaded_tokens == len(TOKENS)
+        assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+        stop.set()
+        worker.join(timeout=30)
+        assert not errors, errors
+        assert misses and max(misses) < 0.5, misses
+        assert engine.core.memory.outages == 1
+        host.start()
+        deadline = time.monotonic() + 10
+        while engine.lookup(binding, "back", TOKENS).matched_tokens == 0 and time.monotonic() < deadline:
+            engine.store(binding, TOKENS, kv.source)
+            time.sleep(0.05)
+        res = engine.lookup(binding, "after", TOKENS)
+        assert res.matched_tokens == len(TOKENS)
+        out = [torch.zeros_like(t) for t in kv.layers]
+        assert engine.load(res, copier(out)).loaded_tokens == len(TOKENS)
+        assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+
+
+def test_an_engine_refuses_to_start_without_its_service(tmp_path):
+    with pytest.raises(ConfigError, match=r"memory.service: cannot attach .*nothing.sock.*kvengine host --socket"):
+        KVEngine(config(str(tmp_path / "nothing.sock")))
+
+
+def test_a_user_the_service_does_not_allow_is_refused(tmp_path):
+    service = HostService(MemoryConfig(capacity_bytes=64 * LAYOUT.nbytes()), tmp_path / "s.sock")
+    service.allowed_uids = frozenset({os.getuid() + 1})
+    service.start()
+    try:
+        with pytest.raises(ConfigError, match=f"refused this process: uid {os.getuid()} may not use"):
+            KVEngine(config(str(service.path)))
+        assert service.stats().refused_connections == 1
+    finally:
+        service.close()
+
+
+#: A client as another user, speaking the wire by hand (that user cannot run this checkout's Python).
+_AS_NOBODY = """
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("EACCES"); sys.exit()
+s.sendall(struct.pack("<IBH", 3, 1, 1))
+print({4: "FORBIDDEN", 0: "OK"}.get(s.recv(5)[4], "?"))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root to run a client as another user")
+@pytest.mark.parametrize("mode, answer", [("0600", "EACCES"), ("0666", "FORBIDDEN")])
+def test_another_user_is_refused_by_the_socket_mode_and_by_its_credentials(mode, answer):
+    """With the default mode the socket refuses another user; with an open mode its credentials do."""
+    folder = Path(tempfile.mkdtemp(prefix="kvengine-host-"))  # pytest's are closed to other users
+    folder.chmod(0o755)
+    h = Host(folder / "s.sock")
+    h.start("--mode", mode)
+    try:
+        out = subprocess.run(["/usr/bin/python3", "-c", _AS_NOBODY, str(h.path)], capture_output=True, text=True,
+                             timeout=30, preexec_fn=lambda: os.setuid(65534), check=True).stdout
+        assert out.strip() == answer
+    finally:
+        h.kill()
+        shutil.rmtree(folder)
+
+
+def test_a_malformed_frame_costs_only_its_own_connection(tmp_path):
+    """Garbage on one connection drops it (its pins released); another client's pins and data stay."""
+    import socket
+
+    service = HostService(MemoryConfig(capacity_bytes=64 * LAYOUT.nbytes()), tmp_path / "s.sock")
+    service.start()
+    try:
+        with KVEngine(config(str(service.path))) as engine:
+            binding = engine.bind(Namespace(model="m"), LAYOUT)
+            engine.store(binding, TOKENS, FakeKV(len(TOKENS)).source)
+            held = engine.lookup(binding, "held", TOKENS)
+            rogue = socket.socket(socket.AF_UNIX)
+            rogue.connect(str(service.path))
+            rogue.sendall(b"\xff\xff\xff\xff\x01garbage")
+            try:
+                assert rogue.recv(16) == b""  # dropped
+            except ConnectionResetError:  # dropped with the rest of its garbage unread
+                pass
+            rogue.close()
+            assert service.stats().pins == 3
+            assert engine.load(held, copier([torch.zeros_like(t) for t in FakeKV(len(TOKENS)).layers])).ok
+        assert service.stats().pins == 0
+    finally:
+        service.close()
+
+
+def test_a_connection_cannot_release_another_ones_pins(tmp_path):
+    service = HostService(MemoryConfig(capacity_bytes=64 * LAYOUT.nbytes()), tmp_path / "s.sock")
+    service.start()
+    try:
+        with KVEngine(config(str(service.path))) as a, KVEngine(config(str(service.path))) as b:
+            ba = a.bind(Namespace(model="m"), LAYOUT)
+            b.bind(Namespace(model="m"), LAYOUT)
+            a.store(ba, TOKENS, FakeKV(len(TOKENS)).source)
+            res = a.lookup(ba, "a", TOKENS)
+            b.core.memory.unpin(b.core.memory.pin_prefix(res.keys) + a.core.memory.pin_prefix(res.keys))
+            assert b.core.memory.total_pins() == 0  # answered after b's unpins (one connection is in order)
+            stats = a.core.memory.service_stats()
+            assert (stats.own_pins, stats.all_pins) == (6, 6)  # a's lookup and a's pins above; b released its own
+    finally:
+        service.close()
+
+
+def test_the_configuration_refuses_kv_events_through_the_service_and_a_relative_socket():
+    from kvengine.config import load_config
+
+    with pytest.raises(ConfigError, match="events.endpoint: KV events are not published through memory.service"):
+        load_config({"memory": {"service": "/run/k.sock"}, "events": {"endpoint": "tcp://*:5557"}}, environ={})
+    with pytest.raises(ConfigError, match="absolute Unix socket path"):
+        load_config({"memory": {"service": "run/k.sock"}}, environ={})
+    assert load_config({"memory": {"service": "unix:///run/k.sock"}}, environ={}).memory.service == "/run/k.sock"
