@@ -8,8 +8,9 @@ measures, median of ``--repeats``:
   layers of K and V, 8 heads of 128, bf16) copied in, GB/s;
 * load throughput: a lookup of all of them and their copy out into the
   engine's tensors, GB/s;
-* lookup latency: one lookup + release of a resident one-chunk prompt, µs
-  (the service's difference is the control path's cost per call);
+* lookup latency: one lookup + release of a resident one-chunk prompt, µs, both
+  modes' engines alive at once and asked in turn, 5,000 rounds (the service's
+  difference is the control path's cost per call);
 * bytes held when two engines store the same prompts (two arenas in-process,
   one shared arena through the service).
 
@@ -69,15 +70,31 @@ def measure(config: dict[str, Any], layout: ChunkLayout, chunks: int, repeats: i
 
         load_s = median_time(load, repeats)
         assert all(torch.equal(o, k) for o, k in zip(out, kv))
-        short = stored[:CHUNK]
-        lookups = []
-        for _ in range(2000):
-            t0 = time.perf_counter()
-            res = engine.lookup(binding, "short", short)
-            engine.release(res)
-            lookups.append(time.perf_counter() - t0)
-    return {"store_gbps": nbytes / store_s / 1e9, "load_gbps": nbytes / load_s / 1e9,
-            "lookup_us": statistics.median(lookups) * 1e6}
+    return {"store_gbps": nbytes / store_s / 1e9, "load_gbps": nbytes / load_s / 1e9}
+
+
+def lookup_latencies(configs: dict[str, dict[str, Any]], layout: ChunkLayout, rounds: int) -> dict[str, float]:
+    """Median µs of a lookup + release of a resident one-chunk prompt, per mode, the modes' engines
+    alive at once and asked in turn (so drifting machine load falls on all of them alike)."""
+    engines = {mode: KVEngine(config) for mode, config in configs.items()}
+    try:
+        asks = []
+        for engine in engines.values():
+            binding = engine.bind(Namespace(model="bench-host-lookup"), layout)
+            engine.store(binding, list(range(CHUNK)), lambda _i, s, e: [torch.zeros(2, 8, e - s, 128,
+                                                                                    dtype=torch.bfloat16)
+                                                                        for _ in layout.tensors])
+            asks.append(binding)
+        samples: dict[str, list[float]] = {mode: [] for mode in engines}
+        for _ in range(rounds):
+            for (mode, engine), binding in zip(engines.items(), asks):
+                t0 = time.perf_counter()
+                engine.release(engine.lookup(binding, "short", list(range(CHUNK))))
+                samples[mode].append(time.perf_counter() - t0)
+        return {mode: statistics.median(times) * 1e6 for mode, times in samples.items()}
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
 def held_by_two(config: dict[str, Any], layout: ChunkLayout, chunks: int) -> int:
@@ -98,6 +115,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--prefault", action="store_true", help="both arenas resident from the start")
+    ap.add_argument("--rounds", type=int, default=5000, help="lookups per mode")
+    ap.add_argument("--out", default=None, help="results file (default results/host[_prefault].json)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print_header()
@@ -115,6 +134,9 @@ def main() -> int:
                        "service": measure(service, layout, args.chunks, args.repeats)}
             held = {"in-process": held_by_two(own, layout, args.chunks),
                     "service": held_by_two(service, layout, args.chunks)}
+            lookups = lookup_latencies({"in-process": own, "service": service}, layout, args.rounds)
+            for mode, us in lookups.items():
+                results[mode]["lookup_us"] = us
         finally:
             host.terminate()
             host.wait()
@@ -127,7 +149,7 @@ def main() -> int:
                 [[m, r["store_gbps"], r["load_gbps"], r["lookup_us"], held[m] / 2**20] for m, r in results.items()])
     print(f"\nservice / in-process: store {ratios['store']:.2f}x, load {ratios['load']:.2f}x, lookup "
           f"+{ratios['lookup_overhead_us']:.0f} µs, two engines hold {ratios['held']:.2f}x the bytes")
-    write_json(f"host{'_prefault' if args.prefault else ''}.json", {"chunks": args.chunks, "prefault": args.prefault, "chunk_bytes": layout.nbytes(), "repeats": args.repeats,
+    write_json(args.out or f"host{'_prefault' if args.prefault else ''}.json", {"chunks": args.chunks, "prefault": args.prefault, "chunk_bytes": layout.nbytes(), "repeats": args.repeats,
                              "results": results, "held_bytes": held, "ratios": ratios})
     return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -68,6 +69,17 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+#: A tenant of the host service's arena (``memory.tenant``, ``kvengine host --quota NAME=SIZE``).
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.@:-]{1,64}")
+
+
+def check_tenant(name: str) -> str:
+    """``name`` if it is a tenant name, else ValueError saying what one is."""
+    if not TENANT_NAME.fullmatch(name):
+        raise ValueError(f"a tenant name is 1-64 letters, digits or _.@:- characters, got {name!r}")
+    return name
+
+
 class MemoryConfig(_Section):
     """L1 host-memory tier."""
 
@@ -85,6 +97,15 @@ class MemoryConfig(_Section):
     #: or a path) instead of holding an arena of this engine's own: the settings above are then the
     #: service's (see docs/host.md). The engine refuses to start when the service does not answer.
     service: str | None = None
+    #: With ``service``: the tenant this engine's chunks are counted to; a tenant given a quota by the
+    #: service (``kvengine host --quota NAME=SIZE``) has that share of the arena to itself, the others
+    #: share the rest.
+    tenant: str = ""
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str) -> str:
+        return check_tenant(value) if value else value
 
     @field_validator("service")
     @classmethod

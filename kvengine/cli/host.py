@@ -18,8 +18,10 @@ import signal
 import sys
 import threading
 
+from pydantic import ByteSize
+
 from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, byte_size, one_line
-from kvengine.config import MemoryConfig
+from kvengine.config import MemoryConfig, check_tenant
 from kvengine.errors import KVEngineError
 
 
@@ -33,6 +35,17 @@ def _mode(text: str) -> int:
     return mode
 
 
+def _quota(text: str) -> tuple[str, int]:
+    name, sep, size = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"a quota is NAME=SIZE (e.g. team-a=16GiB), got {text!r}")
+    try:
+        check_tenant(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name, byte_size(size)
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or OneLineParser(prog="kvengine host", description=__doc__.split("\n")[0])
     p.add_argument("--socket", required=True, metavar="PATH", help="Unix socket to serve on (required)")
@@ -44,14 +57,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--prefault", action="store_true",
                    help="make the whole arena resident at start (clients then map it in at once: no page faults "
                         "on their first copies)")
+    p.add_argument("--quota", type=_quota, action="append", default=[], metavar="TENANT=SIZE",
+                   help="a share of the arena for the engines of TENANT (their memory.tenant): their stores evict "
+                        "only their own chunks, and no one else's evict theirs (repeatable; the rest is shared)")
     p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
                    help="another user allowed to attach (repeatable; the socket's --mode must let it in too)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (per tenant: chunks, bytes, evictions) on 127.0.0.1:PORT")
     p.add_argument("--mode", type=_mode, default=0o600, help="the socket file's permissions (octal, default 0600)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvengine.host.service import HostService  # torch: imported only when the command runs
+    from kvengine.host.metrics import host_registry  # torch: imported only when the command runs
+    from kvengine.host.service import HostService
+    from kvengine.metrics import serve_registry
 
     try:
         memory = MemoryConfig(capacity_bytes=args.capacity, slab_bytes=args.slab_bytes, eviction=args.eviction,
@@ -62,17 +82,31 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    quotas = dict(args.quota)
+    if len(quotas) != len(args.quota):
+        print("kvengine host: --quota: a tenant is given two quotas", file=sys.stderr)
+        return EXIT_USAGE
+    stop_metrics = None
     try:
-        service = HostService(memory, args.socket, allow_uids=args.allow_uid, mode=args.mode)
+        service = HostService(memory, args.socket, quotas=quotas, allow_uids=args.allow_uid, mode=args.mode)
+        if args.metrics_port is not None:
+            stop_metrics = serve_registry(host_registry(service), args.metrics_port)
         service.start()
     except KVEngineError as exc:
+        if stop_metrics is not None:
+            stop_metrics()
         print(f"kvengine host: {one_line(exc)}", file=sys.stderr)
         return 1
-    print(f"kvengine host: {memory.capacity_bytes.human_readable()} ({args.eviction}) on {args.socket}", flush=True)
+    shares = "".join(f", {name} {ByteSize(pool.capacity_bytes).human_readable()}"
+                     for name, pool in service.stats().pools.items() if name)
+    print(f"kvengine host: {memory.capacity_bytes.human_readable()} ({args.eviction}{shares}) on {args.socket}",
+          flush=True)
     try:
         stop.wait()
     finally:
         stats = service.stats()
+        if stop_metrics is not None:
+            stop_metrics()
         service.close()
         print(f"kvengine host: stopped ({stats.chunks} chunks, {stats.evictions} evictions, "
               f"{stats.released_pins} pins and {stats.aborted_stores} stores released from closed connections)",

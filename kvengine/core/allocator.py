@@ -60,10 +60,9 @@ class SlabAllocator:
         arena: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         """``arena(nbytes)`` provides the memory (default: private anonymous, or page-locked with
-        ``pin_memory``); it must return a page-aligned uint8 tensor of ``nbytes`` at storage offset 0."""
-        if slab_bytes < ALIGN:
-            raise CapacityError(f"a slab must be at least {ALIGN} B, got {slab_bytes} B")
-        slab_bytes = _round_down(slab_bytes, PAGE if slab_bytes >= LARGE_SLOT else ALIGN)
+        ``pin_memory``): a page-aligned uint8 tensor of ``nbytes`` at storage offset 0 (typed views index
+        the storage). The host service's pools pass slices of one arena instead: they use offsets only."""
+        slab_bytes = normalized_slab_bytes(slab_bytes)
         if capacity_bytes < slab_bytes:
             raise CapacityError(f"capacity {capacity_bytes} B must hold at least one slab of {slab_bytes} B")
         self.slab_bytes = slab_bytes
@@ -169,6 +168,16 @@ class SlabAllocator:
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the slot at ``offset`` as a flat uint8 tensor."""
         return self.arena[offset : offset + nbytes]
+
+
+def normalized_slab_bytes(slab_bytes: int) -> int:
+    """The slab an allocator asked for ``slab_bytes`` uses (rounded down to its alignment grain).
+
+    :raises CapacityError: below the smallest slab.
+    """
+    if slab_bytes < ALIGN:
+        raise CapacityError(f"a slab must be at least {ALIGN} B, got {slab_bytes} B")
+    return _round_down(slab_bytes, PAGE if slab_bytes >= LARGE_SLOT else ALIGN)
 
 
 def _round_down(n: int, grain: int) -> int:

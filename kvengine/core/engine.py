@@ -134,7 +134,7 @@ class CacheEngine:
     def _memory_tier(self, config: MemoryConfig) -> HostMemory:
         """An arena of this process, or the host service's (``memory.service``)."""
         if config.service is not None:
-            return ServiceMemory(config.service)
+            return ServiceMemory(config.service, tenant=config.tenant)
         try:
             allocator = SlabAllocator(int(config.capacity_bytes), config.effective_slab_bytes(),
                                       pin_memory=_cuda_available(), prefault=config.prefault)

@@ -20,6 +20,7 @@ engine configured for a service that is not there refuses to start.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -69,10 +70,12 @@ class ServiceEntry(MemoryEntry):
 
 @dataclass(frozen=True, slots=True)
 class ServiceStats:
-    """The service's memory tier as one client sees it (all zero while the service is gone)."""
+    """The service's memory tier as one client sees it: its tenant's pool (all zero while the service is
+    gone)."""
 
     chunks: int
     used_bytes: int
+    capacity_bytes: int
     #: Pins held by this client's connection, and by every connection.
     own_pins: int
     all_pins: int
@@ -81,6 +84,7 @@ class ServiceStats:
 @dataclass(slots=True)
 class _Connection:
     sock: socket.socket
+    reader: wire.FrameReader
     mapping: _Mapping
 
 
@@ -91,12 +95,14 @@ class ServiceMemory:
     #: The shared arena is not page-locked.
     pinned = False
 
-    def __init__(self, path: str, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """Connect now.
+    def __init__(self, path: str, *, tenant: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        """Connect now, as a client of ``tenant`` (its quota's pool; "" or a tenant without one: the
+        shared pool).
 
         :raises ConfigError: no service answers on ``path``, or it refuses this process.
         """
         self.path = path
+        self.tenant = tenant
         self._clock = clock
         self._lock = threading.Lock()  # one request in flight: answers come back in order
         self._layouts: dict[bytes, ChunkLayout] = {}  # fingerprint -> layout (sent again on reconnect)
@@ -108,7 +114,7 @@ class ServiceMemory:
         self._conn: _Connection | None = None
         try:
             self._conn = self._connect()
-        except (OSError, WireError) as exc:
+        except (OSError, WireError, CapacityError) as exc:
             raise ConfigError(f"memory.service: cannot attach to the kvengine host service on {path}: "
                               f"{exc} (start it with `kvengine host --socket {path}`)") from None
 
@@ -122,17 +128,23 @@ class ServiceMemory:
         try:
             sock.settimeout(TIMEOUT_S)
             sock.connect(self.path)
-            wire.send_frame(sock, Op.HELLO, wire.VERSION_FRAME.pack(wire.VERSION))
-            status, payload, fds = wire.recv_frame(sock, max_fds=1)
-            if status != Status.OK:
-                raise ConfigError(f"memory.service: the kvengine host service on {self.path} refused this "
-                                  f"process: {payload.decode(errors='replace')}")
-            arena_bytes, resident = wire.unpack(wire.ARENA, payload)
-            if len(fds) != 1:
-                raise WireError("the service sent no arena")
+            wire.send_frame(sock, Op.HELLO, wire.VERSION_FRAME.pack(wire.VERSION) + self.tenant.encode())
+            reader = wire.FrameReader(sock)
+            status, payload, fds = reader.read(max_fds=1)
+            try:
+                if status != Status.OK:
+                    raise ConfigError(f"memory.service: the kvengine host service on {self.path} refused this "
+                                      f"process: {payload.decode(errors='replace')}")
+                arena_bytes, resident = wire.unpack(wire.ARENA, payload)
+                if len(fds) != 1:
+                    raise WireError("the service sent no arena")
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
             self._generation += 1
-            arena = SharedArena(fds[0], arena_bytes, populate=bool(resident))
-            conn = _Connection(sock, _Mapping(arena, self._generation))
+            arena = SharedArena(fds[0], arena_bytes, populate=bool(resident))  # owns the descriptor from here
+            conn = _Connection(sock, reader, _Mapping(arena, self._generation))
             for layout_raw in {wire.layout_json(layout) for layout in self._layouts.values()}:
                 self._request(conn, Op.LAYOUT, layout_raw)
             return conn
@@ -144,7 +156,7 @@ class ServiceMemory:
         wire.send_frame(conn.sock, op, payload)
         if op in wire.ONE_WAY:
             return Status.OK, b""
-        status, answer, _ = wire.recv_frame(conn.sock)
+        status, answer, _ = conn.reader.read()
         return status, answer
 
     def _call(self, op: Op, payload: bytes) -> tuple[int, bytes, _Mapping] | None:
@@ -157,7 +169,7 @@ class ServiceMemory:
                 try:
                     conn = self._conn = self._connect()
                     logger.info("kvengine host: attached to %s again", self.path)
-                except (OSError, WireError, ConfigError):
+                except (OSError, WireError, ConfigError, CapacityError):
                     self._retry_at = self._clock() + RETRY_S
                     return None
             try:
@@ -184,12 +196,11 @@ class ServiceMemory:
     # -- introspection -----------------------------------------------------------------------------
     def service_stats(self) -> ServiceStats:
         answer = self._call(Op.STATS, b"")
-        return ServiceStats(*wire.unpack(wire.STATS, answer[1])) if answer else ServiceStats(0, 0, 0, 0)
+        return ServiceStats(*wire.unpack(wire.STATS, answer[1])) if answer else ServiceStats(0, 0, 0, 0, 0)
 
     @property
     def capacity_bytes(self) -> int:
-        conn = self._conn
-        return conn.mapping.arena.nbytes if conn is not None else 0
+        return self.service_stats().capacity_bytes
 
     @property
     def used_bytes(self) -> int:

@@ -21,27 +21,24 @@ few tens of microseconds, lower than an event loop's per-request overhead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import stat
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.config import MemoryConfig
-from kvengine.core.allocator import SlabAllocator
-from kvengine.core.eviction import make_policy
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
 from kvengine.errors import CapacityError, ConfigError
 from kvengine.host import wire
-from kvengine.host.arena import SharedArena
+from kvengine.host.pools import SHARED, Pool, PoolStats, build_pools
 from kvengine.host.wire import Op, Status, WireError
 from kvengine.threads import start_thread
 
@@ -64,6 +61,8 @@ class HostStats:
     released_pins: int
     aborted_stores: int
     refused_connections: int
+    #: Per pool: each tenant with a quota, and "" for the rest.
+    pools: dict[str, PoolStats]
 
 
 @dataclass(eq=False)
@@ -72,9 +71,9 @@ class _Client:
 
     pid: int
     uid: int
+    pool: Pool | None = None  # set by HELLO
     pins: dict[ChunkKey, tuple[MemoryEntry, int]] = field(default_factory=dict)
     prepared: dict[ChunkKey, MemoryEntry] = field(default_factory=dict)
-    greeted: bool = False
 
     def pin(self, entry: MemoryEntry) -> None:
         held = self.pins.get(entry.key)
@@ -97,33 +96,24 @@ class _Client:
 class HostService:
     """The memory tier of ``memory`` in a shared arena, served on the Unix socket ``path``."""
 
-    def __init__(self, memory: MemoryConfig, path: str | Path, *, allow_uids: Iterable[int] = (),
-                 mode: int = 0o600) -> None:
+    def __init__(self, memory: MemoryConfig, path: str | Path, *, quotas: Mapping[str, int] | None = None,
+                 allow_uids: Iterable[int] = (), mode: int = 0o600) -> None:
+        """``quotas``: tenant name -> bytes of the arena that tenant's clients get to themselves (see
+        :mod:`kvengine.host.pools`); clients of other tenants share the rest."""
         self.path = Path(path)
         self.mode = mode
         self.allowed_uids = frozenset({os.getuid(), *allow_uids})
-        self._arena: SharedArena | None = None
-        try:
-            allocator = SlabAllocator(int(memory.capacity_bytes), memory.effective_slab_bytes(),
-                                      prefault=memory.prefault, arena=self._shared_arena)
-        except CapacityError as exc:
-            raise ConfigError(f"memory.capacity_bytes: {exc}") from None
         self.prefaulted = memory.prefault
-        self.tier = MemoryTier(allocator, make_policy(memory.eviction), on_evict=self._evicted)
+        self._arena, self.pools = build_pools(memory, quotas or {})
         self._layouts: dict[bytes, ChunkLayout] = {}  # fingerprint -> layout
         self._lock = threading.Lock()  # the counters and the connection set
-        self._connections: set[socket.socket] = set()
-        self._evictions = self._released_pins = self._aborted_stores = self._refused = 0
+        self._connections: dict[socket.socket, threading.Thread] = {}  # each served by its thread
+        self._released_pins = self._aborted_stores = self._refused = 0
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
 
-    def _shared_arena(self, nbytes: int) -> torch.Tensor:
-        self._arena = SharedArena.create(nbytes)
-        return self._arena.tensor
-
     @property
-    def arena_bytes(self) -> int:
-        assert self._arena is not None
+    def capacity_bytes(self) -> int:
         return self._arena.nbytes
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -148,7 +138,7 @@ class HostService:
             raise ConfigError(f"cannot serve on {self.path}: {exc}") from None
         self._listener = listener
         self._acceptor = start_thread(self._accept, "kvengine-host-accept")
-        logger.info("kvengine host: serving %s on %s", self.tier.capacity_bytes, self.path)
+        logger.info("kvengine host: serving %d B in %d pools on %s", self.capacity_bytes, len(self.pools), self.path)
 
     def close(self) -> None:
         """Stop serving: drop every connection, remove the socket file, free the arena."""
@@ -160,20 +150,25 @@ class HostService:
         if self._acceptor is not None:
             self._acceptor.join()
         with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            conn.shutdown(socket.SHUT_RDWR)  # its thread releases its holdings and exits
+            connections = list(self._connections.items())
+        for conn, thread in connections:
+            with contextlib.suppress(OSError):  # closed by its thread meanwhile
+                conn.shutdown(socket.SHUT_RDWR)  # its thread releases its holdings and exits
+            thread.join(timeout=5)
         self.path.unlink(missing_ok=True)
+        for pool in self.pools.values():
+            pool.tier.close()
+        self._arena.close()
 
     def stats(self) -> HostStats:
         with self._lock:
             connections = len(self._connections)
-        return HostStats(connections, len(self.tier), self.tier.used_bytes, self.tier.capacity_bytes,
-                         self.tier.total_pins(), self._evictions, self._released_pins, self._aborted_stores,
-                         self._refused)
-
-    def _evicted(self, _entry: MemoryEntry) -> None:
-        self._evictions += 1  # under the tier's lock
+        pools = {name: pool.stats() for name, pool in self.pools.items()}
+        return HostStats(connections, sum(p.chunks for p in pools.values()),
+                         sum(p.used_bytes for p in pools.values()), self.capacity_bytes,
+                         sum(pool.tier.total_pins() for pool in self.pools.values()),
+                         sum(p.evictions for p in pools.values()), self._released_pins, self._aborted_stores,
+                         self._refused, pools)
 
     # -- connections -------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -182,17 +177,17 @@ class HostService:
                 conn, _ = listener.accept()
             except OSError:
                 return  # closed
-            with self._lock:
-                self._connections.add(conn)
-            start_thread(self._serve, "kvengine-host-client", conn)
+            with self._lock:  # registered before its thread can end and remove it
+                self._connections[conn] = start_thread(self._serve, "kvengine-host-client", conn)
 
     def _serve(self, conn: socket.socket) -> None:
         pid, uid, _gid = _CREDENTIALS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                              _CREDENTIALS.size))
         client = _Client(pid, uid)
+        reader = wire.FrameReader(conn)
         try:
             while True:
-                op, payload, _ = wire.recv_frame(conn)
+                op, payload, _ = reader.read()
                 answer = self._answer(client, op, payload)
                 if answer is not None:
                     status, data, fds = answer
@@ -207,15 +202,16 @@ class HostService:
         finally:
             self._release(client)
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.pop(conn, None)
             conn.close()
 
     def _release(self, client: _Client) -> None:
         """Everything ``client`` still holds goes back: its pins, and its stores never committed."""
         pins = [entry for entry, count in client.pins.values() for _ in range(count)]
-        self.tier.unpin(pins)
-        for entry in client.prepared.values():
-            self.tier.abort(entry)
+        if client.pool is not None:
+            client.pool.tier.unpin(pins)
+            for entry in client.prepared.values():
+                client.pool.tier.abort(entry)
         with self._lock:
             self._released_pins += len(pins)
             self._aborted_stores += len(client.prepared)
@@ -224,43 +220,43 @@ class HostService:
 
     def _answer(self, client: _Client, op: int, payload: bytes) -> tuple[int, bytes, list[int]] | None:
         """One request's status, payload and descriptors (the arena's, with HELLO); None: not answered."""
-        if not client.greeted:
+        pool = client.pool
+        if pool is None:
             return self._hello(client, op, payload)
+        tier = pool.tier
         if op == Op.PIN_PREFIX:
-            entries = self.tier.pin_prefix(wire.unpack_keys(payload))
+            entries = tier.pin_prefix(wire.unpack_keys(payload))
             for pinned in entries:
                 client.pin(pinned)
-            records = b"".join(wire.PINNED.pack(e.offset, e.token_start, e.num_tokens,
-                                                wire.fingerprint_bytes(e.layout)) for e in entries)
-            return Status.OK, records, []
+            return Status.OK, b"".join(wire.PINNED.pack(pool.base + e.offset, e.token_start, e.num_tokens,
+                                                        wire.fingerprint_bytes(e.layout)) for e in entries), []
         if op == Op.UNPIN:
-            released = [e for e in map(client.unpin, wire.unpack_keys(payload)) if e is not None]
-            self.tier.unpin(released)
+            tier.unpin([e for e in map(client.unpin, wire.unpack_keys(payload)) if e is not None])
             return None
         if op == Op.PREPARE:
-            return self._prepare(client, payload)
+            return self._prepare(client, pool, payload)
         if op in (Op.COMMIT, Op.ABORT):
             raw, keep_pin = wire.unpack(wire.COMMIT, payload)
             entry = client.prepared.pop(wire.key_from(raw), None)
             if entry is None:  # not this connection's store: nothing to do (and nothing is answered)
                 return None
             if op == Op.ABORT:
-                self.tier.abort(entry)
+                tier.abort(entry)
             else:
-                self.tier.commit(entry, keep_pin=bool(keep_pin))
+                tier.commit(entry, keep_pin=bool(keep_pin))
                 if keep_pin:
                     client.pin(entry)
             return None
         if op in (Op.DISCARD, Op.CONTAINS):
             key = wire.key_from(wire.unpack(wire.KEY, payload)[0])
-            done = self.tier.discard(key) if op == Op.DISCARD else self.tier.contains(key)
+            done = tier.discard(key) if op == Op.DISCARD else tier.contains(key)
             return Status.OK, bytes([done]), []
         if op == Op.LAYOUT:
-            return self._layout(payload)
+            return self._layout(tier, payload)
         if op == Op.STATS:
             own = sum(count for _, count in client.pins.values())
-            return Status.OK, wire.STATS.pack(len(self.tier), self.tier.used_bytes, own,
-                                              self.tier.total_pins()), []
+            return Status.OK, wire.STATS.pack(len(tier), tier.used_bytes, tier.capacity_bytes, own,
+                                              tier.total_pins()), []
         raise WireError(f"unknown op {op}")
 
     def _hello(self, client: _Client, op: int, payload: bytes) -> tuple[int, bytes, list[int]]:
@@ -272,15 +268,17 @@ class HostService:
             logger.warning("kvengine host: refused pid %d: uid %d is not allowed", client.pid, client.uid)
             return Status.FORBIDDEN, (f"uid {client.uid} may not use the kvengine host service on {self.path} "
                                       f"(allowed uids: {sorted(self.allowed_uids)})").encode(), []
-        (version,) = wire.unpack(wire.VERSION_FRAME, payload)
+        if len(payload) < wire.VERSION_FRAME.size:
+            raise WireError("HELLO without a version")
+        (version,) = wire.VERSION_FRAME.unpack_from(payload)
         if version != wire.VERSION:
             return Status.REFUSED, (f"protocol version {version}; this service speaks "
                                     f"{wire.VERSION}").encode(), []
-        client.greeted = True
-        assert self._arena is not None
+        tenant = payload[wire.VERSION_FRAME.size :].decode(errors="replace")
+        client.pool = self.pools.get(tenant, self.pools[SHARED])
         return Status.OK, wire.ARENA.pack(self._arena.nbytes, self.prefaulted), [self._arena.fd]
 
-    def _prepare(self, client: _Client, payload: bytes) -> tuple[int, bytes, list[int]]:
+    def _prepare(self, client: _Client, pool: Pool, payload: bytes) -> tuple[int, bytes, list[int]]:
         raw, fingerprint, start, end = wire.unpack(wire.PREPARE, payload)
         key = wire.key_from(raw)
         layout = self._layouts.get(fingerprint)
@@ -290,18 +288,18 @@ class HostService:
             return Status.REFUSED, f"token range [{start}, {end}) is not a chunk".encode(), []
         if key in client.prepared:
             return Status.PRESENT, b"", []
-        entry = self.tier.prepare(key, layout, (start, end))
+        entry = pool.tier.prepare(key, layout, (start, end))
         if entry is Prepared.PRESENT:
             return Status.PRESENT, b"", []
         if entry is Prepared.NO_ROOM:
             return Status.NO_ROOM, b"", []
         client.prepared[key] = entry
-        return Status.OK, wire.OFFSET.pack(entry.offset), []
+        return Status.OK, wire.OFFSET.pack(pool.base + entry.offset), []
 
-    def _layout(self, payload: bytes) -> tuple[int, bytes, list[int]]:
+    def _layout(self, tier: MemoryTier, payload: bytes) -> tuple[int, bytes, list[int]]:
         layout = wire.layout_from_json(payload)
         try:
-            self.tier.check_fits(layout.nbytes())
+            tier.check_fits(layout.nbytes())
         except CapacityError as exc:
             return Status.REFUSED, str(exc).encode(), []
         self._layouts[wire.fingerprint_bytes(layout)] = layout

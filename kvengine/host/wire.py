@@ -33,8 +33,9 @@ PINNED = struct.Struct(f"<QII{DIGEST_BYTES}s")
 #: The arena, as :attr:`Op.HELLO` answers it: its bytes, and whether they are all resident (prefaulted: a
 #: client maps them in at once, rather than page by page at its first copies).
 ARENA = struct.Struct("<QB")
-#: What :attr:`Op.STATS` answers: chunks, used bytes, this connection's pins, every connection's pins.
-STATS = struct.Struct("<QQQQ")
+#: What :attr:`Op.STATS` answers of the client's pool: chunks, used and capacity bytes, this connection's
+#: pins, every connection's pins.
+STATS = struct.Struct("<QQQQQ")
 _HEADER = struct.Struct("<IB")
 _U32 = struct.Struct("<I")
 
@@ -44,7 +45,7 @@ class WireError(Exception):
 
 
 class Op(enum.IntEnum):
-    HELLO = 1  # u16 version -> ARENA, with the arena's descriptor
+    HELLO = 1  # u16 version, utf-8 tenant -> ARENA, with the arena's descriptor
     LAYOUT = 2  # layout JSON -> ok (the layout may be named by its fingerprint from now on)
     PIN_PREFIX = 3  # keys -> the resident prefix's PINNED records
     UNPIN = 4  # keys (one per pin)
@@ -84,35 +85,41 @@ def send_frame(sock: socket.socket, code: int, payload: bytes = b"", fds: Sequen
         sock.sendall(frame)
 
 
-def recv_frame(sock: socket.socket, *, max_fds: int = 0) -> tuple[int, bytes, list[int]]:
-    """One frame: its op or status, payload and any descriptors sent with it.
+class FrameReader:
+    """Frames from one socket, read in as few system calls as they arrive in (a release and the lookup
+    after it are often one read)."""
 
-    :raises WireError: the peer closed the connection, or sent a frame too large or empty.
-    """
-    fds: list[int] = []
-    if max_fds:
-        head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, max_fds)
-        if not head:
-            raise WireError("connection closed")
-        head += _recv_exact(sock, _HEADER.size - len(head))
-    else:
-        head = _recv_exact(sock, _HEADER.size)
-    length, code = _HEADER.unpack(head)
-    if not 1 <= length <= MAX_FRAME:
-        raise WireError(f"frame length {length} outside 1..{MAX_FRAME}")
-    return code, _recv_exact(sock, length - 1), fds
+    #: Bytes asked of the socket per read.
+    CHUNK = 64 * 2**10
 
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise WireError("connection closed mid-frame")
-        got += k
-    return bytes(buf)
+    def read(self, *, max_fds: int = 0) -> tuple[int, bytes, list[int]]:
+        """The next frame: its op or status, payload and any descriptors that came with it.
+
+        :raises WireError: the peer closed the connection, or sent a frame too large or empty.
+        """
+        buf, fds = self._buf, list[int]()
+        while True:
+            if len(buf) >= _HEADER.size:
+                length, code = _HEADER.unpack_from(buf)
+                if not 1 <= length <= MAX_FRAME:
+                    raise WireError(f"frame length {length} outside 1..{MAX_FRAME}")
+                end = _U32.size + length
+                if len(buf) >= end:
+                    payload = bytes(buf[_HEADER.size : end])
+                    del buf[:end]
+                    return code, payload, fds
+            if max_fds:
+                data, more, _flags, _addr = socket.recv_fds(self._sock, self.CHUNK, max_fds)
+                fds += more
+            else:
+                data = self._sock.recv(self.CHUNK)
+            if not data:
+                raise WireError("connection closed" if not buf else "connection closed mid-frame")
+            buf += data
 
 
 def pack_keys(keys: Sequence[ChunkKey]) -> bytes:

@@ -21,7 +21,7 @@ from kvengine import KVEngine, Namespace
 from kvengine.config import MemoryConfig
 from kvengine.errors import ConfigError
 from kvengine.host import client as client_module
-from kvengine.host.client import ServiceMemory
+from kvengine.host.client import ServiceMemory, ServiceStats
 from kvengine.host.service import HostService
 
 from ..conftest import FakeKV, copier, make_layout
@@ -70,6 +70,21 @@ def host(tmp_path: Path) -> Iterator[Host]:
         h.kill()
 
 
+def settled(host: Host) -> ServiceStats:
+    """The service's stats once no pin is held, or as they are after 5 s (the closes of clients that just
+    ended may still be in flight)."""
+    memory = ServiceMemory(str(host.path))
+    try:
+        for _ in range(50):
+            stats = memory.service_stats()
+            if stats.all_pins == 0:
+                break
+            time.sleep(0.1)
+        return stats
+    finally:
+        memory.close()
+
+
 def _client(host: Host, *args: str) -> str:
     return subprocess.run([sys.executable, str(CLIENTS), args[0], str(host.path), *args[1:]], cwd=ROOT,
                           check=True, capture_output=True, text=True, timeout=300).stdout
@@ -94,21 +109,24 @@ def test_two_engine_processes_share_one_copy_and_the_second_loads_it_exactly(hos
     assert "3 chunks" in host.stop()
 
 
+def test_engine_processes_storing_and_loading_at_once_each_load_exactly(host):
+    """Three engine processes store and load at once, prompts they share (same tokens, same KV) and their
+    own: every load equals what was stored, and no pin outlives them."""
+    procs = [subprocess.Popen([sys.executable, str(CLIENTS), "busy", str(host.path), "3"], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert all(int(out) > 0 for out in outs), outs
+    assert settled(host).all_pins == 0
+
+
 def test_a_thousand_clients_killed_holding_pins_and_half_written_stores_leak_nothing(host):
     """Each killed client held the prefix's pins and a prepared store it had half written: the service
     releases both when the socket closes, and the half-written chunk is never visible."""
     _client(host, "store", "1")
     assert _client(host, "killed", "1000").split() == ["1000"]
-    memory = ServiceMemory(str(host.path))
-    try:
-        for _ in range(50):  # the last connections' closes may still be in flight
-            stats = memory.service_stats()
-            if stats.all_pins == 0:
-                break
-            time.sleep(0.1)
-        assert (stats.chunks, stats.all_pins) == (3, 0)
-    finally:
-        memory.close()
+    stats = settled(host)
+    assert (stats.chunks, stats.all_pins) == (3, 0)
     out = host.stop()
     assert "3000 pins and 1000 stores released" in out, out  # three chunks pinned by each
 

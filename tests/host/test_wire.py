@@ -44,18 +44,25 @@ def test_keys_round_trip_and_a_short_list_is_refused():
         wire.unpack_keys(b"\x01")
 
 
-def test_frames_round_trip_with_a_descriptor_and_oversized_ones_are_refused():
+def test_frames_round_trip_with_a_descriptor_however_they_arrive_and_oversized_ones_are_refused():
     a, b = socket.socketpair()
     with a, b:
         r, w = socket.socketpair()
         with r, w:
             wire.send_frame(a, wire.Status.OK, b"payload", [w.fileno()])
-            code, payload, fds = wire.recv_frame(b, max_fds=1)
+            reader = wire.FrameReader(b)
+            code, payload, fds = reader.read(max_fds=1)
             assert (code, payload, len(fds)) == (wire.Status.OK, b"payload", 1)
             socket.socket(fileno=fds[0]).close()
+        wire.send_frame(a, wire.Op.UNPIN, b"one")
+        wire.send_frame(a, wire.Op.STATS, b"two")
+        a.sendall(b"\x06\x00")  # the start of a third
+        assert reader.read()[1:] == (b"one", []) and reader.read()[1:] == (b"two", [])
+        a.sendall(b"\x00\x00\x0athree")
+        assert reader.read() == (wire.Op.STATS, b"three", [])
         a.sendall((wire.MAX_FRAME + 1).to_bytes(4, "little") + b"\x01")
         with pytest.raises(WireError, match="frame length"):
-            wire.recv_frame(b)
+            wire.FrameReader(b).read()
         a.close()
         with pytest.raises(WireError, match="closed"):
-            wire.recv_frame(b)
+            wire.FrameReader(b).read()

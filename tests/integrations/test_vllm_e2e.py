@@ -657,3 +657,20 @@ def test_an_engine_restarted_after_sigkill_hits_in_the_host_services_memory(host
     assert m['kvengine_loaded_bytes_total{tier="memory"}'] == a["metrics"]['kvengine_stored_bytes_total{tier="memory"}']
     assert m['kvengine_stored_chunks_total{tier="memory"}'] == 0
     assert r["service"] == {"chunks": a["metrics"]['kvengine_stored_chunks_total{tier="memory"}'], "pins": 0}
+
+
+def test_a_service_killed_under_an_engine_costs_hits_never_exactness_and_the_engine_reattaches(host):
+    """Scenario: the service is SIGKILLed under engine B: B's next run answers every prompt exactly with no
+    hit (recomputed, nothing failed into vLLM); the service is started again (empty): B re-attaches, its
+    next run stores and the one after hits every full chunk again, exact."""
+    r, _ = host
+    chunk = chunk_of(r["reader"]["metrics"])
+    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    down, (cold, warm) = r["service_killed"], r["service_back"]
+    assert tokens(down) == tokens(cold) == tokens(warm) == r["ref"]
+    assert [o["cached"] for o in down] == [o["cached"] for o in cold] == [0] * len(hits)
+    assert [o["cached"] for o in warm] == hits
+    m = r["reader_after"]
+    assert m["kvengine_load_failed_tokens_total"] == 0
+    assert m["kvengine_loaded_tokens_total"] == 2 * sum(hits)  # B's first run, and the warm one
+    assert r["service"]["pins"] == 0

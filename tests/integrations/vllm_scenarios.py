@@ -21,7 +21,8 @@ runs several scenarios and writes one JSON report):
   Qwen3-Next (hybrid linear + full attention: refused).
 
 * ``host`` -- two engine processes on one ``kvengine host`` service: the
-  writer SIGKILLed, a fresh reader hits in the service's shared memory.
+  writer SIGKILLed, a fresh reader hits in the service's shared memory; the
+  service SIGKILLed under the reader and started again.
 
 * ``mooncake`` -- a real ``mooncake_master`` on loopback: a writer engine
   stores the prompts' chunks in the Mooncake Store tier and is shut down; a
@@ -788,13 +789,15 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
 def scenario_host(work: Path) -> dict[str, Any]:
     """Two vLLM engine processes, one after the other, on one ``kvengine host`` service (Llama, no disk
     tier): writer A runs the prompts and its engine processes are SIGKILLed; a fresh engine B runs the same
-    prompts and must load every full chunk from the service's memory. Both in vLLM's default topology."""
+    prompts and must load every full chunk from the service's memory. Then the service is SIGKILLed under B
+    (B's runs are misses, exact) and started again (B re-attaches: a run stores, the next one hits). Both
+    engines in vLLM's default topology."""
     import signal
     import subprocess
 
     import psutil
 
-    from kvengine.host.client import ServiceMemory
+    from kvengine.host.client import RETRY_S, ServiceMemory
     from kvengine.integrations.vllm.tiny_models import build_model_dir
 
     model = str(build_model_dir(work / "llama", "llama"))
@@ -803,10 +806,15 @@ def scenario_host(work: Path) -> dict[str, Any]:
     report["ref"], _ = reference(model, prompts)
     set_topology(in_process=False)
     path = work / "host.sock"
-    host = subprocess.Popen([sys.executable, "-m", "kvengine", "host", "--socket", str(path), "--capacity", "256MiB"],
-                            stdout=subprocess.PIPE, text=True)
-    try:
+
+    def start_host() -> subprocess.Popen[str]:
+        host = subprocess.Popen([sys.executable, "-m", "kvengine", "host", "--socket", str(path), "--capacity",
+                                 "256MiB"], stdout=subprocess.PIPE, text=True)
         assert host.stdout is not None and host.stdout.readline().startswith("kvengine host:")
+        return host
+
+    host = start_host()
+    try:
         for phase in ("writer", "reader"):
             port = free_port()
             extra = {"kvengine": {"memory": {"service": f"unix://{path}"}, "metrics_port": port}}
@@ -818,6 +826,14 @@ def scenario_host(work: Path) -> dict[str, Any]:
                     for child in psutil.Process().children(recursive=True):
                         if child.pid != host.pid:
                             child.send_signal(signal.SIGKILL)
+                    continue
+                host.kill()
+                host.wait()
+                report["service_killed"] = run(engine, prompts)
+                host = start_host()
+                time.sleep(2 * RETRY_S)
+                report["service_back"] = [run(engine, prompts), run(engine, prompts)]
+                report["reader_after"] = unpinned([port])[0]
             finally:
                 shutdown(engine)
         memory = ServiceMemory(str(path))
