@@ -34,16 +34,18 @@ class SharedArena:
 
     @classmethod
     def create(cls, nbytes: int) -> SharedArena:
-        """A new zero-filled arena; memory is committed as pages are first touched."""
+        """A new zero-filled arena, its memory allocated (see :class:`CapacityError`: it cannot be)."""
         try:
             fd = os.memfd_create("kvengine-arena", os.MFD_CLOEXEC)
         except (AttributeError, OSError) as exc:  # not Linux, or no memfd
             raise CapacityError(f"cannot create a shared-memory arena on this system: {exc}") from None
         try:
-            os.ftruncate(fd, nbytes)
+            # Allocated now, not as pages are first written: a shared page that cannot be had later is a
+            # SIGBUS in whichever client touches it, so a service that cannot hold its arena refuses to start.
+            os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             os.close(fd)
-            raise CapacityError(f"cannot size a shared arena to {nbytes} B: {exc}") from None
+            raise CapacityError(f"cannot allocate a shared arena of {nbytes} B: {exc}") from None
         return cls(fd, nbytes)
 
     def close(self) -> None:

@@ -68,6 +68,11 @@ class ServiceEntry(MemoryEntry):
     mapping: _Mapping | None = field(default=None, repr=False)
 
 
+def _inside(mapping: _Mapping, offset: int, layout: ChunkLayout) -> bool:
+    """Whether a chunk slot of ``layout`` at ``offset`` lies in the arena."""
+    return offset + layout.nbytes() <= mapping.arena.nbytes
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceStats:
     """The service's memory tier as one client sees it: its tenant's pool (all zero while the service is
@@ -246,6 +251,8 @@ class ServiceMemory:
             layout = self._bound.get(key.namespace)
             if layout is None or wire.fingerprint_bytes(layout) != fingerprint:
                 break  # never read bytes as a layout they were not written in
+            if not (0 < count <= layout.chunk_size and _inside(mapping, offset, layout)):
+                break  # a broken service: never a view outside the arena
             entries.append(ServiceEntry(key, layout, start, count, offset, committed=True, mapping=mapping))
         unused = keys[len(entries) : len(records) // wire.PINNED.size]
         if unused:
@@ -276,7 +283,11 @@ class ServiceMemory:
         if status != Status.OK:
             return Prepared.NO_ROOM
         (offset,) = wire.unpack(wire.OFFSET, payload)
-        return ServiceEntry(key, layout, start, end - start, offset, pins=1, mapping=mapping)
+        entry = ServiceEntry(key, layout, start, end - start, offset, pins=1, mapping=mapping)
+        if not _inside(mapping, offset, layout):  # a broken service: never a view outside the arena
+            self.abort(entry)
+            return Prepared.NO_ROOM
+        return entry
 
     def commit(self, entry: MemoryEntry, *, keep_pin: bool = False) -> None:
         if self._current(entry):

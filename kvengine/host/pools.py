@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvengine.config import MemoryConfig, check_tenant
-from kvengine.core.allocator import SlabAllocator, normalized_slab_bytes
+from kvengine.core.allocator import SlabAllocator, check_physical, normalized_slab_bytes
 from kvengine.core.eviction import make_policy
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier
 from kvengine.errors import CapacityError, ConfigError
@@ -80,6 +80,7 @@ def build_pools(memory: MemoryConfig, quotas: Mapping[str, int]) -> tuple[Shared
                           f"{total} B arena for tenants without one")
     sizes[SHARED] = rest
     try:
+        check_physical(total)
         arena = SharedArena.create(total)
     except CapacityError as exc:
         raise ConfigError(f"memory.capacity_bytes: {exc}") from None

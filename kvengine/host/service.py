@@ -45,6 +45,8 @@ from kvengine.threads import start_thread
 logger = logging.getLogger("kvengine.host")
 
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: Layouts the service remembers at most (a model has one per rank; this bounds what clients can make it hold).
+MAX_LAYOUTS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +304,10 @@ class HostService:
             tier.check_fits(layout.nbytes())
         except CapacityError as exc:
             return Status.REFUSED, str(exc).encode(), []
-        self._layouts[wire.fingerprint_bytes(layout)] = layout
+        fingerprint = wire.fingerprint_bytes(layout)
+        if fingerprint not in self._layouts and len(self._layouts) >= MAX_LAYOUTS:
+            return Status.REFUSED, f"the service knows {MAX_LAYOUTS} layouts already".encode(), []
+        self._layouts[fingerprint] = layout
         return Status.OK, b"", []
 
 

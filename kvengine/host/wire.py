@@ -1,9 +1,10 @@
 """The host service's control protocol: length-prefixed binary frames over a Unix socket.
 
 A request is ``u32 length | u8 op | payload``, its answer ``u32 length | u8
-status | payload``, one answer per request (but :data:`ONE_WAY` ones), in order. Chunk bytes never cross
-the socket: they are in the shared arena (:mod:`kvengine.host.arena`), whose
-descriptor travels once, beside the answer to :attr:`Op.HELLO`.
+status | payload``: one answer per request but the :data:`ONE_WAY` ones, in
+order. Chunk bytes never cross the socket: they are in the shared arena
+(:mod:`kvengine.host.arena`), whose descriptor travels once, beside the answer
+to :attr:`Op.HELLO`.
 
 Every frame is parsed strictly: a length above :data:`MAX_FRAME`, an unknown op
 or a short payload is a :class:`WireError`, and the service drops the
@@ -51,7 +52,7 @@ class Op(enum.IntEnum):
     UNPIN = 4  # keys (one per pin)
     PREPARE = 5  # key, fingerprint, u32 start, u32 end -> u64 offset | PRESENT | NO_ROOM
     COMMIT = 6  # key, u8 keep_pin
-    ABORT = 7  # key
+    ABORT = 7  # key, u8 (unused): COMMIT's frame
     DISCARD = 8  # key -> u8 discarded
     CONTAINS = 9  # key -> u8 resident
     STATS = 10  # -> STATS
@@ -66,7 +67,7 @@ class Status(enum.IntEnum):
     OK = 0
     PRESENT = 1
     NO_ROOM = 2
-    REFUSED = 3  # utf-8 reason: the request cannot be served (unknown layout, not this caller's entry)
+    REFUSED = 3  # utf-8 reason: the request cannot be served (an unknown layout, one that never fits)
     FORBIDDEN = 4  # utf-8 reason: this caller may not use the service
 
 

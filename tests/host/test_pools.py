@@ -106,6 +106,7 @@ def test_each_tenants_pool_is_counted_in_the_services_metrics(service):
             binding = a.bind(Namespace(model="m"), LAYOUT)
             for i in range(4):  # 12 chunks into a share of 8
                 a.store(binding, [1000 + i, *range(1, 3 * CHUNK)], FakeKV(3 * CHUNK, seed=i).source)
+            a.core.memory.service_stats()  # answered once the service has handled every earlier frame of a's
             m = scrape(port)
         assert m['kvengine_host_capacity_bytes{tenant="a"}'] == 4 * SLAB
         assert m['kvengine_host_used_bytes{tenant="a"}'] == 4 * SLAB and m['kvengine_host_chunks{tenant="a"}'] == 8
@@ -114,3 +115,13 @@ def test_each_tenants_pool_is_counted_in_the_services_metrics(service):
         assert m["kvengine_host_connections"] == 1 and m["kvengine_host_pins"] == 0
     finally:
         stop()
+
+
+def test_an_arena_beyond_physical_memory_is_refused_before_anything_maps_it(tmp_path):
+    from kvengine.core.allocator import physical_memory_bytes
+
+    physical = physical_memory_bytes()
+    if physical is None:
+        pytest.skip("this system does not say its physical memory")
+    with pytest.raises(ConfigError, match="memory.capacity_bytes: .*exceeds this machine's physical memory"):
+        HostService(MemoryConfig(capacity_bytes=2 * physical), tmp_path / "s.sock")

@@ -19,7 +19,7 @@ import torch
 
 from kvengine import KVEngine, Namespace
 from kvengine.config import MemoryConfig
-from kvengine.errors import ConfigError
+from kvengine.errors import CapacityError, ConfigError
 from kvengine.host import client as client_module
 from kvengine.host.client import ServiceMemory, ServiceStats
 from kvengine.host.service import HostService
@@ -256,7 +256,7 @@ def test_a_malformed_frame_costs_only_its_own_connection(tmp_path):
             rogue.close()
             assert service.stats().pins == 3
             assert engine.load(held, copier([torch.zeros_like(t) for t in FakeKV(len(TOKENS)).layers])).ok
-        assert service.stats().pins == 0
+            assert engine.core.memory.service_stats().all_pins == 0  # answered after the load's releases
     finally:
         service.close()
 
@@ -286,3 +286,42 @@ def test_the_configuration_refuses_kv_events_through_the_service_and_a_relative_
     with pytest.raises(ConfigError, match="absolute Unix socket path"):
         load_config({"memory": {"service": "run/k.sock"}}, environ={})
     assert load_config({"memory": {"service": "unix:///run/k.sock"}}, environ={}).memory.service == "/run/k.sock"
+
+
+def test_chunks_a_broken_service_places_outside_the_arena_are_misses_not_views(tmp_path):
+    """A service answering offsets past the arena's end (a bug, or a hostile service) costs hits and
+    stores, never a view outside the mapping or an exception into the engine."""
+    service = HostService(MemoryConfig(capacity_bytes=64 * LAYOUT.nbytes()), tmp_path / "s.sock")
+    service.start()
+    try:
+        with KVEngine(config(str(service.path))) as engine:
+            binding = engine.bind(Namespace(model="m"), LAYOUT)
+            assert engine.store(binding, TOKENS, FakeKV(len(TOKENS)).source).stored_chunks == 3
+            service.pools[""].base = service.capacity_bytes  # every offset it answers is now past the end
+            assert engine.lookup(binding, "r", TOKENS).matched_tokens == 0
+            assert engine.store(binding, [9, *TOKENS[1:]], FakeKV(len(TOKENS)).source).stored_chunks == 0
+            service.pools[""].base = 0
+            again = engine.lookup(binding, "again", TOKENS)
+            assert again.matched_tokens == len(TOKENS)
+            engine.release(again)
+            stats = engine.core.memory.service_stats()  # answered after every frame this engine sent before
+            assert (stats.chunks, stats.all_pins) == (3, 0)  # the refused stores were aborted
+    finally:
+        service.close()
+
+
+def test_the_service_remembers_a_bounded_number_of_layouts(tmp_path, monkeypatch):
+    from kvengine.host import service as service_module
+
+    monkeypatch.setattr(service_module, "MAX_LAYOUTS", 2)
+    service = HostService(MemoryConfig(capacity_bytes=64 * LAYOUT.nbytes()), tmp_path / "s.sock")
+    service.start()
+    try:
+        with KVEngine(config(str(service.path))) as engine:
+            for layers in (1, 2):
+                engine.bind(Namespace(model=f"m{layers}"), make_layout(layers=layers))
+            with pytest.raises(CapacityError, match="knows 2 layouts already"):
+                engine.bind(Namespace(model="m3"), make_layout(layers=3))
+            engine.bind(Namespace(model="again"), make_layout(layers=1))  # a known one still binds
+    finally:
+        service.close()
