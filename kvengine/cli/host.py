@@ -55,8 +55,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="allocation slab; every chunk must fit one (default capacity/16 within [1MiB, 256MiB])")
     p.add_argument("--eviction", choices=("lru", "fifo"), default="lru")
     p.add_argument("--prefault", action="store_true",
-                   help="make the whole arena resident at start (clients then map it in at once: no page faults "
-                        "on their first copies)")
+                   help="clients map the whole arena in when they attach (the arena is allocated at start either "
+                        "way): no page faults on their first copies, page tables for all of it in each client")
     p.add_argument("--quota", type=_quota, action="append", default=[], metavar="TENANT=SIZE",
                    help="a share of the arena for the engines of TENANT (their memory.tenant): their stores evict "
                         "only their own chunks, and no one else's evict theirs (repeatable; the rest is shared)")

@@ -111,7 +111,8 @@ class ServiceMemory:
         self._clock = clock
         self._lock = threading.Lock()  # one request in flight: answers come back in order
         self._layouts: dict[bytes, ChunkLayout] = {}  # fingerprint -> layout (sent again on reconnect)
-        self._bound: dict[NamespaceDigest, ChunkLayout] = {}  # binding digest -> its chunks' layout
+        #: binding digest -> its chunks' layout and that layout's fingerprint (compared with each pinned chunk's)
+        self._bound: dict[NamespaceDigest, tuple[ChunkLayout, bytes]] = {}
         self._generation = 0
         self._retry_at = 0.0
         #: Times the service was lost (each one's calls answered misses until it came back).
@@ -224,7 +225,7 @@ class ServiceMemory:
         :raises CapacityError: its chunks can never be stored (a slab is too small).
         """
         fingerprint = wire.fingerprint_bytes(layout)
-        self._bound[digest] = layout
+        self._bound[digest] = layout, fingerprint
         if fingerprint in self._layouts:
             return
         answer = self._call(Op.LAYOUT, wire.layout_json(layout))
@@ -248,9 +249,10 @@ class ServiceMemory:
         entries: list[MemoryEntry] = []
         for key, i in zip(keys, range(0, len(records), wire.PINNED.size)):
             offset, start, count, fingerprint = wire.PINNED.unpack_from(records, i)
-            layout = self._bound.get(key.namespace)
-            if layout is None or wire.fingerprint_bytes(layout) != fingerprint:
+            bound = self._bound.get(key.namespace)
+            if bound is None or bound[1] != fingerprint:
                 break  # never read bytes as a layout they were not written in
+            layout = bound[0]
             if not (0 < count <= layout.chunk_size and _inside(mapping, offset, layout)):
                 break  # a broken service: never a view outside the arena
             entries.append(ServiceEntry(key, layout, start, count, offset, committed=True, mapping=mapping))

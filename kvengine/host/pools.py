@@ -90,7 +90,9 @@ def build_pools(memory: MemoryConfig, quotas: Mapping[str, int]) -> tuple[Shared
         def share(nbytes: int, start: int = base) -> torch.Tensor:
             return arena.tensor[start : start + nbytes]
 
-        allocator = SlabAllocator(size, slab, prefault=memory.prefault, arena=share)
+        # No prefault here: the arena was allocated whole (zero-filled) when it was created; touching it
+        # again would only cost start-up time. ``memory.prefault`` is the clients' to act on (HELLO).
+        allocator = SlabAllocator(size, slab, arena=share)
         pools[name] = Pool(name, base, allocator, memory.eviction)
         base += size
     return arena, pools

@@ -31,8 +31,8 @@ MAX_FRAME = 4 * 2**20
 KEY_BYTES = 2 * DIGEST_BYTES
 #: A resident chunk, as :attr:`Op.PIN_PREFIX` answers it: offset, first token, token count, layout.
 PINNED = struct.Struct(f"<QII{DIGEST_BYTES}s")
-#: The arena, as :attr:`Op.HELLO` answers it: its bytes, and whether they are all resident (prefaulted: a
-#: client maps them in at once, rather than page by page at its first copies).
+#: The arena, as :attr:`Op.HELLO` answers it: its bytes, and whether clients map it in whole when they attach
+#: (``kvengine host --prefault``) rather than page by page at their first copies.
 ARENA = struct.Struct("<QB")
 #: What :attr:`Op.STATS` answers of the client's pool: chunks, used and capacity bytes, this connection's
 #: pins, every connection's pins.
