@@ -8,9 +8,10 @@ measures, median of ``--repeats``:
   layers of K and V, 8 heads of 128, bf16) copied in, GB/s;
 * load throughput: a lookup of all of them and their copy out into the
   engine's tensors, GB/s;
-* lookup latency: one lookup + release of a resident one-chunk prompt, µs, both
-  modes' engines alive at once and asked in turn, 5,000 rounds (the service's
-  difference is the control path's cost per call);
+* control path: one lookup of a resident one-chunk prompt, and its release, µs
+  each, both modes' engines alive at once and asked in turn, 5,000 rounds (the
+  service's difference is the control path's cost per call: a lookup is one
+  round trip, a release one frame sent);
 * bytes held when two engines store the same prompts (two arenas in-process,
   one shared arena through the service).
 
@@ -73,9 +74,10 @@ def measure(config: dict[str, Any], layout: ChunkLayout, chunks: int, repeats: i
     return {"store_gbps": nbytes / store_s / 1e9, "load_gbps": nbytes / load_s / 1e9}
 
 
-def lookup_latencies(configs: dict[str, dict[str, Any]], layout: ChunkLayout, rounds: int) -> dict[str, float]:
-    """Median µs of a lookup + release of a resident one-chunk prompt, per mode, the modes' engines
-    alive at once and asked in turn (so drifting machine load falls on all of them alike)."""
+def control_latencies(configs: dict[str, dict[str, Any]], layout: ChunkLayout,
+                      rounds: int) -> dict[str, tuple[float, float]]:
+    """Median µs of a lookup of a resident one-chunk prompt and of its release, per mode, the modes'
+    engines alive at once and asked in turn (so drifting machine load falls on all of them alike)."""
     engines = {mode: KVEngine(config) for mode, config in configs.items()}
     try:
         asks = []
@@ -85,13 +87,19 @@ def lookup_latencies(configs: dict[str, dict[str, Any]], layout: ChunkLayout, ro
                                                                                     dtype=torch.bfloat16)
                                                                         for _ in layout.tensors])
             asks.append(binding)
-        samples: dict[str, list[float]] = {mode: [] for mode in engines}
+        lookups: dict[str, list[float]] = {mode: [] for mode in engines}
+        releases: dict[str, list[float]] = {mode: [] for mode in engines}
+        prompt = list(range(CHUNK))
         for _ in range(rounds):
             for (mode, engine), binding in zip(engines.items(), asks):
                 t0 = time.perf_counter()
-                engine.release(engine.lookup(binding, "short", list(range(CHUNK))))
-                samples[mode].append(time.perf_counter() - t0)
-        return {mode: statistics.median(times) * 1e6 for mode, times in samples.items()}
+                res = engine.lookup(binding, "short", prompt)
+                t1 = time.perf_counter()
+                engine.release(res)
+                lookups[mode].append(t1 - t0)
+                releases[mode].append(time.perf_counter() - t1)
+        return {mode: (statistics.median(lookups[mode]) * 1e6, statistics.median(releases[mode]) * 1e6)
+                for mode in engines}
     finally:
         for engine in engines.values():
             engine.close()
@@ -134,21 +142,23 @@ def main() -> int:
                        "service": measure(service, layout, args.chunks, args.repeats)}
             held = {"in-process": held_by_two(own, layout, args.chunks),
                     "service": held_by_two(service, layout, args.chunks)}
-            lookups = lookup_latencies({"in-process": own, "service": service}, layout, args.rounds)
-            for mode, us in lookups.items():
-                results[mode]["lookup_us"] = us
+            control = control_latencies({"in-process": own, "service": service}, layout, args.rounds)
+            for mode, (lookup_us, release_us) in control.items():
+                results[mode].update(lookup_us=lookup_us, release_us=release_us)
         finally:
             host.terminate()
             host.wait()
     a, s = results["in-process"], results["service"]
     ratios = {"store": s["store_gbps"] / a["store_gbps"], "load": s["load_gbps"] / a["load_gbps"],
-              "lookup_overhead_us": s["lookup_us"] - a["lookup_us"], "held": held["service"] / held["in-process"]}
+              "lookup_overhead_us": s["lookup_us"] - a["lookup_us"],
+              "release_overhead_us": s["release_us"] - a["release_us"], "held": held["service"] / held["in-process"]}
     mib = args.chunks * layout.nbytes() / 2**20
     print_table(f"{args.chunks} chunks of {CHUNK} tokens, {layout.nbytes() / 2**20:.0f} MiB each ({mib:.0f} MiB), "
-                f"median of {args.repeats}, arenas {'prefaulted' if args.prefault else 'faulted in by first copies'}", ["mode", "store GB/s", "load GB/s", "lookup µs", "two engines hold MiB"],
-                [[m, r["store_gbps"], r["load_gbps"], r["lookup_us"], held[m] / 2**20] for m, r in results.items()])
+                f"median of {args.repeats}, arenas {'prefaulted' if args.prefault else 'faulted in by first copies'}", ["mode", "store GB/s", "load GB/s", "lookup µs", "release µs", "two engines hold MiB"],
+                [[m, r["store_gbps"], r["load_gbps"], r["lookup_us"], r["release_us"], held[m] / 2**20]
+                 for m, r in results.items()])
     print(f"\nservice / in-process: store {ratios['store']:.2f}x, load {ratios['load']:.2f}x, lookup "
-          f"+{ratios['lookup_overhead_us']:.0f} µs, two engines hold {ratios['held']:.2f}x the bytes")
+          f"+{ratios['lookup_overhead_us']:.0f} µs, release +{ratios['release_overhead_us']:.0f} µs, two engines hold {ratios['held']:.2f}x the bytes")
     write_json(args.out or f"host{'_prefault' if args.prefault else ''}.json", {"chunks": args.chunks, "prefault": args.prefault, "chunk_bytes": layout.nbytes(), "repeats": args.repeats,
                              "results": results, "held_bytes": held, "ratios": ratios})
     return 0

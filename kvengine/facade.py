@@ -187,6 +187,13 @@ class KVEngine:
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
         reads: ReadScope | None = None,
     ) -> Reservation:
+        """Reserve the longest cached chunk prefix of ``tokens`` (:meth:`CacheEngine.lookup`). An engine
+        whose only tier is memory answers in the calling thread, with no hop to its loop."""
+        if not self.core.transports:
+            self._check_open()
+            res = self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens)
+            assert res is not None  # with no lower tier, lookup_resident always answers
+            return res
         return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, reads=reads))
 
     def lookup_resident(

@@ -46,6 +46,37 @@ def test_many_threads_share_one_engine():
         assert eng.metrics.value("kvengine_loaded_tokens_total") > 0
 
 
+@pytest.mark.parametrize("lower_tier", [False, True])
+def test_a_lookup_memory_alone_answers_runs_in_the_callers_thread(tmp_path, lower_tier):
+    """A memory-only engine answers a lookup in the calling thread (no hop to its loop: the control path of
+    a scheduler's lookup); with a lower tier to ask, the lookup runs on the engine's loop. Both answer the
+    same reservation, idempotent per request."""
+    layout = make_layout()
+    config: dict = {"chunk_size": CHUNK, "memory": {"capacity_bytes": 16 * layout.nbytes()}}
+    if lower_tier:
+        config["disk"] = {"path": str(tmp_path / "disk")}
+    with KVEngine(config) as eng:
+        binding = eng.bind(Namespace(model="threads"), layout)
+        tokens = list(range(2 * CHUNK))
+        eng.store(binding, tokens, FakeKV(len(tokens)).source)
+        eng.flush()  # the disk tier's writes done: they held pins of their own
+        threads: list[threading.Thread] = []
+        pin_prefix = eng.core.memory.pin_prefix
+
+        def recording(keys):
+            threads.append(threading.current_thread())
+            return pin_prefix(keys)
+
+        eng.core.memory.pin_prefix = recording  # type: ignore[method-assign]
+        res = eng.lookup(binding, "r", tokens)
+        assert res.matched_tokens == 2 * CHUNK
+        assert eng.lookup(binding, "r", tokens) is res  # the same question: the same reservation
+        assert len(threads) == 1  # pinned once
+        assert (threads[0] is threading.current_thread()) is not lower_tier
+        eng.release(res)
+        assert eng.core.memory.total_pins() == 0
+
+
 def test_close_is_idempotent_and_releases_reservations():
     """close may be called twice; it ends live reservations, empties memory and frees the arena at once."""
     layout = make_layout()

@@ -18,6 +18,6 @@ def test_a_small_run_reports_both_modes_and_their_ratios(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"in-process", "service"}
-    assert all(r["store_gbps"] > 0 and r["load_gbps"] > 0 and r["lookup_us"] > 0 for r in data["results"].values())
+    assert all(r["store_gbps"] > 0 and r["load_gbps"] > 0 and r["lookup_us"] > 0 and r["release_us"] > 0 for r in data["results"].values())
     assert data["held_bytes"]["service"] * 2 == data["held_bytes"]["in-process"] > 0  # one copy, not two
     assert "service / in-process: store" in proc.stdout

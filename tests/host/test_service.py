@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,44 +25,21 @@ from kvengine.host.service import HostService
 
 from ..conftest import FakeKV, copier, make_layout
 from .clients import TOKENS, config
+from .host_process import Host
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = Path(__file__).with_name("clients.py")
 LAYOUT = make_layout()
 
 
-class Host:
-    """``kvengine host`` in a process of its own on ``path``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvengine", "host", "--socket", str(self.path), "--capacity",
-             str(256 * LAYOUT.nbytes()), "--slab-bytes", str(8 * LAYOUT.nbytes()), *extra],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line.startswith("kvengine host:") and str(self.path) in line, line
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> str:
-        assert self.proc is not None and self.proc.stdout is not None
-        self.proc.send_signal(signal.SIGTERM)
-        out = self.proc.stdout.read()
-        self.proc.wait(timeout=10)
-        return out
+def host_at(path: Path) -> Host:
+    """A service of 256 chunks of :data:`LAYOUT`, in slabs of 8, on ``path`` (not started)."""
+    return Host(path, capacity=256 * LAYOUT.nbytes(), slab_bytes=8 * LAYOUT.nbytes())
 
 
 @pytest.fixture
 def host(tmp_path: Path) -> Iterator[Host]:
-    h = Host(tmp_path / "kvengine.sock")
+    h = host_at(tmp_path / "kvengine.sock")
     h.start()
     yield h
     if h.proc is not None and h.proc.poll() is None:
@@ -224,7 +200,7 @@ def test_another_user_is_refused_by_the_socket_mode_and_by_its_credentials(mode,
     """With the default mode the socket refuses another user; with an open mode its credentials do."""
     folder = Path(tempfile.mkdtemp(prefix="kvengine-host-"))  # pytest's are closed to other users
     folder.chmod(0o755)
-    h = Host(folder / "s.sock")
+    h = host_at(folder / "s.sock")
     h.start("--mode", mode)
     try:
         out = subprocess.run(["/usr/bin/python3", "-c", _AS_NOBODY, str(h.path)], capture_output=True, text=True,

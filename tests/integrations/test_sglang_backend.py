@@ -27,10 +27,12 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from kvengine.errors import ConfigError, UnsupportedModelError
+from kvengine.host.client import ServiceMemory
 from kvengine.integrations.sglang import extra_config as backend_extra_config
 from kvengine.integrations.sglang.backend import KVEngineHiCacheStorage
 from kvengine.integrations.sglang.pages import SUPPORTED_LAYOUTS
 from kvengine.keyed import keyed_chunk_key
+from tests.host.host_process import Host
 from tests.mooncake_master import Master, SegmentHolder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -574,9 +576,8 @@ WRITER = textwrap.dedent("""
     args = json.loads(sys.argv[1])
     _, host = sglang_env.make_mha_pools(args["layout"])
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=torch.Generator().manual_seed(7)))
-    config = sglang_env.storage_config(layout=args["layout"], extra=extra_config(kvengine_config={
-        "memory": {"capacity_bytes": "16MiB"}, "disk": {"path": args["disk"], "fsync": "data"}},
-        model_fingerprint="tiny-test-weights"))
+    config = sglang_env.storage_config(layout=args["layout"], extra=extra_config(kvengine_config=args["kv"],
+                                                                                 model_fingerprint="tiny-test-weights"))
     backend = KVEngineHiCacheStorage(config, {})
     backend.register_mem_pool_host(host)
     n = len(args["keys"])
@@ -615,14 +616,20 @@ def test_exists_counts_only_pages_that_verify(tmp_path: Path) -> None:
         reader.close()
 
 
+def _write_in_another_process(tmp_path: Path, layout: str, keys: list[str], kv: dict) -> None:
+    """Run :data:`WRITER` (its backend configured by ``kv``); the pages it stored are saved to exp.pt."""
+    args = {"layout": layout, "keys": keys, "kv": kv, "expected": str(tmp_path / "exp.pt")}
+    proc = subprocess.run([sys.executable, "-c", WRITER, json.dumps(args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_second_process_reads_what_the_first_wrote(tmp_path: Path) -> None:
     """Scenario: one SGLang rank process stores pages and exits; a new process loads them from disk, exact."""
     layout = "page_first"
     _, keys = page_keys(5, seed=6)
-    args = {"layout": layout, "disk": str(tmp_path / "disk"), "keys": keys, "expected": str(tmp_path / "exp.pt")}
-    proc = subprocess.run([sys.executable, "-c", WRITER, json.dumps(args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _write_in_another_process(tmp_path, layout, keys, {
+        "memory": {"capacity_bytes": "16MiB"}, "disk": {"path": str(tmp_path / "disk"), "fsync": "data"}})
     expected = torch.load(tmp_path / "exp.pt")
     _, host = sglang_env.make_mha_pools(layout)
     backend = make_backend(host, tmp_path)
@@ -635,6 +642,43 @@ def test_second_process_reads_what_the_first_wrote(tmp_path: Path) -> None:
         assert backend.kv.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") > 0
     finally:
         backend.close()
+
+
+def test_pages_stored_through_the_host_service_are_read_by_another_process_and_held_once(tmp_path: Path) -> None:
+    """Scenario (issue 35): SGLang rank processes attach to one ``kvengine host`` by configuration alone. One
+    stores 5 pages and exits; a fresh one, with no tier of its own below the service, finds all 5
+    (batch_exists), loads them exactly from the shared arena, and storing them again adds no copy."""
+    layout = "page_first"
+    _, keys = page_keys(5, seed=8)
+    _, probe = sglang_env.make_mha_pools(layout)
+    page_bytes = probe.get_data_page(0).numel() * probe.get_data_page(0).element_size()
+    service = Host(tmp_path / "kvengine.sock", capacity=64 * page_bytes, slab_bytes=8 * page_bytes)
+    service.start()
+    try:
+        kv = {"memory": {"service": str(service.path)}}
+        _write_in_another_process(tmp_path, layout, keys, kv)
+        expected = torch.load(tmp_path / "exp.pt")
+        _, host = sglang_env.make_mha_pools(layout)
+        config = sglang_env.storage_config(layout=layout, extra=extra_config(kvengine_config=kv))
+        backend = KVEngineHiCacheStorage(config, {})
+        backend.register_mem_pool_host(host)
+        try:
+            memory = backend.kv.core.memory
+            assert isinstance(memory, ServiceMemory)
+            held = memory.service_stats()
+            assert held.chunks == 5
+            assert backend.batch_exists(keys) == 5
+            dst = torch.arange(8 * PAGE, 13 * PAGE)
+            assert backend.batch_get_v1(keys, dst) == [True] * 5
+            for got, want in zip(pages_at(host, dst), expected):
+                assert torch.equal(got, want)
+            assert backend.kv.metrics.value("kvengine_loaded_bytes_total", tier="memory") == 5 * page_bytes
+            assert backend.batch_set_v1(keys, dst) == [True] * 5  # already held: nothing is added
+            assert memory.service_stats().used_bytes == held.used_bytes
+        finally:
+            backend.close()
+    finally:
+        service.kill()
 
 
 # -- through a real Mooncake master -------------------------------------------------------------------

@@ -640,23 +640,39 @@ def test_second_engine_process_gets_hits_through_a_mooncake_master(mooncake):
     assert sum(v for k, v in m.items() if k.startswith("kvengine_tier_errors_total{")) == 0
 
 
-def test_an_engine_restarted_after_sigkill_hits_in_the_host_services_memory(host):
-    """Scenario: writer engine A (default topology) stores its prompts' chunks in a ``kvengine host``
-    service and is SIGKILLed; fresh engine B on the same service (no disk tier) hits every full chunk in the
-    service's memory at once, its outputs equal vLLM's without the connector, it stores nothing again (the
-    bytes are held once), and the service holds no pin of either."""
+def test_two_engines_alive_at_once_share_a_prefix_through_the_host_service_held_once(host):
+    """Scenario: engines A and B (default topology, no disk tier) run at once on one ``kvengine host``
+    service. B, started after A ran its prompts, hits every full chunk A stored, in the service's memory, and
+    stores none of them again; A then hits every full chunk of the prompts B stored. Every output equals
+    vLLM's without the connector, and the service holds each chunk once."""
     r, _ = host
-    a, b = r["writer"], r["reader"]
-    assert tokens(a["out"]) == r["ref"] and [o["cached"] for o in a["out"]] == [0] * len(r["prompts"])
-    chunk = chunk_of(b["metrics"])
+    n = len(r["prompts"])
+    ref, ref_later = r["ref"][:n], r["ref"][n:]
+    chunk = chunk_of(r["b_metrics"])
     hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
-    assert [o["cached"] for o in b["out"]] == hits and sum(hits) > 0
-    assert tokens(b["out"]) == r["ref"]
-    m = b["metrics"]
-    assert m["kvengine_loaded_tokens_total"] == sum(hits) and m["kvengine_load_failed_tokens_total"] == 0
-    assert m['kvengine_loaded_bytes_total{tier="memory"}'] == a["metrics"]['kvengine_stored_bytes_total{tier="memory"}']
-    assert m['kvengine_stored_chunks_total{tier="memory"}'] == 0
-    assert r["service"] == {"chunks": a["metrics"]['kvengine_stored_chunks_total{tier="memory"}'], "pins": 0}
+    hits_later = [expected_hit(len(p), chunk) for p in r["later"]]
+    assert sum(hits) > 0 and sum(hits_later) > 0
+    assert tokens(r["a"]) == ref and [o["cached"] for o in r["a"]] == [0] * n
+    assert tokens(r["b"]) == ref and [o["cached"] for o in r["b"]] == hits  # B loads what A stored
+    assert tokens(r["b_later"]) == ref_later and [o["cached"] for o in r["b_later"]] == [0] * len(hits_later)
+    assert tokens(r["a_later"]) == ref_later and [o["cached"] for o in r["a_later"]] == hits_later  # and back
+    a, b = r["a_metrics"], r["b_metrics"]
+    for m, loaded in ((a, sum(hits_later)), (b, sum(hits))):
+        assert m["kvengine_loaded_tokens_total"] == loaded and m["kvengine_load_failed_tokens_total"] == 0
+    stored = a['kvengine_stored_chunks_total{tier="memory"}'] + b['kvengine_stored_chunks_total{tier="memory"}']
+    assert a['kvengine_stored_chunks_total{tier="memory"}'] == sum(hits) // chunk  # A: its prompts' full chunks
+    assert r["both_alive"] == {"chunks": stored, "pins": 0}  # each chunk once, across both engines
+
+
+def test_an_engine_sigkilled_leaves_its_chunks_hits_for_the_other_and_no_pin(host):
+    """Scenario: A is SIGKILLed while B runs on: B's next run still hits every full chunk A stored, exact,
+    and once both are gone the service holds no pin of either."""
+    r, _ = host
+    chunk = chunk_of(r["b_metrics"])
+    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    after = r["b_after_a_killed"]
+    assert tokens(after) == r["ref"][: len(hits)] and [o["cached"] for o in after] == hits
+    assert r["service"]["pins"] == 0
 
 
 def test_a_service_killed_under_an_engine_costs_hits_never_exactness_and_the_engine_reattaches(host):
@@ -664,13 +680,12 @@ def test_a_service_killed_under_an_engine_costs_hits_never_exactness_and_the_eng
     hit (recomputed, nothing failed into vLLM); the service is started again (empty): B re-attaches, its
     next run stores and the one after hits every full chunk again, exact."""
     r, _ = host
-    chunk = chunk_of(r["reader"]["metrics"])
+    chunk = chunk_of(r["b_metrics"])
     hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
     down, (cold, warm) = r["service_killed"], r["service_back"]
-    assert tokens(down) == tokens(cold) == tokens(warm) == r["ref"]
+    assert tokens(down) == tokens(cold) == tokens(warm) == r["ref"][: len(hits)]
     assert [o["cached"] for o in down] == [o["cached"] for o in cold] == [0] * len(hits)
     assert [o["cached"] for o in warm] == hits
-    m = r["reader_after"]
+    m = r["b_after"]
     assert m["kvengine_load_failed_tokens_total"] == 0
-    assert m["kvengine_loaded_tokens_total"] == 2 * sum(hits)  # B's first run, and the warm one
-    assert r["service"]["pins"] == 0
+    assert m["kvengine_loaded_tokens_total"] == 3 * sum(hits)  # B's first run, the one after A died, the warm one

@@ -20,9 +20,10 @@ runs several scenarios and writes one JSON report):
   hits), Gemma2 (sliding window + full attention, two KV cache groups), and
   Qwen3-Next (hybrid linear + full attention: refused).
 
-* ``host`` -- two engine processes on one ``kvengine host`` service: the
-  writer SIGKILLed, a fresh reader hits in the service's shared memory; the
-  service SIGKILLed under the reader and started again.
+* ``host`` -- two engine processes alive at once on one ``kvengine host``
+  service, each hitting in its shared memory what the other stored; one
+  SIGKILLed, the other still hits its chunks; the service SIGKILLed under
+  the survivor and started again.
 
 * ``mooncake`` -- a real ``mooncake_master`` on loopback: a writer engine
   stores the prompts' chunks in the Mooncake Store tier and is shut down; a
@@ -41,6 +42,7 @@ derive their expectations from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -787,11 +789,11 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
 
 
 def scenario_host(work: Path) -> dict[str, Any]:
-    """Two vLLM engine processes, one after the other, on one ``kvengine host`` service (Llama, no disk
-    tier): writer A runs the prompts and its engine processes are SIGKILLed; a fresh engine B runs the same
-    prompts and must load every full chunk from the service's memory. Then the service is SIGKILLed under B
-    (B's runs are misses, exact) and started again (B re-attaches: a run stores, the next one hits). Both
-    engines in vLLM's default topology."""
+    """Two vLLM engine processes on one ``kvengine host`` service (Llama, no disk tier), alive at once:
+    A runs the prompts; B, started while A runs on, runs them too and must load every full chunk A stored
+    from the service's memory; B runs new prompts and A then hits what B stored. A is SIGKILLed: B still
+    hits A's chunks. Then the service is SIGKILLed under B (B's runs are misses, exact) and started again
+    (B re-attaches: a run stores, the next one hits). Both engines in vLLM's default topology."""
     import signal
     import subprocess
 
@@ -802,8 +804,9 @@ def scenario_host(work: Path) -> dict[str, Any]:
 
     model = str(build_model_dir(work / "llama", "llama"))
     prompts = [prompt(121, 700), prompt(122, 300), prompt(123, 1100)]  # no shared prefixes: B's hits are A's
-    report: dict[str, Any] = {"prompts": prompts}
-    report["ref"], _ = reference(model, prompts)
+    later = [prompt(124, 900), prompt(125, 500)]  # B's first, then A's
+    report: dict[str, Any] = {"prompts": prompts, "later": later}
+    report["ref"], _ = reference(model, prompts + later)
     set_topology(in_process=False)
     path = work / "host.sock"
 
@@ -813,33 +816,50 @@ def scenario_host(work: Path) -> dict[str, Any]:
         assert host.stdout is not None and host.stdout.readline().startswith("kvengine host:")
         return host
 
-    host = start_host()
-    try:
-        for phase in ("writer", "reader"):
-            port = free_port()
-            extra = {"kvengine": {"memory": {"service": f"unix://{path}"}, "metrics_port": port}}
-            engine = start(engine_args(model, connector=extra))
-            try:
-                out = run(engine, prompts)
-                report[phase] = {"out": out, "metrics": unpinned([port])[0]}
-                if phase == "writer":  # killed, not shut down: its connections close with nothing released
-                    for child in psutil.Process().children(recursive=True):
-                        if child.pid != host.pid:
-                            child.send_signal(signal.SIGKILL)
-                    continue
-                host.kill()
-                host.wait()
-                report["service_killed"] = run(engine, prompts)
-                host = start_host()
-                time.sleep(2 * RETRY_S)
-                report["service_back"] = [run(engine, prompts), run(engine, prompts)]
-                report["reader_after"] = unpinned([port])[0]
-            finally:
-                shutdown(engine)
+    def service_stats() -> dict[str, int]:
         memory = ServiceMemory(str(path))
         stats = memory.service_stats()
         memory.close()
-        report["service"] = {"chunks": stats.chunks, "pins": stats.all_pins}
+        return {"chunks": stats.chunks, "pins": stats.all_pins}
+
+    def started(port: int) -> tuple[Any, set[int]]:
+        """An engine on the service and the processes it started (its engine core, its worker)."""
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        engine = start(engine_args(model, connector={"kvengine": {"memory": {"service": f"unix://{path}"},
+                                                                  "metrics_port": port}}))
+        # not multiprocessing's resource tracker, which the first engine starts and the second one shares
+        return engine, {p.pid for p in psutil.Process().children(recursive=True)
+                        if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())}
+
+    host = start_host()
+    a_port, b_port = free_port(), free_port()
+    try:
+        a, a_processes = started(a_port)
+        try:
+            report["a"] = run(a, prompts)
+            b, _ = started(b_port)
+            try:
+                report["b"] = run(b, prompts)
+                report["b_later"] = run(b, later)
+                report["a_later"] = run(a, later)
+                report["a_metrics"], report["b_metrics"] = unpinned([a_port, b_port])
+                report["both_alive"] = service_stats()
+                for pid in a_processes:  # A killed, not shut down: its connection closes with nothing released
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        psutil.Process(pid).send_signal(signal.SIGKILL)
+                report["b_after_a_killed"] = run(b, prompts)
+                host.kill()
+                host.wait()
+                report["service_killed"] = run(b, prompts)
+                host = start_host()
+                time.sleep(2 * RETRY_S)
+                report["service_back"] = [run(b, prompts), run(b, prompts)]
+                report["b_after"] = unpinned([b_port])[0]
+            finally:
+                shutdown(b)
+        finally:
+            shutdown(a)
+        report["service"] = service_stats()
     finally:
         host.terminate()
         report["host_out"] = host.communicate(timeout=30)[0]
