@@ -48,8 +48,9 @@ Per arm: prompt and generated tokens/s over the whole run, TTFT p50/p95, TTFT
 per turn (median over users), hit rates (vLLM's own prefix-cache hits and the
 connector's external hits, both from vLLM's scheduler stats, over the prompt
 tokens), kvengine's Prometheus counters (``metrics_port``: bytes stored and
-loaded per tier; its ``loaded_tokens`` counts each reservation from token 0,
-so it includes what vLLM's own cache already held), vLLM's preemptions, and the
+loaded per tier; lookups start at vLLM's own hit, so ``loaded_tokens`` counts
+only what the connector added, and ``unused_read_bytes`` what it read from
+lower tiers for hits vLLM did not take), vLLM's preemptions, and the
 machine: the arm's CPU seconds, and the shares of the CPUs taken by other
 processes, stolen by the hypervisor and left idle. The machine is shared: each
 arm first waits (up to ``--quiet-wait`` s) until it is under 25% busy.
@@ -512,6 +513,7 @@ def summarize(res: dict[str, Any], workload: dict[str, Any]) -> None:
         s["kvengine_loaded_bytes"] = _tier_bytes(m, "kvengine_loaded_bytes_total")
         s["kvengine_evictions"] = sum(v for k, v in m.items() if k.startswith("kvengine_evictions_total"))
         s["kvengine_load_failed_tokens"] = m.get("kvengine_load_failed_tokens_total", 0.0)
+        s["kvengine_unused_read_bytes"] = m.get("kvengine_unused_read_bytes_total", 0.0)
         g = res.get("metrics_gauges", {})
         s["chunk_tokens"] = g.get("kvengine_vllm_chunk_tokens")
     res["summary"] = s

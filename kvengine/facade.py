@@ -185,24 +185,26 @@ class KVEngine:
 
     def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
-        reads: ReadScope | None = None,
+        reads: ReadScope | None = None, from_token: int = 0,
     ) -> Reservation:
         """Reserve the longest cached chunk prefix of ``tokens`` (:meth:`CacheEngine.lookup`). An engine
         whose only tier is memory answers in the calling thread, with no hop to its loop."""
         if not self.core.transports:
             self._check_open()
-            res = self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens)
+            res = self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
             assert res is not None  # with no lower tier, lookup_resident always answers
             return res
-        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, reads=reads))
+        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, reads=reads,
+                                         from_token=from_token))
 
     def lookup_resident(
-        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
+        from_token: int = 0,
     ) -> Reservation | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread (no hop to the engine's
         loop); None where lower tiers must be asked (call :meth:`lookup`)."""
         self._check_open()
-        return self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens)
+        return self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
 
     def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
         return self.run(self.core.load(reservation, in_callers_mode(sink)))

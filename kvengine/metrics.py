@@ -68,6 +68,9 @@ class EngineMetrics:
         self.stored_bytes = Counter("kvengine_stored_bytes", "Bytes written per tier and model", ["tier", "model"],
                                     registry=r)
         self.loaded_bytes = Counter("kvengine_loaded_bytes", "Bytes read per tier", ["tier"], registry=r)
+        self.unused_read_bytes = Counter("kvengine_unused_read_bytes", "Bytes lookups read from lower tiers into "
+                                         "memory for reservations that ended without a load (a hit the caller "
+                                         "did not take)", registry=r)
         self.stored_chunks = Counter("kvengine_stored_chunks", "Chunks written per tier and model", ["tier", "model"],
                                      registry=r)
         self.store_rejected = Counter("kvengine_store_rejected", "Chunks not stored", ["reason"], registry=r)

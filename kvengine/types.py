@@ -68,7 +68,8 @@ ChunkSink = Callable[[ChunkView], None]
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    """What a load delivered. Tokens from ``loaded_tokens`` on must be recomputed."""
+    """What a load delivered. Tokens from ``loaded_tokens`` on must be recomputed (those before a reservation's
+    ``first_token`` are the caller's own: a lookup ``from_token``)."""
 
     promised_tokens: int
     loaded_tokens: int

@@ -73,6 +73,8 @@ class LookupCall:
     #: a handed-off prompt: the producer that computed it (``host:port``), read from first, and the prompt's
     #: partial last chunk too (:mod:`.handoff`)
     producer: str | None = None
+    #: tokens vLLM holds already (its own prefix cache): the chunks wholly before them are not asked for
+    computed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +109,10 @@ class LookupHandler(Protocol):
     """What the worker answers with (its cache engine)."""
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-               producer: str | None = None) -> Answer: ...
+               producer: str | None = None, computed: int = 0) -> Answer: ...
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-                   producer: str | None = None) -> Answer | None:
+                   producer: str | None = None, computed: int = 0) -> Answer | None:
         """The answer if it needs no wait (memory holds it), without blocking; None: call ``lookup``."""
         ...
 
@@ -244,7 +246,8 @@ class LookupService:
     def _handle_now(self, msg: LookupCall) -> Reply | None:
         """The reply if the handler has it without waiting; None (also on an error): the pool answers."""
         try:
-            answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens, msg.producer)
+            answer = self._handler.lookup_now(msg.request_id, msg.salt, msg.tokens, msg.max_tokens, msg.producer,
+                                              msg.computed)
         except Exception:  # the pool's call reports it (as a miss, with the error)
             return None
         return None if answer is None else _answered(msg, answer)
@@ -253,7 +256,7 @@ class LookupService:
         try:
             if isinstance(msg, LookupCall):
                 return _answered(msg, self._handler.lookup(msg.request_id, msg.salt, msg.tokens, msg.max_tokens,
-                                                          msg.producer))
+                                                          msg.producer, msg.computed))
             if isinstance(msg, ReleaseCall):
                 self._handler.release(msg.request_id)
                 return None
@@ -314,9 +317,9 @@ class LookupClient:
             raise ChannelClosed(f"kvengine vLLM channel broke: {exc}") from None
 
     def submit(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, *,
-               producer: str | None = None) -> int:
+               producer: str | None = None, computed: int = 0) -> int:
         self._seq += 1
-        self._send(LookupCall(self._seq, request_id, salt, tokens, max_tokens, producer))
+        self._send(LookupCall(self._seq, request_id, salt, tokens, max_tokens, producer, computed))
         return self._seq
 
     def release(self, request_id: str) -> None:

@@ -46,10 +46,11 @@ class RankedLookup:
         return any(c.closed for c in self._clients)
 
     def submit(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, *,
-               producer: str | None = None) -> int:
+               producer: str | None = None, computed: int = 0) -> int:
         self._seq += 1
         self._pending[self._seq] = _Pending(request_id, tuple(c.submit(request_id, salt, tokens, max_tokens,
-                                                                       producer=producer) for c in self._clients))
+                                                                       producer=producer, computed=computed)
+                                                              for c in self._clients))
         return self._seq
 
     def result(self, seq: int, wait_s: float, *, until_pending: bool = False) -> Reply | None:

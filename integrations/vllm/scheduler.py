@@ -88,6 +88,7 @@ class _RequestState:
     phase: _Phase = _Phase.IDLE
     pending_seq: int = 0  # lookup in flight (0: none)
     pending_len: int = 0
+    pending_from: int = 0  # the in-flight lookup's computed tokens (vLLM's own prefix cache hit)
     matched: int = 0
     plan: LoadSpec | None = None
     stored_until: int = 0
@@ -166,13 +167,13 @@ class SchedulerSide:
             return 0, False
         try:
             wait = 0.0  # asked again: the answer is there or still pending, never waited for twice
-            if st.pending_seq == 0 or st.pending_len != limit:
+            if st.pending_seq == 0 or (st.pending_len, st.pending_from) != (limit, num_computed_tokens):
                 if st.pending_seq:
                     self._client.forget(st.pending_seq)
                 st.pending_seq = self._client.submit(request.request_id, st.salt,
                                                      token_bytes(request.all_token_ids[:limit]), limit,
-                                                     producer=st.handed_in_by)
-                st.pending_len = limit
+                                                     producer=st.handed_in_by, computed=num_computed_tokens)
+                st.pending_len, st.pending_from = limit, num_computed_tokens
                 self.stats.lookups += 1
                 wait = self._wait
             reply = self._client.result(st.pending_seq, wait, until_pending=True)

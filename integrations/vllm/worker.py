@@ -139,9 +139,10 @@ class ReservationDesk:
         return binding
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-               producer: str | None = None) -> Answer:
+               producer: str | None = None, computed: int = 0) -> Answer:
         """``producer``: a handed-off prompt (:mod:`.handoff`), read from the producer that computed it first,
-        its partial last chunk too, up to ``max_tokens``."""
+        its partial last chunk too, up to ``max_tokens``. ``computed``: the tokens vLLM holds already (its
+        prefix cache): the chunks wholly before them are neither pinned nor read."""
         with self._lock:
             shadowed = self._shadowed.get(request_id)
         if shadowed is not None:
@@ -149,11 +150,12 @@ class ReservationDesk:
         ids = np.frombuffer(tokens, dtype="<u4")
         binding = self.binding(salt)
         reads = self.tails.reads(producer) if producer is not None and self.tails is not None else None
-        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads)
+        start = self._from_token(producer, computed)
+        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads, from_token=start)
         res: Reservation | None = found
         state = None
         if self.states is not None and found.matched_tokens:
-            res, state = self._resumable(binding, request_id, ids, found)
+            res, state = self._resumable(binding, request_id, ids, found, start)
         chunk = self._layout.chunk_size
         held_tail = None
         if producer is not None and self.tails is not None and max_tokens % chunk and \
@@ -163,7 +165,7 @@ class ReservationDesk:
                             held_tail)
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-                   producer: str | None = None) -> Answer | None:
+                   producer: str | None = None, computed: int = 0) -> Answer | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread; None: call :meth:`lookup`.
 
         Hybrid models (recurrent state to find), prompt tails and salts not bound yet always take
@@ -177,8 +179,13 @@ class ReservationDesk:
         if binding is None or self.states is not None or producer is not None:
             return None
         res = self.engine.lookup_resident(binding, request_id, np.frombuffer(tokens, dtype="<u4"),
-                                          max_tokens=max_tokens)
+                                          max_tokens=max_tokens, from_token=self._from_token(producer, computed))
         return None if res is None else self._answer(binding, request_id, res, None)
+
+    def _from_token(self, producer: str | None, computed: int) -> int:
+        """Where a lookup starts: at vLLM's own hit, except for a handed-off prompt (read whole from its
+        producer) and MLA pages shared by ranks (the other ranks mirror this one's chunks counted from 0)."""
+        return 0 if producer is not None or self._broadcast is not None else computed
 
     def _answer(self, binding: ModelBinding, request_id: str, res: Reservation | None,
                 state: _HeldState | None, tail: PromptTail | None = None) -> Answer:
@@ -218,8 +225,8 @@ class ReservationDesk:
                 self._held_states[request_id] = state
         return Answer(matched_tokens=res.matched_tokens)
 
-    def _resumable(self, binding: ModelBinding, request_id: str, ids: np.ndarray,
-                   res: Reservation) -> tuple[Reservation | None, BoundaryState | None]:
+    def _resumable(self, binding: ModelBinding, request_id: str, ids: np.ndarray, res: Reservation,
+                   start: int) -> tuple[Reservation | None, BoundaryState | None]:
         """Cut a hybrid model's hit back to the last boundary whose recurrent state is stored
         (None: no such boundary, ``res`` released)."""
         assert self.states is not None
@@ -230,7 +237,7 @@ class ReservationDesk:
             self.engine.release(res)
             if n == 0:
                 return None, None
-            res = self.engine.lookup(binding, request_id, ids, max_tokens=n)
+            res = self.engine.lookup(binding, request_id, ids, max_tokens=n, from_token=start)
             if res.matched_tokens == n:
                 return res, state
             # chunks were evicted meanwhile: look again below what is still there

@@ -83,8 +83,10 @@ _RECORD_POOL_BYTES = 256 * 2**20
 class _Question:
     """A lookup not answered by a live reservation: what it asks for, and when."""
 
-    query: tuple[object, ...]  # the reservation's identity for idempotency (cap and chunk chain)
-    keys: list[ChunkKey]
+    query: tuple[object, ...]  # the reservation's identity for idempotency (cap, first chunk and chunk chain)
+    hashes: list[ChunkHash]  # every chunk's, from the first (the chain)
+    keys: list[ChunkKey]  # from chunk number ``first`` on
+    first: int  # the first chunk asked about (the caller holds every token before it)
     asked: int  # tokens asked about (the cap applied)
     asked_at: float
 
@@ -240,7 +242,7 @@ class CacheEngine:
     # -- lookup ----------------------------------------------------------------
     async def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
-        reads: ReadScope | None = None,
+        reads: ReadScope | None = None, from_token: int = 0,
     ) -> Reservation:
         """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``).
 
@@ -248,26 +250,31 @@ class CacheEngine:
         reservation with a renewed lease, pinning and counting nothing again.
         ``reads``: what the caller knows of the reads from lower tiers (their time, a peer holding
         them: :class:`~kvengine.transport.ReadScope`; None: the tiers' own deadlines and placement).
+        ``from_token``: the caller holds the KV of every token before it (an inference engine's own prefix
+        cache): chunks wholly before it are neither pinned nor read, the reservation starts at the chunk
+        holding it (``Reservation.first_token``), and ``matched_tokens`` is still the hit's end.
         """
         self.check_open()
         started = time.perf_counter()
-        question = self._question(binding, request_id, tokens, max_tokens)
+        question = self._question(binding, request_id, tokens, max_tokens, from_token)
         if isinstance(question, Reservation):
             return question
         entries = self.memory.pin_prefix(question.keys)
         sources = {"memory": len(entries)}
+        read_bytes = 0
         if len(entries) < len(question.keys) and self.transports:
             with read_scope(reads):  # one deadline for all of this lookup's reads from lower tiers
-                promoted = await self.promoter.promote(binding, question.keys[len(entries) :], len(entries),
-                                                       question.asked, sources)
+                promoted = await self.promoter.promote(binding, question.keys[len(entries) :],
+                                                       question.first + len(entries), question.asked, sources)
             if promoted and self.events is not None:
-                hashes = [key.chunk_hash for key in question.keys]
-                self.memory.announce(_StoreEvents(binding, hashes, token_bytes(tokens)).pairs(promoted))
+                self.memory.announce(_StoreEvents(binding, question.hashes, token_bytes(tokens)).pairs(promoted))
             entries += promoted
-        return self._reserve(binding, request_id, question, entries, started, sources)
+            read_bytes = sum(e.nbytes for e in promoted)
+        return self._reserve(binding, request_id, question, entries, started, sources, read_bytes)
 
     def lookup_resident(
-        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None
+        self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
+        from_token: int = 0,
     ) -> Reservation | None:
         """:meth:`lookup`'s answer where memory alone decides it (every asked chunk resident, or no lower
         tier to ask); None where it does not (call :meth:`lookup`).
@@ -278,7 +285,7 @@ class CacheEngine:
         """
         self.check_open()
         started = time.perf_counter()
-        question = self._question(binding, request_id, tokens, max_tokens)
+        question = self._question(binding, request_id, tokens, max_tokens, from_token)
         if isinstance(question, Reservation):
             return question
         entries = self.memory.pin_prefix(question.keys)
@@ -288,17 +295,20 @@ class CacheEngine:
         return self._reserve(binding, request_id, question, entries, started, {"memory": len(entries)})
 
     def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
-                  max_tokens: int | None) -> Reservation | _Question:
+                  max_tokens: int | None, from_token: int) -> Reservation | _Question:
         """The lookup's chunk keys, or the request's live reservation for the same question (lease renewed)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
+        if not isinstance(from_token, int) or isinstance(from_token, bool) or from_token < 0:
+            raise InvalidRequestError(f"from_token must be a non-negative int, got {from_token!r}")
         max_tokens = check_max_tokens(max_tokens)
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens,
                                partial=self.config.store_partial_chunks)
         if self.is_quarantined(binding):
             self.metrics.quarantine_refusals.labels(op="lookup").inc()
             hashes = []
-        query = (max_tokens, *hashes)
+        first = min(from_token // binding.chunk_size, len(hashes))
+        query = (max_tokens, first, *hashes)
         now = self._clock()
         renewed, existing = self.reservations.renew(binding.digest, request_id, query,
                                                     now + self.config.lease_seconds)
@@ -308,10 +318,11 @@ class CacheEngine:
         if existing is not None:
             self._end(existing)
         asked = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-        return _Question(query, [ChunkKey(binding.digest, h) for h in hashes], asked, now)
+        return _Question(query, hashes, [ChunkKey(binding.digest, h) for h in hashes[first:]], first, asked, now)
 
-    def _reserve(self, binding: ModelBinding, request_id: str, question: _Question,
-                 entries: list[MemoryEntry], started: float, sources: dict[str, int]) -> Reservation:
+    def _reserve(self, binding: ModelBinding, request_id: str, question: _Question, entries: list[MemoryEntry],
+                 started: float, sources: dict[str, int], read_bytes: int = 0) -> Reservation:
+        first_token = question.first * binding.chunk_size
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
@@ -322,14 +333,16 @@ class CacheEngine:
             query=question.query,
             entries=entries,
             model=binding.namespace.model,
+            first_token=first_token,
+            read_bytes=read_bytes,
         )
         replaced = self.reservations.put(res)
         if replaced is not None:  # a concurrent lookup of the same request won the race
             self._end(replaced)
         model = res.model
         self.metrics.lookups.labels(model=model).inc()
-        self.metrics.lookup_tokens.labels(model=model).inc(question.asked)
-        self.metrics.hit_tokens.labels(model=model).inc(res.matched_tokens)
+        self.metrics.lookup_tokens.labels(model=model).inc(max(0, question.asked - first_token))
+        self.metrics.hit_tokens.labels(model=model).inc(res.reserved_tokens)
         self.metrics.reservations_active.set(len(self.reservations))
         self.metrics.lookup_seconds.labels(model=model).observe(time.perf_counter() - started)
         if logger.isEnabledFor(logging.DEBUG):
@@ -365,7 +378,7 @@ class CacheEngine:
         self._check_owner(res)
         now = self._clock()
         if not self.reservations.begin_load(res, now):
-            self.metrics.load_failed_tokens.labels(model=res.model).inc(res.matched_tokens)
+            self.metrics.load_failed_tokens.labels(model=res.model).inc(res.reserved_tokens)
             return ()
         res.expires_at = now + self.config.lease_seconds * ABANDON_AFTER_LEASES
         res.load_started = time.perf_counter()
@@ -386,9 +399,10 @@ class CacheEngine:
         self._check_owner(res)
         loading = res.state is ReservationState.LOADING
         loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
-        tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else 0
+        start = res.first_token if res.entries else 0  # the caller holds the tokens before it already
+        tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else start
         if loading and self._end(res):
-            self.metrics.loaded_tokens.labels(model=res.model).inc(tokens)
+            self.metrics.loaded_tokens.labels(model=res.model).inc(tokens - start)
             self.metrics.load_failed_tokens.labels(model=res.model).inc(res.matched_tokens - tokens)
             self._memory_loaded_bytes.inc(sum(e.nbytes for e in res.entries[:loaded_chunks]))
             self.metrics.load_seconds.labels(model=res.model).observe(time.perf_counter() - res.load_started)
@@ -426,8 +440,11 @@ class CacheEngine:
                                       "load or release it through the engine that looked it up")
 
     def _end(self, res: Reservation) -> bool:
-        if not self.reservations.end(res):
+        ended_from = self.reservations.end(res)
+        if ended_from is None:
             return False
+        if ended_from is ReservationState.RESERVED and res.read_bytes:  # read for a hit never taken
+            self.metrics.unused_read_bytes.inc(res.read_bytes)
         self.memory.unpin(res.entries)
         self.metrics.reservations_active.set(len(self.reservations))
         return True

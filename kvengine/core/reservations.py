@@ -44,10 +44,20 @@ class Reservation:
     load_started: float = field(default=0.0, repr=False, compare=False)
     #: The bound model's name (``Namespace.model``): the ``model`` label of the load's metrics.
     model: str = field(default="", repr=False, compare=False)
+    #: Where the reserved chunks start: the tokens before it are the caller's already (a lookup ``from_token``),
+    #: neither reserved nor loaded. ``matched_tokens`` is the hit's end, counted from token 0.
+    first_token: int = 0
+    #: Bytes the lookup read from lower tiers into memory for it (counted as unused if it ends unloaded).
+    read_bytes: int = field(default=0, repr=False, compare=False)
 
     @property
     def num_chunks(self) -> int:
         return len(self.keys)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The tokens a load of it delivers: from ``first_token`` to ``matched_tokens`` (0 for a miss)."""
+        return self.matched_tokens - self.first_token if self.entries else 0
 
 
 class ReservationTable:
@@ -87,15 +97,16 @@ class ReservationTable:
             res.state = ReservationState.LOADING
             return True
 
-    def end(self, res: Reservation) -> bool:
-        """Remove ``res``; True exactly once per reservation."""
+    def end(self, res: Reservation) -> ReservationState | None:
+        """Remove ``res``: the state it ended from, exactly once per reservation (None after)."""
         with self._lock:
-            if res.state is ReservationState.ENDED:
-                return False
+            state = res.state
+            if state is ReservationState.ENDED:
+                return None
             res.state = ReservationState.ENDED
             if self._live.get((res.namespace, res.request_id)) is res:
                 del self._live[(res.namespace, res.request_id)]
-            return True
+            return state
 
     def end_expired(self, now: float) -> list[tuple[Reservation, ReservationState]]:
         """End every reservation past its lease (never loaded, or a load never finished: see

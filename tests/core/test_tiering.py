@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import kvengine.core.tier_writer as tier_writer_module
-from kvengine import CacheEngine, ChunkKey, Namespace
+from kvengine import CacheEngine, ChunkKey, ChunkLayout, Namespace
 from kvengine.chunks.record import unpack_record
 from kvengine.errors import InvalidRequestError, TransportError
+from kvengine.types import ModelBinding
 
 from ..conftest import CHUNK, FakeKV, copier, make_config, make_layout
 
@@ -69,6 +70,18 @@ async def only_below(eng: CacheEngine, t: DictTransport) -> None:
         assert eng.memory.discard(key)
 
 
+async def prompt_below(t: DictTransport, layout: ChunkLayout,
+                       chunks: int) -> tuple[CacheEngine, ModelBinding, list[int], FakeKV]:
+    """An engine over ``t`` that stored a prompt of ``chunks`` chunks, now held by ``t`` alone."""
+    eng = await make_engine(t)
+    b = eng.bind(Namespace(model="m"), layout)
+    toks = list(range(chunks * CHUNK))
+    kv = FakeKV(len(toks))
+    await eng.store(b, toks, kv.source)
+    await only_below(eng, t)
+    return eng, b, toks, kv
+
+
 async def test_write_behind_then_promotion_from_lower_tier(layout):
     """A chunk evicted from memory is found below, verified, promoted and loaded exactly."""
     t = DictTransport()
@@ -88,6 +101,52 @@ async def test_write_behind_then_promotion_from_lower_tier(layout):
     assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     assert eng.metrics.value("kvengine_loaded_bytes_total", tier="dict") == 3 * layout.nbytes()
     assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_a_lookup_from_a_token_reads_only_the_chunks_from_the_one_holding_it(layout):
+    """The caller holds the first tokens' KV (an engine's own prefix cache): chunks wholly before
+    ``from_token`` are neither read nor needed (the first one is gone from every tier here); the
+    reservation starts at the chunk holding ``from_token``, ends where a lookup from 0 would, and loads
+    exactly; the same question is the same reservation, another ``from_token`` another one."""
+    t = DictTransport()
+    eng, b, toks, kv = await prompt_below(t, layout, 4)
+    del t.blobs[t.in_prompt_order()[0]]
+    res = await eng.lookup(b, "r", toks, from_token=CHUNK + 10)
+    assert (res.first_token, res.matched_tokens, res.num_chunks, res.reserved_tokens) == (CHUNK, 4 * CHUNK, 3, 3 * CHUNK)
+    assert await eng.lookup(b, "r", toks, from_token=CHUNK + 10) is res
+    assert eng.metrics.value("kvengine_loaded_bytes_total", tier="dict") == 3 * layout.nbytes()
+    out = [torch.zeros_like(x) for x in kv.layers]
+    result = await eng.load(res, copier(out))
+    assert (result.promised_tokens, result.loaded_tokens) == (4 * CHUNK, 4 * CHUNK)
+    assert all(torch.equal(o[:, :, CHUNK:], k[:, :, CHUNK:]) for o, k in zip(out, kv.layers))
+    assert all(not o[:, :, :CHUNK].any() for o in out)  # the caller's own: never written
+    assert eng.metrics.value("kvengine_loaded_tokens_total") == 3 * CHUNK
+    assert eng.metrics.value("kvengine_hit_tokens_total") == 3 * CHUNK
+    again = await eng.lookup(b, "r", toks, from_token=0)  # asks for chunk 0 too: gone, so a miss
+    assert again is not res and again.matched_tokens == 0
+    await eng.release(again)
+    with pytest.raises(InvalidRequestError, match="from_token"):
+        await eng.lookup(b, "r", toks, from_token=-1)
+    past = await eng.lookup(b, "p", toks, from_token=10 * CHUNK)  # beyond the prompt: nothing to reserve
+    assert (past.matched_tokens, past.num_chunks) == (0, 0)
+    await eng.release(past)
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
+async def test_bytes_read_for_a_hit_the_caller_does_not_take_are_counted_unused(layout):
+    """A reservation released (or expired) without a load counts the bytes its lookup read from lower tiers;
+    a loaded one, and one that read nothing (memory held it), count none."""
+    t = DictTransport()
+    eng, b, toks, _ = await prompt_below(t, layout, 2)
+    await eng.release(await eng.lookup(b, "untaken", toks))
+    assert eng.metrics.value("kvengine_unused_read_bytes_total") == 2 * layout.nbytes()
+    await eng.release(await eng.lookup(b, "resident", toks))  # promoted by the first: in memory now
+    await only_below(eng, t)
+    res = await eng.lookup(b, "taken", toks)
+    assert (await eng.load(res, lambda view: None)).ok
+    assert eng.metrics.value("kvengine_unused_read_bytes_total") == 2 * layout.nbytes()
     await eng.close()
 
 
@@ -310,12 +369,7 @@ async def test_records_written_before_token_dims_still_promote(layout):
     """A version-2 record (its descriptors carry no token dims) of a layout whose tensors have one is a
     hit, loaded exactly: promotion compares everything else."""
     t = DictTransport()
-    eng = await make_engine(t)
-    b = eng.bind(Namespace(model="m"), layout)
-    toks = list(range(2 * CHUNK))
-    kv = FakeKV(2 * CHUNK)
-    await eng.store(b, toks, kv.source)
-    await only_below(eng, t)
+    eng, b, toks, kv = await prompt_below(t, layout, 2)
     for key in t.blobs:
         t.blobs[key] = as_version_2(t.blobs[key])
         assert all(d.token_dim is None for d in unpack_record(t.blobs[key])[0].tensors)
@@ -332,11 +386,7 @@ async def test_record_whose_token_dim_disagrees_with_the_layout_is_a_layout_mism
     """A version-3 record whose descriptors name another token dim than the layout's is a
     layout_mismatch miss (only records that carry no token dims at all match without them)."""
     t = DictTransport()
-    eng = await make_engine(t)
-    b = eng.bind(Namespace(model="m"), layout)
-    toks = list(range(2 * CHUNK))
-    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
-    await only_below(eng, t)
+    eng, b, toks, _ = await prompt_below(t, layout, 2)
     keys = t.in_prompt_order()
     assert [d.token_dim for d in unpack_record(t.blobs[keys[1]])[0].tensors] == [2, 2]
     t.blobs[keys[1]] = rewritten(t.blobs[keys[1]], [2, 1])
@@ -635,12 +685,7 @@ async def test_concurrent_lookups_of_one_prefix_from_below_both_get_the_whole_hi
     told 0 tokens. Now it waits for the first promotion: both are told the whole prefix, each chunk is
     read once, and both load it exactly."""
     t = GatedTransport(placed)
-    eng = await make_engine(t)
-    b = eng.bind(Namespace(model="m"), layout)
-    toks = list(range(3 * CHUNK))
-    kv = FakeKV(3 * CHUNK)
-    await eng.store(b, toks, kv.source)
-    await only_below(eng, t)
+    eng, b, toks, kv = await prompt_below(t, layout, 3)
     t.gate.clear()
     first = asyncio.ensure_future(eng.lookup(b, "first", toks))
     await t.waiting.wait()  # the first lookup's reads are in flight
@@ -664,11 +709,7 @@ async def test_a_lookup_waiting_on_a_failed_promotion_is_a_miss_not_a_hang(layou
     """The first promotion finds a corrupt record: the lookup that waited for it misses too (nothing
     served, nothing pinned) and neither hangs."""
     t = GatedTransport(placed=True)
-    eng = await make_engine(t)
-    b = eng.bind(Namespace(model="m"), layout)
-    toks = list(range(2 * CHUNK))
-    await eng.store(b, toks, FakeKV(2 * CHUNK).source)
-    await only_below(eng, t)
+    eng, b, toks, _ = await prompt_below(t, layout, 2)
     head = t.in_prompt_order()[0]
     damaged = bytearray(t.blobs[head])
     damaged[-1] ^= 0xFF
@@ -783,11 +824,7 @@ async def test_a_bad_copy_on_a_tier_with_copies_is_rejected_there_and_the_next_c
     holds, good ones included) and stopped the lookup there. Now it hands the bad copy back with
     ``reject`` and admits the copy that returns; a ``reject`` that raises is a counted fault and a miss."""
     t = TwoCopies()
-    eng = await make_engine(t)
-    b = eng.bind(Namespace(model="m"), layout)
-    toks, kv = list(range(3 * CHUNK)), FakeKV(3 * CHUNK)
-    await eng.store(b, toks, kv.source)
-    await only_below(eng, t)
+    eng, b, toks, kv = await prompt_below(t, layout, 3)
     keys = t.in_prompt_order()
     t.first[keys[1]] = _at_wrong_position(t.blobs[keys[1]])
     t.fail_reject = fail_reject

@@ -136,6 +136,11 @@ def host(workdir: Path) -> tuple[dict[str, Any], str]:
     return _run("host", workdir)
 
 
+@pytest.fixture(scope="module")
+def prefix_cache(workdir: Path) -> tuple[dict[str, Any], str]:
+    return _run("prefix_cache", workdir)
+
+
 def tokens(outputs: list[dict[str, Any] | None]) -> list[list[int] | None]:
     return [None if o is None else o["tokens"] for o in outputs]
 
@@ -689,3 +694,38 @@ def test_a_service_killed_under_an_engine_costs_hits_never_exactness_and_the_eng
     m = r["b_after"]
     assert m["kvengine_load_failed_tokens_total"] == 0
     assert m["kvengine_loaded_tokens_total"] == 3 * sum(hits)  # B's first run, the one after A died, the warm one
+
+
+def test_with_vllms_prefix_cache_on_the_connector_reads_only_what_vllm_lacks(prefix_cache):
+    """Scenario (vLLM's prefix cache on, its default): each lookup starts at the chunk holding vLLM's own
+    hit's end, so the connector reserves, reads and loads only the chunks after it; a prompt vLLM holds
+    whole is its hit alone, with nothing reserved; nothing is read for a hit vLLM does not take; every
+    output equals vLLM's without the connector."""
+    r, _ = prefix_cache
+    out, m, block = r["out"], r["metrics"], r["block"]
+    chunk = chunk_of(m["first"])
+    stored = expected_hit(len(r["first"]) + 16, chunk)  # the first prompt's chunks, and its reply's
+    first = m["first"]
+    chunk_bytes = first['kvengine_stored_bytes_total{tier="memory"}'] / first['kvengine_stored_chunks_total{tier="memory"}']
+    for name, ref in r["ref"].items():
+        assert out[name]["tokens"] == ref, name
+    steps = {"head": (r["steps"]["head"], 0, len(r["steps"]["head"])),  # after the reset: vLLM holds nothing
+             "shared": (r["steps"]["shared"], 600 // block * block, 1050),  # vLLM holds the head's blocks
+             "again": (r["first"], 1050 // block * block, len(r["first"]))}  # ... and the shared prompt's
+    before = m["first"]
+    for name, (prompt, vllm_hit, common) in steps.items():
+        ours = expected_hit(len(prompt), chunk, min(stored, common))
+        reserved = max(0, ours - vllm_hit // chunk * chunk)  # chunks wholly inside vLLM's hit: not asked for
+        after = m[name]
+        delta = {k: after[k] - before.get(k, 0.0) for k in ("kvengine_hit_tokens_total", "kvengine_loaded_tokens_total",
+                                                          'kvengine_loaded_bytes_total{tier="memory"}')}
+        loaded = reserved if ours > vllm_hit else 0
+        if name != "head":  # a lookup from token 0 would have reserved all of ``ours``
+            assert reserved < ours, name
+        assert out[name]["cached"] == max(ours, vllm_hit), name
+        assert delta["kvengine_hit_tokens_total"] == reserved, name
+        assert delta["kvengine_loaded_tokens_total"] == loaded, name
+        assert delta['kvengine_loaded_bytes_total{tier="memory"}'] == loaded // chunk * chunk_bytes, name
+        before = after
+    assert m["again"]["kvengine_unused_read_bytes_total"] == 0
+    assert m["again"]["kvengine_load_failed_tokens_total"] == 0

@@ -34,10 +34,13 @@ class FakeHandler:
         self.at_gate = threading.Event()  # a lookup is waiting at its gate
         self.fail = False
         self.released = threading.Event()
+        self.computed: dict[str, int] = {}  # each request's last lookup: the tokens vLLM held already
 
-    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False):
+    def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, producer: str | None = None,
+               computed: int = 0):
         from kvengine.integrations.vllm.channel import Answer
 
+        self.computed[request_id] = computed
         time.sleep(self.delays.get(request_id, self.delay))
         if request_id in self.gates:
             self.at_gate.set()
@@ -47,9 +50,11 @@ class FakeHandler:
         self.calls.append(("lookup", request_id))
         return Answer(matched_tokens=min(8, len(tokens) // 4, max_tokens))
 
-    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, tail: bool = False):
+    def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, producer: str | None = None,
+                   computed: int = 0):
         from kvengine.integrations.vllm.channel import Answer
 
+        self.computed[request_id] = computed
         if request_id not in self.resident:
             return None
         self.calls.append(("lookup_now", request_id))
@@ -81,6 +86,16 @@ def test_lookup_round_trip(channel):
     reply = client.result(seq, 5.0)
     assert reply is not None and reply.matched_tokens == 8 and not reply.error
     assert client.stats()["calls"] == 1.0
+
+
+def test_a_lookup_carries_the_tokens_vllm_holds_already(channel):
+    """vLLM's own prefix cache hit travels with the lookup, to both the answer at once and the waited one."""
+    handler, _, client = channel
+    handler.resident.add("warm")
+    for request_id, computed in (("warm", 128), ("cold", 256)):
+        reply = client.result(client.submit(request_id, "", bytes(40), 9, computed=computed), 5.0)
+        assert reply is not None and not reply.error
+    assert handler.computed == {"warm": 128, "cold": 256}
 
 
 def test_answer_not_back_in_time_is_none_then_arrives(channel):

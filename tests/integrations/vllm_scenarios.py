@@ -866,6 +866,37 @@ def scenario_host(work: Path) -> dict[str, Any]:
     return report
 
 
+def scenario_prefix_cache(work: Path) -> dict[str, Any]:
+    """vLLM's own prefix cache on (its default), Llama, a connector engine with a memory and a disk tier: the
+    connector looks up, reserves and reads only what vLLM lacks. A prompt is stored; vLLM's prefix
+    cache is reset and a prompt of the first 600 tokens run (vLLM caches its blocks again); a prompt sharing
+    the first 1050 tokens then gets vLLM's own hit plus the connector's chunks after it; the first prompt,
+    run again, is vLLM's own hit alone. The metrics after each step."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    model = str(build_model_dir(work / "llama", "llama"))
+    first = prompt(131, 1100)
+    steps = {"head": first[:600], "shared": prompt(132, 1200, first[:1050]), "again": first}
+    report: dict[str, Any] = {"first": first, "steps": steps}
+    refs, report["block"] = reference(model, [first, *steps.values()])
+    report["ref"] = dict(zip(["first", *steps], refs))
+    set_topology(in_process=True)
+    port = free_port()
+    engine = start(engine_args(model, enable_prefix_caching=True, connector={"kvengine": {
+        "memory": {"capacity_bytes": "64MiB"}, "disk": {"path": str(work / "prefix_disk")},
+        "write_mode": "write_through", "metrics_port": port}}))
+    try:
+        report["out"] = {"first": run(engine, [first])[0]}
+        report["metrics"] = {"first": unpinned([port])[0]}
+        assert engine.reset_prefix_cache(), "vLLM kept its prefix cache"
+        for name, tokens in steps.items():
+            report["out"][name] = run(engine, [tokens])[0]
+            report["metrics"][name] = unpinned([port])[0]
+    finally:
+        shutdown(engine)
+    return report
+
+
 #: the disagg producer's lease: its holds must outlast one decode pass on a loaded machine
 LEASE_S = 8
 
@@ -1089,7 +1120,7 @@ SCENARIOS = {"disagg": scenario_disagg, "disagg_swa": scenario_disagg_swa, "firs
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "hybrid_tp": scenario_hybrid_tp,
              "provenance": scenario_provenance, "real": scenario_real, "mooncake": scenario_mooncake,
-             "host": scenario_host,
+             "host": scenario_host, "prefix_cache": scenario_prefix_cache,
              "unlock": scenario_unlock, "verify_fault": scenario_verify_fault}
 
 
