@@ -392,9 +392,11 @@ def test_qwen3_next_resumes_from_stored_recurrent_state_exactly_across_processes
     m = fresh["metrics"]
     # The fresh engine's first turns come from the connector alone. A second turn's hit beyond the
     # prefix it shares with a first turn (700, 900 tokens) is the connector's too (vLLM's own prefix
-    # cache holds only this engine's first turns), and counts its whole reservation (vLLM copies in
-    # the part beyond its own hit); a hit within it is vLLM's own.
-    beyond = [o["cached"] for o, shared in zip(fresh["turn2"], (700, 900)) if o["cached"] > shared]
+    # cache holds only this engine's first turns), counted from vLLM's own hit on: the first turn's
+    # state end where that lies within the shared prefix (the connector's lookup starts there); a hit
+    # within the shared prefix is vLLM's own.
+    own = [e if e <= shared else 0 for e, shared in zip(ends, (700, 900))]
+    beyond = [o["cached"] - mine for o, mine, shared in zip(fresh["turn2"], own, (700, 900)) if o["cached"] > shared]
     assert beyond, "no second turn reached past its shared prefix"
     assert m["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in fresh["base"]) + sum(beyond)
     assert m["kvengine_load_failed_tokens_total"] == 0
