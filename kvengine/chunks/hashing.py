@@ -96,14 +96,16 @@ def _tensor_to_numpy(tokens: torch.Tensor) -> np.ndarray:
 
 def check_max_tokens(max_tokens: object) -> int | None:
     """``max_tokens`` as an int, or None; :class:`InvalidRequestError` unless it is a non-negative integer."""
-    if max_tokens is None:
-        return None
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
-        raise InvalidRequestError(f"max_tokens must be an int or None, got {type(max_tokens).__name__} "
-                                  f"{max_tokens!r}")
-    if max_tokens < 0:
-        raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
-    return int(max_tokens)
+    return None if max_tokens is None else check_token_count(max_tokens, "max_tokens", accepted="an int or None")
+
+
+def check_token_count(value: object, name: str, *, accepted: str = "an int") -> int:
+    """``value`` as an int; :class:`InvalidRequestError` naming ``name`` unless it is a non-negative integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidRequestError(f"{name} must be {accepted}, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise InvalidRequestError(f"{name} must be >= 0, got {value}")
+    return int(value)
 
 
 def prefix_hashes(

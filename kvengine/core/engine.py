@@ -43,7 +43,7 @@ from functools import partial
 import torch
 
 from kvengine.chunks.codecs import CodecRegistry
-from kvengine.chunks.hashing import TokenInput, check_max_tokens, prefix_hashes, token_bytes
+from kvengine.chunks.hashing import TokenInput, check_max_tokens, check_token_count, prefix_hashes, token_bytes
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.compression import default_codecs
@@ -299,8 +299,7 @@ class CacheEngine:
         """The lookup's chunk keys, or the request's live reservation for the same question (lease renewed)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
-        if not isinstance(from_token, int) or isinstance(from_token, bool) or from_token < 0:
-            raise InvalidRequestError(f"from_token must be a non-negative int, got {from_token!r}")
+        from_token = check_token_count(from_token, "from_token")
         max_tokens = check_max_tokens(max_tokens)
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, max_tokens=max_tokens,
                                partial=self.config.store_partial_chunks)
@@ -399,10 +398,9 @@ class CacheEngine:
         self._check_owner(res)
         loading = res.state is ReservationState.LOADING
         loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
-        start = res.first_token if res.entries else 0  # the caller holds the tokens before it already
-        tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else start
+        tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else res.load_start
         if loading and self._end(res):
-            self.metrics.loaded_tokens.labels(model=res.model).inc(tokens - start)
+            self.metrics.loaded_tokens.labels(model=res.model).inc(tokens - res.load_start)
             self.metrics.load_failed_tokens.labels(model=res.model).inc(res.matched_tokens - tokens)
             self._memory_loaded_bytes.inc(sum(e.nbytes for e in res.entries[:loaded_chunks]))
             self.metrics.load_seconds.labels(model=res.model).observe(time.perf_counter() - res.load_started)
@@ -443,11 +441,15 @@ class CacheEngine:
         ended_from = self.reservations.end(res)
         if ended_from is None:
             return False
+        self._release_ended(res, ended_from)
+        self.metrics.reservations_active.set(len(self.reservations))
+        return True
+
+    def _release_ended(self, res: Reservation, ended_from: ReservationState) -> None:
+        """Unpin a reservation that just ended (loaded, released, replaced or expired)."""
         if ended_from is ReservationState.RESERVED and res.read_bytes:  # read for a hit never taken
             self.metrics.unused_read_bytes.inc(res.read_bytes)
         self.memory.unpin(res.entries)
-        self.metrics.reservations_active.set(len(self.reservations))
-        return True
 
     async def reclaim_expired(self) -> int:
         """End reservations whose lease ran out, loads and staged stores left unfinished for
@@ -460,7 +462,7 @@ class CacheEngine:
         now = self._clock()
         count = 0
         for res, was in self.reservations.end_expired(now):
-            self.memory.unpin(res.entries)
+            self._release_ended(res, was)
             if was is ReservationState.LOADING:  # its finish_load, if it ever comes, reports nothing loaded
                 self.metrics.abandoned.labels(op="load").inc()
             else:

@@ -55,9 +55,14 @@ class Reservation:
         return len(self.keys)
 
     @property
+    def load_start(self) -> int:
+        """The token a load of it starts at: ``first_token``, or 0 for a miss (nothing to load)."""
+        return self.first_token if self.entries else 0
+
+    @property
     def reserved_tokens(self) -> int:
-        """The tokens a load of it delivers: from ``first_token`` to ``matched_tokens`` (0 for a miss)."""
-        return self.matched_tokens - self.first_token if self.entries else 0
+        """The tokens a load of it delivers: from :attr:`load_start` to ``matched_tokens``."""
+        return self.matched_tokens - self.load_start
 
 
 class ReservationTable:

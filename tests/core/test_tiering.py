@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -57,8 +59,8 @@ class DictTransport:
         return sorted(self.blobs, key=lambda k: unpack_record(self.blobs[k])[0].token_start)
 
 
-async def make_engine(transport, **cfg) -> CacheEngine:
-    eng = CacheEngine(make_config(capacity=4 * make_layout().nbytes(), **cfg), transports=[transport])
+async def make_engine(transport, *, clock: Callable[[], float] = time.monotonic, **cfg) -> CacheEngine:
+    eng = CacheEngine(make_config(capacity=4 * make_layout().nbytes(), **cfg), transports=[transport], clock=clock)
     await eng.start()
     return eng
 
@@ -70,10 +72,11 @@ async def only_below(eng: CacheEngine, t: DictTransport) -> None:
         assert eng.memory.discard(key)
 
 
-async def prompt_below(t: DictTransport, layout: ChunkLayout,
-                       chunks: int) -> tuple[CacheEngine, ModelBinding, list[int], FakeKV]:
-    """An engine over ``t`` that stored a prompt of ``chunks`` chunks, now held by ``t`` alone."""
-    eng = await make_engine(t)
+async def prompt_below(t: DictTransport, layout: ChunkLayout, chunks: int,
+                       **engine: Any) -> tuple[CacheEngine, ModelBinding, list[int], FakeKV]:
+    """An engine over ``t`` (:func:`make_engine`'s ``engine`` options) that stored a prompt of ``chunks``
+    chunks, now held by ``t`` alone."""
+    eng = await make_engine(t, **engine)
     b = eng.bind(Namespace(model="m"), layout)
     toks = list(range(chunks * CHUNK))
     kv = FakeKV(len(toks))
@@ -139,7 +142,8 @@ async def test_bytes_read_for_a_hit_the_caller_does_not_take_are_counted_unused(
     """A reservation released (or expired) without a load counts the bytes its lookup read from lower tiers;
     a loaded one, and one that read nothing (memory held it), count none."""
     t = DictTransport()
-    eng, b, toks, _ = await prompt_below(t, layout, 2)
+    now = [0.0]
+    eng, b, toks, _ = await prompt_below(t, layout, 2, clock=lambda: now[0], lease_seconds=1.0)
     await eng.release(await eng.lookup(b, "untaken", toks))
     assert eng.metrics.value("kvengine_unused_read_bytes_total") == 2 * layout.nbytes()
     await eng.release(await eng.lookup(b, "resident", toks))  # promoted by the first: in memory now
@@ -147,6 +151,12 @@ async def test_bytes_read_for_a_hit_the_caller_does_not_take_are_counted_unused(
     res = await eng.lookup(b, "taken", toks)
     assert (await eng.load(res, lambda view: None)).ok
     assert eng.metrics.value("kvengine_unused_read_bytes_total") == 2 * layout.nbytes()
+    await only_below(eng, t)
+    await eng.lookup(b, "expires", toks)
+    now[0] += 2.0
+    assert await eng.reclaim_expired() == 1
+    assert eng.metrics.value("kvengine_unused_read_bytes_total") == 4 * layout.nbytes()
+    assert eng.memory.total_pins() == 0
     await eng.close()
 
 
