@@ -82,6 +82,14 @@ _MIN_FRAME_BYTES = 64 << 10
 _TRIM_AFTER_FRAMES = 1 << 16
 
 
+async def _released(tracker: zmq.MessageTracker) -> None:
+    """Wait until libzmq has let go of a tracked message: written to the kernel, or dropped with its client."""
+    pause = _RETRY_FIRST
+    while not tracker.done:
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, _RETRY_MAX)
+
+
 def _release_freed_memory() -> None:
     """glibc keeps freed small blocks (libzmq's ~64 B per queued frame) in its arenas; return them."""
     try:
@@ -380,17 +388,32 @@ class ZmqPeerServer:
                 continue
             ident = request[0]
             self._inflight[ident] += 1
-            task = asyncio.create_task(self._answer(sock, *request))
+            task = asyncio.create_task(self._answer_and_hold(sock, slots, *request))
             self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-            def done(task: asyncio.Task[None], ident: bytes = ident) -> None:
-                self._tasks.discard(task)
-                self._inflight[ident] -= 1
-                if not self._inflight[ident]:
-                    del self._inflight[ident]
+    async def _answer_and_hold(self, sock: zmq.asyncio.Socket, slots: asyncio.Semaphore, ident: bytes,
+                               client: bytes | None, msg: Message, frames: list[memoryview]) -> None:
+        """Answer one request, then hold the client's in-flight slot until libzmq has let go of the reply.
+
+        libzmq queues a client's replies (up to ``_STREAM_HWM`` messages) whatever the client reads, so a
+        reply "sent" may still be in memory: a client that never reads would pin a thousand replies (a
+        GiB of 1 MiB records, copies when they came from disk) while its slots freed as fast as they were
+        queued. Holding its own slot until the reply's last buffer is released bounds what it pins to
+        ``max_inflight_per_client`` replies; the server-wide slot is freed as soon as the reply is queued,
+        so a client that never reads costs others nothing."""
+        sent: zmq.MessageTracker | None = None
+        try:
+            try:
+                sent = await self._answer(sock, ident, client, msg, frames)
+            finally:
                 slots.release()
-
-            task.add_done_callback(done)
+            if sent is not None:
+                await _released(sent)
+        finally:
+            self._inflight[ident] -= 1
+            if not self._inflight[ident]:
+                del self._inflight[ident]
 
     async def _receive(self, sock: zmq.asyncio.Socket,
                        reader: zmq.Socket[Any]) -> tuple[bytes, bytes | None, Message, list[memoryview]] | None:
@@ -491,31 +514,38 @@ class ZmqPeerServer:
             self.counts["refusal_dropped"] += 1
 
     async def _answer(self, sock: zmq.asyncio.Socket, ident: bytes, client: bytes | None, msg: Message,
-                      frames: list[memoryview]) -> None:
+                      frames: list[memoryview]) -> zmq.MessageTracker | None:
+        """Serve ``msg`` and queue its reply: the tracker of the reply's last message, or None when nothing
+        was queued. (libzmq sends a client's messages in order, so the last one's release is the whole
+        reply's.)"""
         reply = await self.service.serve(msg, frames, client)
         if reply is None:
-            return
+            return None
         frame_bytes = self.service.options.limits.frame_bytes
         deadline = asyncio.get_running_loop().time() + self.service.options.reply_timeout
         try:
             if reply.payload_bytes <= frame_bytes:  # small: inline, one message
-                await self._send(sock, [ident, reply.header, *reply.records], deadline)
-                return
+                return await self._send(sock, [ident, reply.header, *reply.records], deadline, track=True)
             await self._send(sock, [ident, reply.header], deadline)
-            for tag, frame in tagged(reply.request_id, split_frames(reply.records, frame_bytes)):
+            parts = list(tagged(reply.request_id, split_frames(reply.records, frame_bytes)))
+            for tag, frame in parts[:-1]:
                 await self._send(sock, [ident, tag, frame], deadline)
+            tag, frame = parts[-1]
+            return await self._send(sock, [ident, tag, frame], deadline, track=True)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone
             self.counts[f"reply_abandoned_{errno.errorcode.get(exc.errno or 0, exc.errno)}"] += 1
         except TimeoutError:
             self.counts["reply_abandoned_slow_client"] += 1
+        return None
 
-    async def _send(self, sock: zmq.asyncio.Socket, parts: list[Any], deadline: float) -> None:
-        """Send one message; wait (bounded) while this client's queue is full (ROUTER_MANDATORY)."""
+    async def _send(self, sock: zmq.asyncio.Socket, parts: list[Any], deadline: float, *,
+                    track: bool = False) -> zmq.MessageTracker | None:
+        """Send one message (its tracker when ``track``); wait (bounded) while this client's queue is full
+        (ROUTER_MANDATORY)."""
         pause = _RETRY_FIRST
         while True:
             try:
-                await sock.send_multipart(parts, flags=zmq.DONTWAIT, copy=False)
-                return
+                return await sock.send_multipart(parts, flags=zmq.DONTWAIT, copy=False, track=track)
             except zmq.Again:
                 if asyncio.get_running_loop().time() + pause > deadline:
                     raise TimeoutError from None

@@ -304,7 +304,10 @@ def fuzzed_header(rng: random.Random, valid: Sequence[bytes]) -> tuple[int, byte
     return kind, base
 
 
-#: Requests of the non-reading client the server may hold in flight instead of refusing BUSY.
+#: Requests of the non-reading client the server may answer instead of refusing BUSY: its in-flight slots
+#: (4), held until libzmq lets go of each reply, plus the replies the kernel's socket buffers take (a few
+#: MiB). (Two CI runs saw 1,763 and 1,833 of 3,000 refused: slots were freed as soon as a reply was queued,
+#: so the client was answered up to libzmq's queue of 1,024 messages, 1 MiB each.)
 NON_READER_IN_FLIGHT = 64
 
 
@@ -322,12 +325,6 @@ async def non_reading_client(host: str, requests: int = 3000) -> Outcome:
         for i in range(requests):
             await sock.send_multipart([encode_request(Op.GET, i + 1, [big[0][0]])])
         await asyncio.sleep(2.0)  # replies pile up unread while the victim keeps reading
-        # A loaded machine may still be refusing the tail of the burst: wait (bounded) until the server
-        # has answered all but the in-flight few, as the test's bound expects. (A CI run on a shared machine
-        # saw 1,763 of 3,000 refused after 17 s: each refusal is a reply queued to a client that reads none.)
-        deadline = time.monotonic() + 60
-        while server.counts.get("refused_busy", 0) < requests - NON_READER_IN_FLIGHT and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
         elapsed = time.monotonic() - t0
         stop.set()
         ok = await checking
