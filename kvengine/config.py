@@ -317,8 +317,9 @@ class EngineConfig(_Section):
         if self.peers.transport != "zmq" and any(curve):
             raise ValueError(f"peers.curve_* keys are ZeroMQ-only, not for peers.transport={self.peers.transport}")
         if self.memory.service is not None and self.events.endpoint is not None:
-            raise ValueError("events.endpoint: KV events are not published through memory.service (the host "
-                             "service evicts chunks this engine never sees); unset one of them")
+            raise ValueError("events.endpoint: with memory.service, the host service publishes the KV events of "
+                             "its arena (it evicts chunks this engine never sees): set events in its configuration "
+                             "(kvengine host --config) instead")
         tls = (self.peers.tls_ca, self.peers.tls_cert, self.peers.tls_key)
         if self.peers.transport != "tcp" and any(tls):
             raise ValueError(f"peers.tls_* files are for peers.transport=tcp, not {self.peers.transport}")

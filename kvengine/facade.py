@@ -189,11 +189,11 @@ class KVEngine:
     ) -> Reservation:
         """Reserve the longest cached chunk prefix of ``tokens`` (:meth:`CacheEngine.lookup`). An engine
         whose only tier is memory answers in the calling thread, with no hop to its loop."""
-        if not self.core.transports:
+        if not self.core.has_lower_tiers:
             self._check_open()
             res = self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
-            assert res is not None  # with no lower tier, lookup_resident always answers
-            return res
+            if res is not None:  # None: the host service came back with lower tiers meanwhile
+                return res
         return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, reads=reads,
                                          from_token=from_token))
 

@@ -46,7 +46,7 @@ from kvengine.core.engine import CacheEngine
 from kvengine.core.memory_tier import MemoryEntry
 from kvengine.core.promotion import AdmitRejected
 from kvengine.errors import InvalidRequestError
-from kvengine.transport import Buffer, ChunkTransport, ReadScope, ReadsInPlace, read_scope, reads_in_place
+from kvengine.transport import ReadScope, read_scope
 from kvengine.types import ChunkView, ModelBinding
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class KeyedStore:
         """
         if self._refused("exists", len(keys)):
             return [False] * len(keys)
-        if verify:
+        if verify or self.engine.memory.lower_tiers:  # the host service's tiers answer by promoting
             return [o is GetOutcome.HIT for o in await self._fetch(self.chunk_keys(keys), None)]
         ckeys = self.chunk_keys(keys)
         found = [self.engine.holds(k) for k in ckeys]
@@ -213,6 +213,8 @@ class KeyedStore:
             if self.engine.transports and None in entries:
                 with read_scope(reads):
                     await self._promote(ckeys, entries, outcomes)
+            elif memory.lower_tiers and None in entries:
+                await self._promote_below(ckeys, entries, outcomes)
             if sink is not None:
                 await asyncio.to_thread(self._copy_out, entries, outcomes, sink)
         finally:
@@ -221,49 +223,31 @@ class KeyedStore:
 
     async def _promote(self, ckeys: list[ChunkKey], entries: list[MemoryEntry | None],
                        outcomes: list[GetOutcome]) -> None:
-        for transport in self.engine.transports:
-            todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
-            if not todo:
-                return
-            present = await self.engine.tiers.guarded(transport, "exists", transport.exists([ckeys[i] for i in todo]),
-                                                [False] * len(todo))
-            todo = [i for i, hit in zip(todo, present) if hit]
-            if not todo:
-                continue
-            found = [ckeys[i] for i in todo]
-            results = (await self._read_in_place(transport, found, todo) if reads_in_place(transport)
-                       else await self._read_buffered(transport, found, todo))
-            for i, result in results:
-                if isinstance(result, MemoryEntry):
-                    entries[i], outcomes[i] = result, GetOutcome.HIT
-                elif result is AdmitRejected.CORRUPT:
-                    outcomes[i] = GetOutcome.CORRUPT
-                elif result is AdmitRejected.NO_ROOM:
-                    outcomes[i] = GetOutcome.NO_ROOM
-                    self.engine.metrics.log_once("keyed_promote_no_room", "kvengine: no room in memory to "
-                                                 "promote keyed chunks from %s; served as misses", transport.name)
-                elif isinstance(result, BaseException):  # a transport fault is a miss
-                    self.engine.metrics.log_once("keyed_promote_error", "kvengine: keyed promotion from %s "
-                                                 "failed (%s: %s); served as a miss", transport.name,
-                                                 type(result).__name__, result)
+        todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
+        results = await self.engine.promoter.promote_each(self.binding, [ckeys[i] for i in todo])
+        for i, result in zip(todo, results):
+            if isinstance(result, MemoryEntry):
+                entries[i], outcomes[i] = result, GetOutcome.HIT
+            elif result is AdmitRejected.CORRUPT:
+                outcomes[i] = GetOutcome.CORRUPT
+            elif result is AdmitRejected.NO_ROOM:
+                outcomes[i] = GetOutcome.NO_ROOM
+                self.engine.metrics.log_once("keyed_promote_no_room", "kvengine: no room in memory to promote "
+                                             "keyed chunks from a lower tier; served as misses")
+            elif isinstance(result, BaseException):  # a transport fault is a miss
+                self.engine.metrics.log_once("keyed_promote_error", "kvengine: keyed promotion failed (%s: %s); "
+                                             "served as a miss", type(result).__name__, result)
 
-    async def _read_buffered(self, transport: ChunkTransport, keys: list[ChunkKey],
-                             index: list[int]) -> list[tuple[int, object]]:
-        """Records through the transport's own buffers, verified and admitted (corrupt ones deleted)."""
-        misses: list[Buffer | None] = [None] * len(keys)
-        blobs = await self.engine.tiers.guarded(transport, "get", transport.get(keys), misses)
-        found = [(i, key, blob) for i, key, blob in zip(index, keys, blobs) if blob is not None]
-        promoter = self.engine.promoter
-        admitted = await asyncio.gather(*(promoter.admit(self.binding, transport, key, blob, 0)
-                                          for _, key, blob in found))
-        return [(i, result) for (i, _, _), result in zip(found, admitted)]
-
-    async def _read_in_place(self, transport: ReadsInPlace, keys: list[ChunkKey],
-                             index: list[int]) -> list[tuple[int, object]]:
-        """Records read straight into memory slots, concurrently (the transport bounds its I/O)."""
-        results = await asyncio.gather(*(self.engine.promoter.promote_one(self.binding, transport, key, 0) for key in keys),
-                                       return_exceptions=True)
-        return list(zip(index, results))
+    async def _promote_below(self, ckeys: list[ChunkKey], entries: list[MemoryEntry | None],
+                             outcomes: list[GetOutcome]) -> None:
+        """The misses, promoted by the host service's own lower tiers (which count what they refuse), pinned."""
+        memory = self.engine.memory
+        todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
+        resident = await asyncio.to_thread(memory.promote_each, self.binding, [ckeys[i] for i in todo])
+        for i, ok in zip(todo, resident):
+            entry = memory.pin(ckeys[i]) if ok else None
+            if entry is not None:
+                entries[i], outcomes[i] = entry, GetOutcome.HIT
 
     def _copy_out(self, entries: list[MemoryEntry | None], outcomes: list[GetOutcome], sink: KeyedSink) -> None:
         memory = self.engine.memory

@@ -17,12 +17,17 @@ import argparse
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from pydantic import ByteSize
 
 from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, byte_size, one_line
 from kvengine.config import MemoryConfig, check_tenant
-from kvengine.errors import KVEngineError
+from kvengine.errors import ConfigError, KVEngineError
+
+if TYPE_CHECKING:
+    from kvengine.core.host_tiers import HostTiers
+    from kvengine.events import KVEventPublisher
 
 
 def _mode(text: str) -> int:
@@ -65,6 +70,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics (per tenant: chunks, bytes, evictions) on 127.0.0.1:PORT")
     p.add_argument("--mode", type=_mode, default=0o600, help="the socket file's permissions (octal, default 0600)")
+    p.add_argument("--config", metavar="FILE",
+                   help="a kvengine configuration (YAML) whose lower tiers (disk, peers, mooncake, tiers) the service "
+                        "owns below the arena (clients then configure none, and a restarted service serves what they "
+                        "hold) and whose events section publishes the arena's KV events; its memory section is not "
+                        "used")
     return p
 
 
@@ -88,19 +98,32 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     stop_metrics = None
     try:
-        service = HostService(memory, args.socket, quotas=quotas, allow_uids=args.allow_uid, mode=args.mode)
+        lower, events = _configured(args.config)
+    except KVEngineError as exc:
+        print(f"kvengine host: {one_line(exc)}", file=sys.stderr)
+        return 1
+    try:
+        service = HostService(memory, args.socket, quotas=quotas, allow_uids=args.allow_uid, mode=args.mode,
+                              lower=lower, events=events)
         if args.metrics_port is not None:
-            stop_metrics = serve_registry(host_registry(service), args.metrics_port)
+            registry = host_registry(service)
+            if lower is not None:  # the lower tiers' reads, writes and integrity failures, as an engine's
+                registry.register(lower.metrics.registry)
+            stop_metrics = serve_registry(registry, args.metrics_port)
         service.start()
     except KVEngineError as exc:
         if stop_metrics is not None:
             stop_metrics()
+        if lower is not None:
+            lower.close()
         print(f"kvengine host: {one_line(exc)}", file=sys.stderr)
         return 1
     shares = "".join(f", {name} {ByteSize(pool.capacity_bytes).human_readable()}"
                      for name, pool in service.stats().pools.items() if name)
-    print(f"kvengine host: {memory.capacity_bytes.human_readable()} ({args.eviction}{shares}) on {args.socket}",
-          flush=True)
+    below = ("" if lower is None else f", over {lower.describe()}") + (
+        "" if events is None else f", KV events on {events.endpoint}")
+    print(f"kvengine host: {memory.capacity_bytes.human_readable()} ({args.eviction}{shares}{below}) on "
+          f"{args.socket}", flush=True)
     try:
         stop.wait()
     finally:
@@ -112,6 +135,31 @@ def run(args: argparse.Namespace) -> int:
               f"{stats.released_pins} pins and {stats.aborted_stores} stores released from closed connections)",
               flush=True)
     return 0
+
+
+def _configured(path: str | None) -> tuple[HostTiers | None, KVEventPublisher | None]:
+    """The lower tiers and the KV event publisher the configuration file ``path`` configures, built (not
+    started); neither without a file.
+
+    :raises ConfigError: the file is not a configuration, configures neither, or sets a client's memory.
+    """
+    if path is None:
+        return None, None
+    from kvengine.config import load_config
+    from kvengine.core.host_tiers import HostTiers
+    from kvengine.events import KVEventPublisher
+    from kvengine.tiers import build_tiers
+
+    config = load_config(path, environ={})
+    if config.memory.service is not None:
+        raise ConfigError(f"--config {path}: memory.service is a client's setting; the service's own "
+                          "configuration names its lower tiers and events")
+    tiers = build_tiers(config)
+    events = KVEventPublisher.from_config(config.events)
+    if not tiers and events is None:
+        raise ConfigError(f"--config {path}: the configuration has no lower tier (disk, peers, mooncake or tiers) "
+                          "and no events section; without them, leave --config out")
+    return (HostTiers(config, transports=tiers) if tiers else None), events
 
 
 def main(argv: list[str] | None = None) -> int:

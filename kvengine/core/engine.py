@@ -113,6 +113,11 @@ class CacheEngine:
         #: KV events for routers (None: off). Started and closed with the engine.
         self.events = KVEventPublisher.from_config(config.events)
         self.memory = self._memory_tier(config.memory)
+        if self.memory.lower_tiers and self.tiers:
+            self.memory.close()
+            raise ConfigError(f"the kvengine host service on {config.memory.service} owns the lower tiers "
+                              f"(kvengine host --config); this engine configures its own too ({self.tiers.describe()}): "
+                              "remove them from this engine's configuration")
         self.metrics.watch_memory(self.memory)
         #: Page-aligned record buffers, recycled: records written to tiers, encoded payloads read in place.
         record_buffers = BufferPool(min(_RECORD_POOL_BYTES, int(config.memory.capacity_bytes) // 4))
@@ -148,6 +153,12 @@ class CacheEngine:
     def transports(self) -> tuple[ChunkTransport, ...]:
         """The lower tiers' transports, in lookup order."""
         return self.tiers.transports
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether a lookup short in memory may find more below it: this engine's tiers, or the host
+        service's."""
+        return bool(self.tiers) or self.memory.lower_tiers
 
     # -- lifecycle ---------------------------------------------------------
     @property
@@ -211,7 +222,7 @@ class CacheEngine:
                 f"{self.config.chunk_size}"
             )
         binding = ModelBinding.create(namespace, layout)
-        self.memory.admit(binding.digest, layout)
+        self.memory.admit(binding)
         self.tiers.check_namespace(namespace)
         if not namespace.verified:
             logger.warning(
@@ -262,14 +273,23 @@ class CacheEngine:
         entries = self.memory.pin_prefix(question.keys)
         sources = {"memory": len(entries)}
         read_bytes = 0
-        if len(entries) < len(question.keys) and self.transports:
+        promoted: list[MemoryEntry] = []
+        short = len(entries) < len(question.keys)
+        if short and self.transports:
             with read_scope(reads):  # one deadline for all of this lookup's reads from lower tiers
                 promoted = await self.promoter.promote(binding, question.keys[len(entries) :],
                                                        question.first + len(entries), question.asked, sources)
-            if promoted and self.events is not None:
-                self.memory.announce(_StoreEvents(binding, question.hashes, token_bytes(tokens)).pairs(promoted))
             entries += promoted
             read_bytes = sum(e.nbytes for e in promoted)
+        elif short and self.memory.lower_tiers:  # the host service's tiers: it promotes, this engine pins
+            rest = question.keys[len(entries) :]
+            count, read_bytes = await asyncio.to_thread(self.memory.promote, binding, rest,
+                                                        question.first + len(entries), question.asked)
+            promoted = self.memory.pin_prefix(rest[:count]) if count else []
+            sources["host"] = len(promoted)
+            entries += promoted
+        if promoted and self.memory.publishes_events:
+            self.memory.announce(_StoreEvents(binding, question.hashes, token_bytes(tokens)).pairs(promoted))
         return self._reserve(binding, request_id, question, entries, started, sources, read_bytes)
 
     def lookup_resident(
@@ -289,7 +309,7 @@ class CacheEngine:
         if isinstance(question, Reservation):
             return question
         entries = self.memory.pin_prefix(question.keys)
-        if len(entries) < len(question.keys) and self.transports:
+        if len(entries) < len(question.keys) and self.has_lower_tiers:
             self.memory.unpin(entries)
             return None
         return self._reserve(binding, request_id, question, entries, started, {"memory": len(entries)})
@@ -509,7 +529,7 @@ class CacheEngine:
     async def _store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         """:meth:`store`, unmeasured."""
         hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
-        events = _StoreEvents(binding, hashes, token_bytes(tokens)) if self.events is not None and hashes else None
+        events = _StoreEvents(binding, hashes, token_bytes(tokens)) if self.memory.publishes_events and hashes else None
         if not (self.transports and self.config.write_mode == "write_through"):
             # Write-behind: tier writes start after the copies. Overlapping them was measured to make the
             # data durable ~10% sooner but this call ~35% slower (2 cores, one memory bus), and this
@@ -558,7 +578,7 @@ class CacheEngine:
         staged = self._stage(binding, hashes, len(tokens))
         # pinned until committed: abandoned ones are dropped by the reaper
         self.stager.keep_open(staged, self._clock() + self.config.lease_seconds * ABANDON_AFTER_LEASES)
-        if self.events is not None and staged.entries:  # the tokens, copied: the caller may reuse its buffer
+        if self.memory.publishes_events and staged.entries:  # the tokens, copied: the caller may reuse its buffer
             self._staged_events[staged] = _StoreEvents(binding, hashes, bytes(token_bytes(tokens)))
         return staged
 

@@ -36,11 +36,12 @@ from typing import Protocol
 
 import torch
 
-from kvengine.chunks.keys import ChunkKey, NamespaceDigest
+from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.core.allocator import SlabAllocator
 from kvengine.core.eviction import EvictionPolicy
 from kvengine.events import MEDIUM_MEMORY, BlockRemoved, BlockStored, KVEventPublisher
+from kvengine.types import ModelBinding
 
 
 class Prepared(enum.Enum):
@@ -82,6 +83,11 @@ class HostMemory(Protocol):
     :class:`~kvengine.host.client.ServiceMemory` (the host service's shared arena)."""
 
     name: str
+    #: Whether tiers below this memory answer :meth:`promote` (the host service's, when it owns them).
+    lower_tiers: bool
+    #: Whether :meth:`announce` publishes KV events (callers build them only then).
+    @property
+    def publishes_events(self) -> bool: ...
 
     @property
     def capacity_bytes(self) -> int: ...
@@ -91,7 +97,10 @@ class HostMemory(Protocol):
     def pinned(self) -> bool: ...
     def __len__(self) -> int: ...
     def total_pins(self) -> int: ...
-    def admit(self, digest: NamespaceDigest, layout: ChunkLayout) -> None: ...
+    def admit(self, binding: ModelBinding) -> None: ...
+    def promote(self, binding: ModelBinding, keys: Sequence[ChunkKey], first_chunk: int,
+                total_tokens: int) -> tuple[int, int]: ...
+    def promote_each(self, binding: ModelBinding, keys: Sequence[ChunkKey]) -> list[bool]: ...
     def contains(self, key: ChunkKey) -> bool: ...
     def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryEntry]: ...
     def pin(self, key: ChunkKey) -> MemoryEntry | None: ...
@@ -109,6 +118,7 @@ class HostMemory(Protocol):
 
 class MemoryTier:
     name = "memory"
+    lower_tiers = False
 
     def __init__(
         self,
@@ -146,13 +156,26 @@ class MemoryTier:
         with self._lock:
             return sum(e.pins for e in self._entries.values())
 
+    @property
+    def publishes_events(self) -> bool:
+        return self._events is not None
+
     def check_fits(self, nbytes: int) -> None:
         """Raise :class:`CapacityError` if an object of ``nbytes`` can never be stored."""
         self._alloc.slot_bytes(nbytes)
 
-    def admit(self, digest: NamespaceDigest, layout: ChunkLayout) -> None:
-        """Raise :class:`CapacityError` if chunks of ``layout`` (a binding's, ``digest``) can never be stored."""
-        self.check_fits(layout.nbytes())
+    def admit(self, binding: ModelBinding) -> None:
+        """Raise :class:`CapacityError` if ``binding``'s chunks can never be stored."""
+        self.check_fits(binding.layout.nbytes())
+
+    def promote(self, binding: ModelBinding, keys: Sequence[ChunkKey], first_chunk: int,
+                total_tokens: int) -> tuple[int, int]:
+        """Nothing is below this arena but the engine's own tiers (its promoter reads them): (0, 0)."""
+        return 0, 0
+
+    def promote_each(self, binding: ModelBinding, keys: Sequence[ChunkKey]) -> list[bool]:
+        """As :meth:`promote`, for keyed chunks: none."""
+        return [False] * len(keys)
 
     # -- lookups -------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -240,6 +263,19 @@ class MemoryTier:
         with self._lock:
             for entry, event in stored:
                 if not entry.announced and entry.committed and self._entries.get(entry.key) is entry:
+                    entry.announced = True
+                    events.publish(event)
+
+    def announce_keys(self, stored: Iterable[tuple[ChunkKey, BlockStored]]) -> None:
+        """:meth:`announce` by key, for the host service (its clients know their chunks by key, not by this
+        tier's entries): the chunk resident under each key is announced once."""
+        events = self._events
+        if events is None:
+            return
+        with self._lock:
+            for key, event in stored:
+                entry = self._entries.get(key)
+                if entry is not None and entry.committed and not entry.announced:
                     entry.announced = True
                     events.publish(event)
 

@@ -29,7 +29,7 @@ import dataclasses
 import enum
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -354,6 +354,38 @@ class Promoter:
                 elif isinstance(item, MemoryEntry):
                     self.memory.unpin([item])
         return promoted
+
+    async def promote_each(self, binding: ModelBinding,
+                           keys: Sequence[ChunkKey]) -> list[MemoryEntry | AdmitRejected | BaseException | None]:
+        """Keyed chunks (no prefix, no positions): each of ``keys`` from the first lower tier holding it into
+        memory, pinned. Per key: its entry; why its record was refused (a corrupt one is discarded where it
+        was read); the fault of the tier that failed to read it; or None where no tier holds it. A key is
+        asked of the next tier only where the ones before hold no record of it."""
+        results: list[MemoryEntry | AdmitRejected | BaseException | None] = [None] * len(keys)
+        for transport in self.tiers.transports:
+            todo = [i for i, r in enumerate(results) if r is None]
+            if not todo:
+                break
+            present = await self.tiers.guarded(transport, "exists", transport.exists([keys[i] for i in todo]),
+                                               [False] * len(todo))
+            todo = [i for i, hit in zip(todo, present) if hit]
+            if not todo:
+                continue
+            found = [keys[i] for i in todo]
+            got: Sequence[MemoryEntry | AdmitRejected | BaseException | None]
+            if reads_in_place(transport):  # straight into new slots, concurrently (the transport bounds its I/O)
+                got = await asyncio.gather(*(self.promote_one(binding, transport, key, 0) for key in found),
+                                           return_exceptions=True)
+            else:  # through the transport's own buffers
+                misses: list[Buffer | None] = [None] * len(found)
+                blobs = await self.tiers.guarded(transport, "get", transport.get(found), misses)
+                admits = [self.admit(binding, transport, key, blob, 0) for key, blob in zip(found, blobs)
+                          if blob is not None]
+                admitted = iter(await asyncio.gather(*admits))
+                got = [None if blob is None else next(admitted) for blob in blobs]
+            for i, result in zip(todo, got):
+                results[i] = result
+        return results
 
     async def promote_one(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
                           start: int) -> MemoryEntry | AdmitRejected | None:

@@ -19,6 +19,7 @@ engine configured for a service that is not there refuses to start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -37,6 +38,7 @@ from kvengine.events import BlockStored
 from kvengine.host import wire
 from kvengine.host.arena import SharedArena
 from kvengine.host.wire import Op, Status, WireError
+from kvengine.types import ModelBinding
 
 logger = logging.getLogger("kvengine.host")
 
@@ -44,6 +46,11 @@ logger = logging.getLogger("kvengine.host")
 TIMEOUT_S = 2.0
 #: After losing the service, calls answer misses this long before connecting again.
 RETRY_S = 0.5
+#: A promotion from the service's lower tiers unanswered this long is a miss (their reads have deadlines
+#: of their own, far shorter; this only bounds a service that stopped answering).
+PROMOTE_TIMEOUT_S = 30.0
+#: Idle connections for promotions kept open (more are opened while more promotions run at once).
+MAX_IDLE_PROMOTERS = 4
 
 
 class _Mapping:
@@ -93,12 +100,27 @@ class _Connection:
     mapping: _Mapping
 
 
+@dataclass(frozen=True, slots=True)
+class _Greeting:
+    """The service's answer to HELLO."""
+
+    reader: wire.FrameReader
+    arena_fd: int
+    arena_bytes: int
+    prefaulted: bool
+    features: wire.Features
+
+
 class ServiceMemory:
     """The memory tier of the ``kvengine host`` service listening on the Unix socket ``path``."""
 
     name = "memory"
     #: The shared arena is not page-locked.
     pinned = False
+    #: Whether the service owns tiers below its arena (then lookups short in memory ask it to promote).
+    lower_tiers = False
+    #: Whether the service publishes its arena's KV events (then stores send it each chunk's).
+    publishes_events = False
 
     def __init__(self, path: str, *, tenant: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         """Connect now, as a client of ``tenant`` (its quota's pool; "" or a tenant without one: the
@@ -111,8 +133,13 @@ class ServiceMemory:
         self._clock = clock
         self._lock = threading.Lock()  # one request in flight: answers come back in order
         self._layouts: dict[bytes, ChunkLayout] = {}  # fingerprint -> layout (sent again on reconnect)
-        #: binding digest -> its chunks' layout and that layout's fingerprint (compared with each pinned chunk's)
-        self._bound: dict[NamespaceDigest, tuple[ChunkLayout, bytes]] = {}
+        #: binding digest -> the binding and its layout's fingerprint (compared with each pinned chunk's)
+        self._bound: dict[NamespaceDigest, tuple[ModelBinding, bytes]] = {}
+        #: Connections for promotions (each blocks for the tiers' reads, so they run beside the requests of
+        #: the main connection and beside each other): all that are open, and those idle.
+        self._promoters: set[socket.socket] = set()
+        self._idle_promoters: list[tuple[socket.socket, wire.FrameReader]] = []
+        self._promoters_lock = threading.Lock()
         self._generation = 0
         self._retry_at = 0.0
         #: Times the service was lost (each one's calls answered misses until it came back).
@@ -130,33 +157,54 @@ class ServiceMemory:
 
         :raises ConfigError: the service refuses this process. :raises OSError, WireError: it is not there.
         """
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = self._socket(TIMEOUT_S)
         try:
-            sock.settimeout(TIMEOUT_S)
-            sock.connect(self.path)
-            wire.send_frame(sock, Op.HELLO, wire.VERSION_FRAME.pack(wire.VERSION) + self.tenant.encode())
-            reader = wire.FrameReader(sock)
-            status, payload, fds = reader.read(max_fds=1)
-            try:
-                if status != Status.OK:
-                    raise ConfigError(f"memory.service: the kvengine host service on {self.path} refused this "
-                                      f"process: {payload.decode(errors='replace')}")
-                arena_bytes, resident = wire.unpack(wire.ARENA, payload)
-                if len(fds) != 1:
-                    raise WireError("the service sent no arena")
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
+            hello = self._greet(sock)
             self._generation += 1
-            arena = SharedArena(fds[0], arena_bytes, populate=bool(resident))  # owns the descriptor from here
-            conn = _Connection(sock, reader, _Mapping(arena, self._generation))
+            arena = SharedArena(hello.arena_fd, hello.arena_bytes, populate=hello.prefaulted)  # owns the fd now
+            conn = _Connection(sock, hello.reader, _Mapping(arena, self._generation))
+            self.lower_tiers = bool(hello.features & wire.Features.LOWER_TIERS)
+            self.publishes_events = bool(hello.features & wire.Features.EVENTS)
             for layout_raw in {wire.layout_json(layout) for layout in self._layouts.values()}:
                 self._request(conn, Op.LAYOUT, layout_raw)
+            if self.lower_tiers:
+                for binding, _ in list(self._bound.values()):
+                    self._request(conn, Op.BIND, _bind_frame(binding))
             return conn
         except BaseException:
             sock.close()
             raise
+
+    def _socket(self, timeout: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(self.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _greet(self, sock: socket.socket) -> _Greeting:
+        """Say HELLO on ``sock``: the service's answer, with the arena's descriptor (the caller's to close).
+
+        :raises ConfigError: the service refuses this process. :raises OSError, WireError: it is not there.
+        """
+        wire.send_frame(sock, Op.HELLO, wire.VERSION_FRAME.pack(wire.VERSION) + self.tenant.encode())
+        reader = wire.FrameReader(sock)
+        status, payload, fds = reader.read(max_fds=1)
+        try:
+            if status != Status.OK:
+                raise ConfigError(f"memory.service: the kvengine host service on {self.path} refused this "
+                                  f"process: {payload.decode(errors='replace')}")
+            arena_bytes, prefaulted, features = wire.unpack(wire.ARENA, payload)
+            if len(fds) != 1:
+                raise WireError("the service sent no arena")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return _Greeting(reader, fds[0], arena_bytes, bool(prefaulted), wire.Features(features))
 
     def _request(self, conn: _Connection, op: Op, payload: bytes) -> tuple[int, bytes]:
         wire.send_frame(conn.sock, op, payload)
@@ -219,19 +267,101 @@ class ServiceMemory:
         """This engine's pins (the service's other clients hold their own)."""
         return self.service_stats().own_pins
 
-    def admit(self, digest: NamespaceDigest, layout: ChunkLayout) -> None:
-        """Learn the layout of ``digest``'s chunks and send it to the service.
+    def admit(self, binding: ModelBinding) -> None:
+        """Learn ``binding``'s layout and send it to the service, with the binding itself where the service
+        owns lower tiers (their records are verified against it there).
+
+        :raises CapacityError: its chunks can never be stored (a slab is too small).
+        :raises ConfigError: the service's lower tiers refuse the binding (the reason is the service's).
+        """
+        self._bound[binding.digest] = binding, self._send_layout(binding.layout)
+        if not self.lower_tiers:
+            return
+        answer = self._call(Op.BIND, _bind_frame(binding))
+        if answer is not None and answer[0] != Status.OK:
+            raise ConfigError(f"memory.service: the kvengine host service on {self.path} refused model "
+                              f"{binding.namespace.model!r}: {answer[1].decode(errors='replace')}")
+
+    def _send_layout(self, layout: ChunkLayout) -> bytes:
+        """Send ``layout`` to the service unless it was sent already: its fingerprint.
 
         :raises CapacityError: its chunks can never be stored (a slab is too small).
         """
         fingerprint = wire.fingerprint_bytes(layout)
-        self._bound[digest] = layout, fingerprint
-        if fingerprint in self._layouts:
-            return
-        answer = self._call(Op.LAYOUT, wire.layout_json(layout))
-        if answer is not None and answer[0] != Status.OK:
-            raise CapacityError(answer[1].decode(errors="replace"))
-        self._layouts[fingerprint] = layout
+        if fingerprint not in self._layouts:
+            answer = self._call(Op.LAYOUT, wire.layout_json(layout))
+            if answer is not None and answer[0] != Status.OK:
+                raise CapacityError(answer[1].decode(errors="replace"))
+            self._layouts[fingerprint] = layout
+        return fingerprint
+
+    def promote(self, binding: ModelBinding, keys: Sequence[ChunkKey], first_chunk: int,
+                total_tokens: int) -> tuple[int, int]:
+        """Ask the service's lower tiers for ``keys`` (the rest of a lookup, short in memory): how many of
+        them, from the first, are now resident (pin them next), and the record bytes read for them.
+
+        Blocking (the tiers' reads): call it off an event loop. On a connection of its own, so this
+        engine's other requests are answered meanwhile. (0, 0) where the service has no lower tier or is
+        gone, or takes longer than :data:`PROMOTE_TIMEOUT_S`.
+        """
+        if not (self.lower_tiers and keys):
+            return 0, 0
+        frame = wire.PROMOTE.pack(binding.digest, first_chunk, total_tokens) + wire.pack_keys(keys)
+        answer = self._promotion(Op.PROMOTE, frame)
+        if answer is None or len(answer) != wire.PROMOTED.size:
+            return 0, 0
+        count, nbytes = wire.PROMOTED.unpack(answer)
+        return min(count, len(keys)), nbytes
+
+    def promote_each(self, binding: ModelBinding, keys: Sequence[ChunkKey]) -> list[bool]:
+        """As :meth:`promote`, for keyed chunks (no prefix, no positions): whether each key is resident now."""
+        if not (self.lower_tiers and keys):
+            return [False] * len(keys)
+        answer = self._promotion(Op.PROMOTE_EACH, wire.DIGEST.pack(binding.digest) + wire.pack_keys(keys))
+        if answer is None or len(answer) != len(keys):
+            return [False] * len(keys)
+        return [b == 1 for b in answer]
+
+    def _promotion(self, op: Op, frame: bytes) -> bytes | None:
+        """The service's answer to a promotion, on the connection for them; None when it is gone."""
+        with self._promoters_lock:
+            promoter = self._idle_promoters.pop() if self._idle_promoters else None
+        try:
+            if promoter is None:
+                promoter = self._promoter()
+            wire.send_frame(promoter[0], op, frame)
+            status, answer, _ = promoter[1].read()
+        except (OSError, WireError, ConfigError):
+            if promoter is not None:
+                self._drop_promoter(promoter[0])
+            return None
+        with self._promoters_lock:
+            if promoter[0] in self._promoters and len(self._idle_promoters) < MAX_IDLE_PROMOTERS:
+                self._idle_promoters.append(promoter)
+                promoter = None
+        if promoter is not None:  # closed meanwhile, or enough are idle
+            self._drop_promoter(promoter[0])
+        return answer if status == Status.OK else None
+
+    def _promoter(self) -> tuple[socket.socket, wire.FrameReader]:
+        """A new greeted connection for promotions (the arena it is sent is mapped by the first already)."""
+        sock = self._socket(PROMOTE_TIMEOUT_S)
+        try:
+            hello = self._greet(sock)
+            os.close(hello.arena_fd)
+            with self._promoters_lock:
+                if self._retry_at == float("inf"):
+                    raise OSError("closed")
+                self._promoters.add(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, hello.reader
+
+    def _drop_promoter(self, sock: socket.socket) -> None:
+        with self._promoters_lock:
+            self._promoters.discard(sock)
+        sock.close()
 
     # -- lookups -----------------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -252,7 +382,7 @@ class ServiceMemory:
             bound = self._bound.get(key.namespace)
             if bound is None or bound[1] != fingerprint:
                 break  # never read bytes as a layout they were not written in
-            layout = bound[0]
+            layout = bound[0].layout
             if not (0 < count <= layout.chunk_size and _inside(mapping, offset, layout)):
                 break  # a broken service: never a view outside the arena
             entries.append(ServiceEntry(key, layout, start, count, offset, committed=True, mapping=mapping))
@@ -272,9 +402,7 @@ class ServiceMemory:
 
     # -- two-phase store ---------------------------------------------------------------------------
     def prepare(self, key: ChunkKey, layout: ChunkLayout, token_range: tuple[int, int]) -> MemoryEntry | Prepared:
-        fingerprint = wire.fingerprint_bytes(layout)
-        if fingerprint not in self._layouts:
-            self.admit(key.namespace, layout)
+        fingerprint = self._send_layout(layout)
         start, end = token_range
         answer = self._call(Op.PREPARE, wire.PREPARE.pack(wire.key_bytes(key), fingerprint, start, end))
         if answer is None:
@@ -302,7 +430,12 @@ class ServiceMemory:
             self._call(Op.ABORT, wire.COMMIT.pack(wire.key_bytes(entry.key), False))
 
     def announce(self, stored: Iterable[tuple[MemoryEntry, BlockStored]]) -> None:
-        """No KV events through the service (the configuration refuses them)."""
+        """Send stored chunks' events for the service to publish (where it publishes any)."""
+        if not self.publishes_events:
+            return
+        events = [(entry.key, event) for entry, event in stored if self._current(entry)]
+        if events:
+            self._call(Op.ANNOUNCE, wire.pack_stored(events))
 
     # -- data access -------------------------------------------------------------------------------
     def raw(self, entry: MemoryEntry) -> torch.Tensor:
@@ -325,6 +458,20 @@ class ServiceMemory:
         with self._lock:
             conn, self._conn = self._conn, None
             self._retry_at = float("inf")
+        with self._promoters_lock:
+            promoters, self._promoters = self._promoters, set()
+            idle, self._idle_promoters = self._idle_promoters, []
+            self.lower_tiers = False
+        for sock in promoters:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a promotion waiting on it, which then closes it
+        for sock, _ in idle:
+            sock.close()
         if conn is not None:
             conn.sock.close()
             conn.mapping.arena.close()
+
+
+def _bind_frame(binding: ModelBinding) -> bytes:
+    return wire.BIND.pack(binding.digest, wire.fingerprint_bytes(binding.layout)) + wire.namespace_json(
+        binding.namespace)

@@ -24,6 +24,7 @@ from kvengine.core.allocator import SlabAllocator, check_physical, normalized_sl
 from kvengine.core.eviction import make_policy
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier
 from kvengine.errors import CapacityError, ConfigError
+from kvengine.events import KVEventPublisher
 from kvengine.host.arena import SharedArena
 
 #: The pool of every client whose tenant has no quota.
@@ -41,11 +42,12 @@ class PoolStats:
 class Pool:
     """One tenant's share (or the shared rest) of the arena."""
 
-    def __init__(self, name: str, base: int, allocator: SlabAllocator, eviction: str) -> None:
+    def __init__(self, name: str, base: int, allocator: SlabAllocator, eviction: str,
+                 events: KVEventPublisher | None = None) -> None:
         self.name = name
         self.base = base
         self.evictions = 0  # counted under the tier's lock
-        self.tier = MemoryTier(allocator, make_policy(eviction), on_evict=self.evicted)
+        self.tier = MemoryTier(allocator, make_policy(eviction), on_evict=self.evicted, events=events)
 
     def evicted(self, _entry: MemoryEntry) -> None:
         self.evictions += 1
@@ -54,9 +56,11 @@ class Pool:
         return PoolStats(len(self.tier), self.tier.used_bytes, self.tier.capacity_bytes, self.evictions)
 
 
-def build_pools(memory: MemoryConfig, quotas: Mapping[str, int]) -> tuple[SharedArena, dict[str, Pool]]:
+def build_pools(memory: MemoryConfig, quotas: Mapping[str, int],
+                events: KVEventPublisher | None = None) -> tuple[SharedArena, dict[str, Pool]]:
     """The shared arena of ``memory.capacity_bytes`` and its pools: each quota rounded down to whole slabs
-    (at least one), the shared pool the rest (at least one slab).
+    (at least one), the shared pool the rest (at least one slab). ``events``: where the pools publish
+    their chunks' KV events.
 
     :raises ConfigError: a quota or the capacity cannot be had, naming which.
     """
@@ -93,6 +97,6 @@ def build_pools(memory: MemoryConfig, quotas: Mapping[str, int]) -> tuple[Shared
         # No prefault here: the arena was allocated whole (zero-filled) when it was created; touching it
         # again would only cost start-up time. ``memory.prefault`` is the clients' to act on (HELLO).
         allocator = SlabAllocator(size, slab, arena=share)
-        pools[name] = Pool(name, base, allocator, memory.eviction)
+        pools[name] = Pool(name, base, allocator, memory.eviction, events)
         base += size
     return arena, pools

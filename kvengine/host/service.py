@@ -17,6 +17,11 @@ the service's own uid and ``allow_uids`` before anything else is answered.
 
 One thread per connection, blocking on its socket: a lookup's round trip is a
 few tens of microseconds, lower than an event loop's per-request overhead.
+
+With ``kvengine host --config``, the service also owns tiers below the arena
+(:class:`LowerTiers`: committed chunks are written to them, and clients ask it
+to promote what a lookup finds short) and publishes the arena's KV events
+(clients send each stored chunk's event, with its tokens).
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from kvengine.chunks.keys import ChunkKey
+from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.config import MemoryConfig
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
 from kvengine.errors import CapacityError, ConfigError
+from kvengine.events import AllBlocksCleared, KVEventPublisher
 from kvengine.host import wire
 from kvengine.host.pools import SHARED, Pool, PoolStats, build_pools
 from kvengine.host.wire import Op, Status, WireError
@@ -47,6 +54,19 @@ logger = logging.getLogger("kvengine.host")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 #: Layouts the service remembers at most (a model has one per rank; this bounds what clients can make it hold).
 MAX_LAYOUTS = 4096
+
+
+class LowerTiers(Protocol):
+    """The tiers below the arena, when the service owns them (``kvengine host --config``;
+    :class:`kvengine.core.host_tiers.HostTiers`). Called from connection threads."""
+
+    def describe(self) -> str: ...
+    def bind(self, namespace: Namespace, layout: ChunkLayout, digest: NamespaceDigest) -> str | None: ...
+    def written(self, memory: MemoryTier, entry: MemoryEntry) -> None: ...
+    def promote(self, memory: MemoryTier, digest: NamespaceDigest, keys: list[ChunkKey], first_chunk: int,
+                total_tokens: int) -> tuple[int, int]: ...
+    def promote_each(self, memory: MemoryTier, digest: NamespaceDigest, keys: list[ChunkKey]) -> list[bool]: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +119,25 @@ class HostService:
     """The memory tier of ``memory`` in a shared arena, served on the Unix socket ``path``."""
 
     def __init__(self, memory: MemoryConfig, path: str | Path, *, quotas: Mapping[str, int] | None = None,
-                 allow_uids: Iterable[int] = (), mode: int = 0o600) -> None:
+                 allow_uids: Iterable[int] = (), mode: int = 0o600, lower: LowerTiers | None = None,
+                 events: KVEventPublisher | None = None) -> None:
         """``quotas``: tenant name -> bytes of the arena that tenant's clients get to themselves (see
-        :mod:`kvengine.host.pools`); clients of other tenants share the rest."""
+        :mod:`kvengine.host.pools`); clients of other tenants share the rest. ``lower``: tiers below the
+        arena that the service owns (its clients then have none of their own). ``events``: where the
+        arena's KV events are published (clients send each stored chunk's). Both are closed with the
+        service."""
         self.path = Path(path)
+        self.lower = lower
+        self.events = events
+        self.features = wire.Features(0)
+        if lower is not None:
+            self.features |= wire.Features.LOWER_TIERS
+        if events is not None:
+            self.features |= wire.Features.EVENTS
         self.mode = mode
         self.allowed_uids = frozenset({os.getuid(), *allow_uids})
         self.prefaulted = memory.prefault
-        self._arena, self.pools = build_pools(memory, quotas or {})
+        self._arena, self.pools = build_pools(memory, quotas or {}, events)
         self._layouts: dict[bytes, ChunkLayout] = {}  # fingerprint -> layout
         self._lock = threading.Lock()  # the counters and the connection set
         self._connections: dict[socket.socket, threading.Thread] = {}  # each served by its thread
@@ -130,6 +161,8 @@ class HostService:
             if _answers(self.path):
                 raise ConfigError(f"a service already listens on {self.path}")
             self.path.unlink()  # left by a service that died
+        if self.events is not None:
+            self.events.start()  # raises ConfigError for an endpoint it cannot open
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(str(self.path))
@@ -137,6 +170,8 @@ class HostService:
             listener.listen(64)
         except OSError as exc:
             listener.close()
+            if self.events is not None:
+                self.events.close()
             raise ConfigError(f"cannot serve on {self.path}: {exc}") from None
         self._listener = listener
         self._acceptor = start_thread(self._accept, "kvengine-host-accept")
@@ -158,9 +193,14 @@ class HostService:
                 conn.shutdown(socket.SHUT_RDWR)  # its thread releases its holdings and exits
             thread.join(timeout=5)
         self.path.unlink(missing_ok=True)
+        if self.lower is not None:  # writes what is queued: it reads the arena, so before the arena goes
+            self.lower.close()
         for pool in self.pools.values():
             pool.tier.close()
         self._arena.close()
+        if self.events is not None:
+            self.events.publish(AllBlocksCleared())
+            self.events.close()
 
     def stats(self) -> HostStats:
         with self._lock:
@@ -244,10 +284,15 @@ class HostService:
                 return None
             if op == Op.ABORT:
                 tier.abort(entry)
-            else:
-                tier.commit(entry, keep_pin=bool(keep_pin))
-                if keep_pin:
-                    client.pin(entry)
+                return None
+            lower = self.lower
+            tier.commit(entry, keep_pin=bool(keep_pin) or lower is not None)  # the writer's pin, if any
+            if keep_pin:
+                if lower is not None:
+                    tier.pin(entry.key)
+                client.pin(entry)
+            if lower is not None:
+                lower.written(tier, entry)
             return None
         if op in (Op.DISCARD, Op.CONTAINS):
             key = wire.key_from(wire.unpack(wire.KEY, payload)[0])
@@ -255,6 +300,13 @@ class HostService:
             return Status.OK, bytes([done]), []
         if op == Op.LAYOUT:
             return self._layout(tier, payload)
+        if op == Op.BIND:
+            return self._bind(payload)
+        if op == Op.ANNOUNCE:
+            tier.announce_keys(wire.unpack_stored(payload))
+            return None
+        if op in (Op.PROMOTE, Op.PROMOTE_EACH):
+            return self._promote(tier, op, payload)
         if op == Op.STATS:
             own = sum(count for _, count in client.pins.values())
             return Status.OK, wire.STATS.pack(len(tier), tier.used_bytes, tier.capacity_bytes, own,
@@ -278,7 +330,7 @@ class HostService:
                                     f"{wire.VERSION}").encode(), []
         tenant = payload[wire.VERSION_FRAME.size :].decode(errors="replace")
         client.pool = self.pools.get(tenant, self.pools[SHARED])
-        return Status.OK, wire.ARENA.pack(self._arena.nbytes, self.prefaulted), [self._arena.fd]
+        return Status.OK, wire.ARENA.pack(self._arena.nbytes, self.prefaulted, self.features), [self._arena.fd]
 
     def _prepare(self, client: _Client, pool: Pool, payload: bytes) -> tuple[int, bytes, list[int]]:
         raw, fingerprint, start, end = wire.unpack(wire.PREPARE, payload)
@@ -297,6 +349,32 @@ class HostService:
             return Status.NO_ROOM, b"", []
         client.prepared[key] = entry
         return Status.OK, wire.OFFSET.pack(pool.base + entry.offset), []
+
+    def _promote(self, tier: MemoryTier, op: int, payload: bytes) -> tuple[int, bytes, list[int]]:
+        """Bring chunks the lower tiers hold into ``tier`` (blocking this connection's thread for their reads;
+        clients send promotions on connections of their own)."""
+        lower = self.lower
+        if op == Op.PROMOTE:
+            (digest, first_chunk, total_tokens), rest = wire.unpack_head(wire.PROMOTE, payload)
+            keys = wire.unpack_keys(rest)
+            promoted = (0, 0) if lower is None else lower.promote(tier, NamespaceDigest(digest), keys, first_chunk,
+                                                                  total_tokens)
+            return Status.OK, wire.PROMOTED.pack(*promoted), []
+        (digest,), rest = wire.unpack_head(wire.DIGEST, payload)
+        keys = wire.unpack_keys(rest)
+        resident = [False] * len(keys) if lower is None else lower.promote_each(tier, NamespaceDigest(digest), keys)
+        return Status.OK, bytes(resident), []
+
+    def _bind(self, payload: bytes) -> tuple[int, bytes, list[int]]:
+        (digest, fingerprint), rest = wire.unpack_head(wire.BIND, payload)
+        namespace = wire.namespace_from_json(rest)
+        layout = self._layouts.get(fingerprint)
+        if layout is None:
+            return Status.REFUSED, b"unknown layout: send it (LAYOUT) first", []
+        refused = None if self.lower is None else self.lower.bind(namespace, layout, NamespaceDigest(digest))
+        if refused is not None:
+            return Status.REFUSED, refused.encode(), []
+        return Status.OK, b"", []
 
     def _layout(self, tier: MemoryTier, payload: bytes) -> tuple[int, bytes, list[int]]:
         layout = wire.layout_from_json(payload)

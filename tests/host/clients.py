@@ -72,7 +72,7 @@ def killed(socket_path: str, count: float) -> int:
         pid = os.fork()
         if pid == 0:
             memory = ServiceMemory(socket_path)
-            memory.admit(binding.digest, binding.layout)
+            memory.admit(binding)
             memory.pin_prefix(engine_keys(binding))
             slot = memory.prepare(ChunkKey(binding.digest, ChunkHash(i.to_bytes(16, "little"))), binding.layout,
                                   (0, CHUNK))

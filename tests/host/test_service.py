@@ -254,10 +254,11 @@ def test_a_connection_cannot_release_another_ones_pins(tmp_path):
         service.close()
 
 
-def test_the_configuration_refuses_kv_events_through_the_service_and_a_relative_socket():
+def test_the_configuration_refuses_an_engines_own_kv_events_on_the_service_and_a_relative_socket():
     from kvengine.config import load_config
 
-    with pytest.raises(ConfigError, match="events.endpoint: KV events are not published through memory.service"):
+    with pytest.raises(ConfigError, match=r"events.endpoint: with memory.service, the host service publishes.*"
+                                          r"kvengine host --config"):
         load_config({"memory": {"service": "/run/k.sock"}, "events": {"endpoint": "tcp://*:5557"}}, environ={})
     with pytest.raises(ConfigError, match="absolute Unix socket path"):
         load_config({"memory": {"service": "run/k.sock"}}, environ={})

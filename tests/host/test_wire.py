@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 import torch
 
-from kvengine.chunks.keys import ChunkHash, ChunkKey, NamespaceDigest
+from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
+from kvengine.events import MEDIUM_MEMORY, BlockStored
 from kvengine.host import wire
 from kvengine.host.wire import WireError
 
@@ -32,6 +34,33 @@ def test_a_layout_crosses_the_wire_with_its_fingerprint():
 def test_a_malformed_layout_is_a_wire_error(raw):
     with pytest.raises(WireError, match="not a chunk layout"):
         wire.layout_from_json(raw)
+
+
+def test_a_namespace_crosses_the_wire_and_a_malformed_one_is_a_wire_error():
+    namespace = Namespace(model="m", rank=1, world_size=2, cache_salt="s", extra_keys=("a", "b"))
+    assert wire.namespace_from_json(wire.namespace_json(namespace)) == namespace
+    for raw in (b"", b"[]", b'{"model": ""}', b'{"model": "m", "rank": 3}', b'{"model": "m", "nope": 1}'):
+        with pytest.raises(WireError, match="not a namespace"):
+            wire.namespace_from_json(raw)
+
+
+def test_a_frame_shorter_than_its_head_is_a_wire_error():
+    head = wire.PROMOTE.pack(b"d" * 16, 1, 2)
+    assert wire.unpack_head(wire.PROMOTE, head + b"rest") == ((b"d" * 16, 1, 2), b"rest")
+    with pytest.raises(WireError, match="at least"):
+        wire.unpack_head(wire.PROMOTE, head[:-1])
+
+
+def test_stored_chunks_events_cross_the_wire_and_a_malformed_frame_is_refused():
+    keys = [ChunkKey(NamespaceDigest(b"n" * 16), ChunkHash(bytes([i]) * 16)) for i in range(2)]
+    tokens = np.arange(8, dtype="<u4").tobytes()
+    events = [BlockStored((keys[0].chunk_hash,), None, tokens, 8, MEDIUM_MEMORY),
+              BlockStored((keys[1].chunk_hash,), keys[0].chunk_hash, tokens[:16], 8, MEDIUM_MEMORY, "lora-a")]
+    packed = wire.pack_stored(list(zip(keys, events)))
+    assert wire.unpack_stored(packed) == list(zip(keys, events))
+    for bad in (packed[:-1], packed + b"x", packed[:4] + packed[4:40]):
+        with pytest.raises(WireError):
+            wire.unpack_stored(bad)
 
 
 def test_keys_round_trip_and_a_short_list_is_refused():

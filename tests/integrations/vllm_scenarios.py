@@ -789,11 +789,12 @@ def _put_in_mooncake(m: dict[str, float]) -> bool:
 
 
 def scenario_host(work: Path) -> dict[str, Any]:
-    """Two vLLM engine processes on one ``kvengine host`` service (Llama, no disk tier), alive at once:
-    A runs the prompts; B, started while A runs on, runs them too and must load every full chunk A stored
-    from the service's memory; B runs new prompts and A then hits what B stored. A is SIGKILLed: B still
-    hits A's chunks. Then the service is SIGKILLed under B (B's runs are misses, exact) and started again
-    (B re-attaches: a run stores, the next one hits). Both engines in vLLM's default topology."""
+    """Two vLLM engine processes on one ``kvengine host`` service (Llama; the service owns a disk tier, the
+    engines configure none), alive at once: A runs the prompts; B, started while A runs on, runs them too
+    and must load every full chunk A stored from the service's memory; B runs new prompts and A then hits
+    what B stored. A is SIGKILLed: B still hits A's chunks. Then the service is SIGKILLed under B (B's runs
+    are misses, exact) and started again on the same disk (B re-attaches, and its first run hits what the
+    service's disk holds). Both engines in vLLM's default topology."""
     import signal
     import subprocess
 
@@ -809,10 +810,11 @@ def scenario_host(work: Path) -> dict[str, Any]:
     report["ref"], _ = reference(model, prompts + later)
     set_topology(in_process=False)
     path = work / "host.sock"
+    (work / "host.yaml").write_text(f"disk:\n  path: {work / 'host_disk'}\n")
 
     def start_host() -> subprocess.Popen[str]:
         host = subprocess.Popen([sys.executable, "-m", "kvengine", "host", "--socket", str(path), "--capacity",
-                                 "256MiB"], stdout=subprocess.PIPE, text=True)
+                                 "256MiB", "--config", str(work / "host.yaml")], stdout=subprocess.PIPE, text=True)
         assert host.stdout is not None and host.stdout.readline().startswith("kvengine host:")
         return host
 
