@@ -13,7 +13,13 @@ measures, median of ``--repeats``:
   service's difference is the control path's cost per call: a lookup is one
   round trip, a release one frame sent);
 * bytes held when two engines store the same prompts (two arenas in-process,
-  one shared arena through the service).
+  one shared arena through the service);
+* cold load from disk: the same chunks dropped from memory and loaded again
+  (lookup, promotion from the disk tier, copy out), GB/s, median of
+  ``--repeats``: ``in-process`` with a disk tier of the engine's own,
+  ``service`` from a second service that owns a disk tier (``kvengine host
+  --config``), the engine configuring none (the files in the page cache in
+  both modes).
 
     .venv/bin/python benchmarks/bench_host.py
 """
@@ -33,6 +39,8 @@ import torch
 from _util import median_time, print_header, print_table, write_json
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
+from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.keys import ChunkKey
 
 CHUNK = 256
 
@@ -105,6 +113,43 @@ def control_latencies(configs: dict[str, dict[str, Any]], layout: ChunkLayout,
             engine.close()
 
 
+def cold_from_disk(config: dict[str, Any], layout: ChunkLayout, chunks: int, repeats: int,
+                   disk: Path) -> float:
+    """GB/s of a lookup and load of ``chunks`` stored chunks that memory no longer holds, from ``disk``."""
+    tokens = chunks * CHUNK
+    kv = [torch.randn(2, 8, tokens, 128).to(torch.bfloat16) for _ in layout.tensors]
+    out = [torch.empty_like(t) for t in kv]
+    with KVEngine(config) as engine:
+        binding = engine.bind(Namespace(model="bench-host-disk"), layout)
+        prompt = list(range(tokens))
+        engine.store(binding, prompt, lambda _i, s, e: [t[:, :, s:e] for t in kv])
+        engine.flush()
+        deadline = time.monotonic() + 60
+        while len(list(disk.rglob("*.kvc"))) < chunks and time.monotonic() < deadline:  # the service's: behind
+            time.sleep(0.05)
+        keys = [ChunkKey(binding.digest, h) for h in prefix_hashes(prompt, CHUNK, binding.digest)]
+        ids = iter(range(10**6))
+
+        def sink(view: Any) -> None:
+            s, e = view.token_range
+            for dst, src in zip(out, view.tensors):
+                dst[:, :, s:e].copy_(src)
+
+        def cold_load() -> None:
+            res = engine.lookup(binding, f"c{next(ids)}", prompt)
+            assert engine.load(res, sink).loaded_tokens == tokens
+
+        times = []
+        for _ in range(repeats):
+            for key in keys:
+                engine.core.memory.discard(key)
+            t0 = time.perf_counter()
+            cold_load()
+            times.append(time.perf_counter() - t0)
+        assert all(torch.equal(o, k) for o, k in zip(out, kv))
+    return chunks * layout.nbytes() / statistics.median(times) / 1e9
+
+
 def held_by_two(config: dict[str, Any], layout: ChunkLayout, chunks: int) -> int:
     """Bytes held after two engines each store the same prompt."""
     kv = [torch.zeros(2, 8, chunks * CHUNK, 128, dtype=torch.bfloat16) for _ in layout.tensors]
@@ -135,9 +180,21 @@ def main() -> int:
         path = Path(tmp) / "host.sock"
         host = subprocess.Popen([sys.executable, "-m", "kvengine", "host", "--socket", str(path),
                                  "--capacity", str(capacity), *(["--prefault"] if args.prefault else [])], stdout=subprocess.PIPE, text=True)
+        (Path(tmp) / "host.yaml").write_text(f"disk:\n  path: {Path(tmp) / 'service_disk'}\n  capacity_bytes: "
+                                             f"{4 * args.chunks * layout.nbytes()}\n")
+        disk_path = Path(tmp) / "host_disk.sock"
+        disk_host = subprocess.Popen([sys.executable, "-m", "kvengine", "host", "--socket", str(disk_path),
+                                      "--capacity", str(capacity), "--config", str(Path(tmp) / "host.yaml"),
+                                      *(["--prefault"] if args.prefault else [])], stdout=subprocess.PIPE, text=True)
         try:
             assert host.stdout is not None and host.stdout.readline().startswith("kvengine host:")
+            assert disk_host.stdout is not None and disk_host.stdout.readline().startswith("kvengine host:")
             service = {"chunk_size": CHUNK, "memory": {"service": str(path)}}
+            own_disk = {**own, "disk": {"path": str(Path(tmp) / "own_disk"),
+                                        "capacity_bytes": 4 * args.chunks * layout.nbytes()}}
+            cold = {"in-process": cold_from_disk(own_disk, layout, args.chunks, args.repeats, Path(tmp) / "own_disk"),
+                    "service": cold_from_disk({"chunk_size": CHUNK, "memory": {"service": str(disk_path)}}, layout,
+                                              args.chunks, args.repeats, Path(tmp) / "service_disk")}
             results = {"in-process": measure(own, layout, args.chunks, args.repeats),
                        "service": measure(service, layout, args.chunks, args.repeats)}
             held = {"in-process": held_by_two(own, layout, args.chunks),
@@ -146,19 +203,25 @@ def main() -> int:
             for mode, (lookup_us, release_us) in control.items():
                 results[mode].update(lookup_us=lookup_us, release_us=release_us)
         finally:
-            host.terminate()
-            host.wait()
+            for proc in (host, disk_host):
+                proc.terminate()
+                proc.wait()
+    for mode, gbps in cold.items():
+        results[mode]["cold_disk_gbps"] = gbps
     a, s = results["in-process"], results["service"]
     ratios = {"store": s["store_gbps"] / a["store_gbps"], "load": s["load_gbps"] / a["load_gbps"],
               "lookup_overhead_us": s["lookup_us"] - a["lookup_us"],
-              "release_overhead_us": s["release_us"] - a["release_us"], "held": held["service"] / held["in-process"]}
+              "release_overhead_us": s["release_us"] - a["release_us"], "held": held["service"] / held["in-process"],
+              "cold_disk": s["cold_disk_gbps"] / a["cold_disk_gbps"]}
     mib = args.chunks * layout.nbytes() / 2**20
     print_table(f"{args.chunks} chunks of {CHUNK} tokens, {layout.nbytes() / 2**20:.0f} MiB each ({mib:.0f} MiB), "
-                f"median of {args.repeats}, arenas {'prefaulted' if args.prefault else 'faulted in by first copies'}", ["mode", "store GB/s", "load GB/s", "lookup µs", "release µs", "two engines hold MiB"],
-                [[m, r["store_gbps"], r["load_gbps"], r["lookup_us"], r["release_us"], held[m] / 2**20]
-                 for m, r in results.items()])
+                f"median of {args.repeats}, arenas {'prefaulted' if args.prefault else 'faulted in by first copies'}", ["mode", "store GB/s", "load GB/s", "lookup µs", "release µs", "two engines hold MiB",
+                 "cold load from disk GB/s"],
+                [[m, r["store_gbps"], r["load_gbps"], r["lookup_us"], r["release_us"], held[m] / 2**20,
+                  r["cold_disk_gbps"]] for m, r in results.items()])
     print(f"\nservice / in-process: store {ratios['store']:.2f}x, load {ratios['load']:.2f}x, lookup "
-          f"+{ratios['lookup_overhead_us']:.0f} µs, release +{ratios['release_overhead_us']:.0f} µs, two engines hold {ratios['held']:.2f}x the bytes")
+          f"+{ratios['lookup_overhead_us']:.0f} µs, release +{ratios['release_overhead_us']:.0f} µs, two engines hold {ratios['held']:.2f}x the bytes, "
+          f"cold load from disk {ratios['cold_disk']:.2f}x")
     write_json(args.out or f"host{'_prefault' if args.prefault else ''}.json", {"chunks": args.chunks, "prefault": args.prefault, "chunk_bytes": layout.nbytes(), "repeats": args.repeats,
                              "results": results, "held_bytes": held, "ratios": ratios})
     return 0

@@ -68,12 +68,14 @@ class Subscriber:
         self.messages.append(message)
         return message
 
-    def sync(self, engine: KVEngine) -> None:
-        """Wait until the subscription reached the engine's publisher (ZeroMQ drops what a PUB sends before
-        it knows a subscriber), probing with AllBlocksCleared; then forget the probes."""
+    def sync(self, publisher: KVEventPublisher | None) -> None:
+        """Wait until the subscription reached ``publisher`` (an engine's or the host service's: ZeroMQ drops
+        what a PUB sends before it knows a subscriber), probing with AllBlocksCleared; then forget the
+        probes."""
+        assert publisher is not None
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            engine.core.events.publish(AllBlocksCleared())
+            publisher.publish(AllBlocksCleared())
             if self.recv(0.05) is not None:
                 while self.recv(0.2) is not None:
                     pass
@@ -220,7 +222,7 @@ def test_an_endpoint_that_cannot_be_bound_is_a_config_error(ctx):
 # -- real engines ---------------------------------------------------------------------------------
 def test_stores_publish_chained_chunks_with_their_tokens(sub):
     with make_engine(sub.endpoint) as engine:
-        sub.sync(engine)
+        sub.sync(engine.core.events)
         binding = engine.bind(Namespace(model="tiny"), make_layout())
         first = tokens_of(3 * CHUNK + 5, 1)  # a trailing partial chunk is not stored, not announced
         assert engine.store(binding, first, FakeKV(len(first)).source).stored_chunks == 3
@@ -243,7 +245,7 @@ def test_stores_publish_chained_chunks_with_their_tokens(sub):
 
 def test_evictions_publish_removals(sub):
     with make_engine(sub.endpoint, capacity=4 * CHUNK_BYTES) as engine:
-        sub.sync(engine)
+        sub.sync(engine.core.events)
         binding = engine.bind(Namespace(model="tiny"), make_layout())
         a, b = tokens_of(3 * CHUNK, 1), tokens_of(3 * CHUNK, 2)
         engine.store(binding, a, FakeKV(len(a)).source)
@@ -266,7 +268,7 @@ def test_evictions_publish_removals(sub):
 def test_lower_tier_writes_publish_their_medium(sub, tmp_path, write_mode):
     with make_engine(sub.endpoint, disk={"path": str(tmp_path), "capacity_bytes": "16MiB"},
                      write_mode=write_mode) as engine:
-        sub.sync(engine)
+        sub.sync(engine.core.events)
         binding = engine.bind(Namespace(model="tiny"), make_layout())
         tokens = tokens_of(4 * CHUNK, 3)
         engine.store(binding, tokens, FakeKV(len(tokens)).source)
@@ -282,7 +284,7 @@ def test_promotions_and_staged_stores_are_announced(sub, tmp_path):
     disk = {"path": str(tmp_path), "capacity_bytes": "16MiB"}
     tokens = tokens_of(3 * CHUNK, 4)
     with make_engine(sub.endpoint, disk=disk) as writer:
-        sub.sync(writer)
+        sub.sync(writer.core.events)
         binding = writer.bind(Namespace(model="tiny"), make_layout())
         # begin_store/commit_store: the caller fills the slots itself (and may reuse its token buffer).
         buffer = list(tokens)
@@ -298,7 +300,7 @@ def test_promotions_and_staged_stores_are_announced(sub, tmp_path):
     sub.wait_for(lambda: isinstance(sub.messages[-1].batch.events[-1], AllBlocksCleared))
     # A fresh engine on the same disk: a lookup promotes the chunks into memory, which announces them.
     with make_engine(sub.endpoint, disk=disk) as reader:
-        sub.sync(reader)
+        sub.sync(reader.core.events)
         binding = reader.bind(Namespace(model="tiny"), make_layout())
         res = reader.lookup(binding, "r1", tokens)
         assert res.matched_tokens == 3 * CHUNK
@@ -314,7 +316,7 @@ def test_promotions_and_staged_stores_are_announced(sub, tmp_path):
 
 def test_int64_hashes_and_the_adapter(sub):
     with make_engine(sub.endpoint, events={"hash_format": "int64"}) as engine:
-        sub.sync(engine)
+        sub.sync(engine.core.events)
         binding = engine.bind(Namespace(model="tiny", adapter_id="my-lora"), make_layout())
         tokens = tokens_of(2 * CHUNK, 5)
         engine.store(binding, tokens, FakeKV(len(tokens)).source)

@@ -3,8 +3,6 @@ service send each stored chunk's event, the service publishes it, and its evicti
 
 from __future__ import annotations
 
-import time
-
 import zmq
 
 from kvengine import KVEngine, Namespace
@@ -20,19 +18,6 @@ from .clients import config
 LAYOUT = make_layout()
 
 
-def _synced(sub: Subscriber, events: KVEventPublisher) -> None:
-    """Wait until the subscription reached the service's publisher (probing with AllBlocksCleared)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        events.publish(AllBlocksCleared())
-        if sub.recv(0.05) is not None:
-            while sub.recv(0.2) is not None:
-                pass
-            sub.probes = len(sub.messages)
-            return
-    raise AssertionError("the subscription never reached the service's publisher")
-
-
 def test_the_service_publishes_what_engines_store_and_what_it_evicts(tmp_path):
     """An engine on a service with events stores a prompt: its chunks are published chained with their tokens,
     medium CPU, as an in-process engine publishes them. A second prompt overflows the arena: the chunks the
@@ -45,7 +30,7 @@ def test_the_service_publishes_what_engines_store_and_what_it_evicts(tmp_path):
                           tmp_path / "kvengine.sock", events=events)
     service.start()
     try:
-        _synced(sub, events)
+        sub.sync(events)
         with KVEngine(config(str(tmp_path / "kvengine.sock"))) as engine:
             assert engine.core.memory.publishes_events
             binding = engine.bind(Namespace(model="tiny"), LAYOUT)
