@@ -645,40 +645,55 @@ def test_second_process_reads_what_the_first_wrote(tmp_path: Path) -> None:
 
 
 def test_pages_stored_through_the_host_service_are_read_by_another_process_and_held_once(tmp_path: Path) -> None:
-    """Scenario (issue 35): SGLang rank processes attach to one ``kvengine host`` by configuration alone. One
-    stores 5 pages and exits; a fresh one, with no tier of its own below the service, finds all 5
-    (batch_exists), loads them exactly from the shared arena, and storing them again adds no copy."""
+    """Scenario (issue 35): SGLang rank processes attach to one ``kvengine host`` by configuration alone, the
+    service owning a disk tier. One stores 5 pages and exits; a fresh one, with no tier of its own, finds
+    all 5 (batch_exists), loads them exactly from the shared arena, and storing them again adds no copy.
+    The service is restarted on its disk (its arena empty): a fresh rank finds all 5 again (promoted by the
+    service from its disk) and loads them exactly."""
     layout = "page_first"
     _, keys = page_keys(5, seed=8)
     _, probe = sglang_env.make_mha_pools(layout)
     page_bytes = probe.get_data_page(0).numel() * probe.get_data_page(0).element_size()
+    (tmp_path / "host.yaml").write_text(f"disk:\n  path: {tmp_path / 'host_disk'}\n")
     service = Host(tmp_path / "kvengine.sock", capacity=64 * page_bytes, slab_bytes=8 * page_bytes)
-    service.start()
+    service.start("--config", str(tmp_path / "host.yaml"))
+    kv = {"memory": {"service": str(service.path)}}
+
+    def read_all(expected: list[torch.Tensor]) -> KVEngineHiCacheStorage:
+        """A fresh rank's backend that found and loaded all 5 pages exactly (left open)."""
+        _, host = sglang_env.make_mha_pools(layout)
+        backend = KVEngineHiCacheStorage(sglang_env.storage_config(layout=layout,
+                                                                   extra=extra_config(kvengine_config=kv)), {})
+        backend.register_mem_pool_host(host)
+        assert isinstance(backend.kv.core.memory, ServiceMemory)
+        assert backend.batch_exists(keys) == 5
+        dst = torch.arange(8 * PAGE, 13 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 5
+        for got, want in zip(pages_at(host, dst), expected):
+            assert torch.equal(got, want)
+        assert backend.kv.metrics.value("kvengine_loaded_bytes_total", tier="memory") == 5 * page_bytes
+        return backend
+
     try:
-        kv = {"memory": {"service": str(service.path)}}
         _write_in_another_process(tmp_path, layout, keys, kv)
         expected = torch.load(tmp_path / "exp.pt")
-        _, host = sglang_env.make_mha_pools(layout)
-        config = sglang_env.storage_config(layout=layout, extra=extra_config(kvengine_config=kv))
-        backend = KVEngineHiCacheStorage(config, {})
-        backend.register_mem_pool_host(host)
+        backend = read_all(expected)
         try:
             memory = backend.kv.core.memory
-            assert isinstance(memory, ServiceMemory)
             held = memory.service_stats()
             assert held.chunks == 5
-            assert backend.batch_exists(keys) == 5
             dst = torch.arange(8 * PAGE, 13 * PAGE)
-            assert backend.batch_get_v1(keys, dst) == [True] * 5
-            for got, want in zip(pages_at(host, dst), expected):
-                assert torch.equal(got, want)
-            assert backend.kv.metrics.value("kvengine_loaded_bytes_total", tier="memory") == 5 * page_bytes
             assert backend.batch_set_v1(keys, dst) == [True] * 5  # already held: nothing is added
             assert memory.service_stats().used_bytes == held.used_bytes
         finally:
             backend.close()
+        assert "5 chunks" in service.stop()  # writes what is queued to its disk
+        service.start("--config", str(tmp_path / "host.yaml"))
+        backend = read_all(expected)
+        backend.close()
     finally:
-        service.kill()
+        if service.proc is not None and service.proc.poll() is None:
+            service.kill()
 
 
 # -- through a real Mooncake master -------------------------------------------------------------------
