@@ -19,7 +19,6 @@ submit to it and wait.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 
 from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
@@ -37,8 +36,6 @@ from kvengine.threads import start_thread
 from kvengine.tiers import Tier, build_tiers
 from kvengine.transport import ChunkTransport
 from kvengine.types import ModelBinding
-
-logger = logging.getLogger("kvengine.host")
 
 #: Bindings the service remembers at most (one per model and rank; bounds what clients can make it hold).
 MAX_BINDINGS = 4096
