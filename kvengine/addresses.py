@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from kvengine.errors import ConfigError
 
 
@@ -24,3 +26,14 @@ def split_host_port(text: str, *, any_port: bool = True) -> tuple[str, int]:
 def format_address(host: str, port: int) -> str:
     """``host:port``, brackets around an IPv6 host."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is provably this machine (a loopback address, or ``localhost``): where a peer, server
+    or master may go without a secret or an encrypted wire."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: resolved elsewhere, so not provably local
+        return False

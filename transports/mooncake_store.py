@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 from pydantic import ValidationError
 
+from kvengine.addresses import is_loopback
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import decode_header, seal_record, verify_seal
 from kvengine.config import MooncakeConfig
@@ -52,7 +53,6 @@ from kvengine.transport import Buffer, read_deadline
 from kvengine.trust.secrets import read_secret_file
 
 from .peer_buffers import BufferPool
-from .peer_client import is_loopback
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator, Sequence
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
+from kvengine.addresses import is_loopback
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import seal_record, unpack_record, verify_seal
 from kvengine.config import PeersConfig
@@ -113,15 +113,6 @@ class PeerClientOptions:
             raise ValueError("the peers secret must be at least 16 bytes (32 random bytes recommended)")
         if min(self.request_timeout, self.read_deadline, self.write_timeout, self.cooldown) <= 0:
             raise ValueError("peer timeouts and cool-down must be > 0")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: resolved elsewhere, so not provably local
-        return False
 
 
 def require_protection(addresses: Sequence[str], *, secret: bytes | None, encrypted: bool, what: str) -> None:

@@ -44,12 +44,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvengine.addresses import is_loopback
 from kvengine.chunks.keys import ChunkKey
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.transport import Buffer
 
-from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section, is_loopback
+from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .peer_protocol import (
     TAG_MAGIC,
     Limits,
