@@ -85,12 +85,13 @@ def rescale_(model: torch.nn.Module, *, seed: int = 0) -> None:
 
 
 def build_tiny(family: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
-               attn_implementation: str | None = None) -> Any:
-    """A tiny random model of ``family`` (a key of :data:`TINY_CONFIGS`), eval mode."""
+               attn_implementation: str | None = None, **overrides: Any) -> Any:
+    """A tiny random model of ``family`` (a key of :data:`TINY_CONFIGS`), eval mode; ``overrides`` replace
+    config fields (``rope_parameters``, ...)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     model_type, kwargs, kind = TINY_CONFIGS[family]
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config = AutoConfig.for_model(model_type, **{**kwargs, **overrides})
     impl = attn_implementation or ("eager" if family in _EAGER else "sdpa")
     torch.manual_seed(seed)
     cls = AutoModelForSeq2SeqLM if kind == "seq2seq" else AutoModelForCausalLM

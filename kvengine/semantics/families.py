@@ -216,7 +216,8 @@ def _dtype_of(cfg: Any, override: torch.dtype | str | None) -> torch.dtype:
     return dtype
 
 
-def _rope_types(cfg: Any) -> set[str]:
+def rope_types(cfg: Any) -> set[str]:
+    """The ``rope_type`` of every rotary embedding a (text) config sets up; empty where it names none."""
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     if not isinstance(params, dict):
         return set()
@@ -232,7 +233,7 @@ def _check_features(root: Any, cfg: Any, model_type: str) -> None:
                 f"{model_type}: multimodal config ({media}); placeholder token ids do not identify the media they "
                 f"stand for, so a token prefix would share KV across different inputs"
             )
-    for rope in _rope_types(cfg):
+    for rope in rope_types(cfg):
         if rope in _REFUSED_ROPE:
             raise UnsupportedModelError(f"{model_type}: rope_type '{rope}': {_REFUSED_ROPE[rope]}")
     if (getattr(cfg, "num_kv_shared_layers", None) or 0) > 0:
