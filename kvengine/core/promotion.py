@@ -359,9 +359,10 @@ class Promoter:
                            keys: Sequence[ChunkKey]) -> list[MemoryEntry | AdmitRejected | BaseException | None]:
         """Keyed chunks (no prefix, no positions): each of ``keys`` from the first lower tier holding it into
         memory, pinned. Per key: its entry; why its record was refused (a corrupt one is discarded where it
-        was read); the fault of the tier that failed to read it; or None where no tier holds it. A key is
-        asked of the next tier only where the ones before hold no record of it."""
-        results: list[MemoryEntry | AdmitRejected | BaseException | None] = [None] * len(keys)
+        was read); the fault of the last tier that failed to read it; or None where no tier holds it. A key
+        is asked of the next tier where the ones before hold no record of it or failed to read it."""
+        results: list[MemoryEntry | AdmitRejected | None] = [None] * len(keys)
+        faults: dict[int, BaseException] = {}
         for transport in self.tiers.transports:
             todo = [i for i, r in enumerate(results) if r is None]
             if not todo:
@@ -384,8 +385,11 @@ class Promoter:
                 admitted = iter(await asyncio.gather(*admits))
                 got = [None if blob is None else next(admitted) for blob in blobs]
             for i, result in zip(todo, got):
-                results[i] = result
-        return results
+                if isinstance(result, BaseException):  # a fault is a miss here: the next tier may hold a copy
+                    faults[i] = result
+                else:
+                    results[i] = result
+        return [faults.get(i) if r is None else r for i, r in enumerate(results)]
 
     async def promote_one(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
                           start: int) -> MemoryEntry | AdmitRejected | None:
