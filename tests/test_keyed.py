@@ -291,3 +291,32 @@ def test_sink_writes_inference_tensors_of_a_caller_under_inference_mode() -> Non
         assert store.get(keys(2), sink) == [GetOutcome.HIT] * 2
     assert pool.is_inference()
     assert all(torch.equal(pool[i, j], data[i][j]) for i in range(2) for j in range(2))
+
+
+def test_a_tier_that_fails_its_reads_is_a_miss_there_and_the_next_tier_serves(tmp_path: Path) -> None:
+    """Scenario: the first lower tier says it holds the pages but fails every read; the second holds them: every
+    page is served from the second, exactly, and the first tier's faults are counted."""
+    from tests.core.test_tiering import DictTransport
+
+    class FailingReads(DictTransport):
+        name = "failing"
+
+        async def get(self, keys):
+            raise OSError("the device went away")
+
+    ns = keyed_namespace(Namespace(model="keyed-test"), SCHEME)
+    layout = page_layout()
+    binding = ModelBinding.create(ns, layout)
+    good, broken = DictTransport(), FailingReads()
+    data = pages(3)
+    config = {"chunk_size": PAGE, "memory": {"capacity_bytes": "1MiB", "slab_bytes": "64KiB"}}
+    with KVEngine(config, transports=[good]) as kv:
+        kv.bind(ns, layout)
+        assert SyncKeyedStore(kv, binding).put(keys(3), lambda i: data[i]) == [PutOutcome.STORED] * 3
+    broken.blobs = dict(good.blobs)  # it claims them all
+    with KVEngine(config, transports=[broken, good]) as kv:
+        kv.bind(ns, layout)
+        sink = Collect()
+        assert SyncKeyedStore(kv, binding).get(keys(3), sink) == [GetOutcome.HIT] * 3
+        assert all(torch.equal(a, b) for i in range(3) for a, b in zip(sink.got[i], data[i]))
+        assert kv.metrics.value("kvengine_tier_errors_total", tier="failing", op="get") >= 1
