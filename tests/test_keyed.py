@@ -22,6 +22,7 @@ from kvengine.keyed import (
 )
 from kvengine.transports.local_disk import create_transport
 from kvengine.types import ModelBinding
+from tests.core.test_tiering import DictTransport
 
 PAGE = 8
 SCHEME = "test-keys"
@@ -296,8 +297,6 @@ def test_sink_writes_inference_tensors_of_a_caller_under_inference_mode() -> Non
 def test_a_tier_that_fails_its_reads_is_a_miss_there_and_the_next_tier_serves(tmp_path: Path) -> None:
     """Scenario: the first lower tier says it holds the pages but fails every read; the second holds them: every
     page is served from the second, exactly, and the first tier's faults are counted."""
-    from tests.core.test_tiering import DictTransport
-
     class FailingReads(DictTransport):
         name = "failing"
 
