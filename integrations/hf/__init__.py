@@ -11,6 +11,7 @@
 * :class:`AttachedModel` - ``model_generate`` (the model's own ``generate`` over a cache kvengine
   prefilled), ``generate`` (kvengine's loop), and the restore / prefill / store steps.
 * :func:`run_demo` - the multi-turn chat demo (``kvengine demo``).
+* :mod:`.segments` - segments cached once and reused at any position, blended (approximate, and labelled so).
 """
 
 from __future__ import annotations

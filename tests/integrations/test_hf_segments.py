@@ -1,0 +1,79 @@
+"""Segments cached once and reused at any position (issue 38, third part), through a real engine: the cache
+supplies a segment's whole chunks wherever it stands, blends are exact where fully recomputed and counted
+approximate where not, and segment KV and exact KV never meet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvengine.errors import UnsupportedModelError
+from kvengine.integrations.hf import attach
+from kvengine.integrations.hf.segments import SegmentCache, SegmentRef, segment_namespace
+
+from .conftest import CHUNK, build_tiny, make_engine
+
+ATOL = 2e-4
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(4, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def full_prefill(model, parts) -> torch.Tensor:
+    prompt = torch.cat([p.ids if isinstance(p, SegmentRef) else p for p in parts])
+    with torch.no_grad():
+        return model(prompt[None]).logits[0, -1]
+
+
+@pytest.fixture
+def segments(tiny_llama):
+    engine = make_engine()
+    try:
+        yield SegmentCache(attach(tiny_llama, engine))
+    finally:
+        engine.close()
+
+
+def test_a_segment_is_computed_once_and_its_chunks_reused_wherever_it_stands(segments, tiny_llama):
+    doc = SegmentRef(ids(2 * CHUNK + 5, 1))
+    first = [ids(9, 2), doc, ids(6, 3)]
+    result = segments.blend(first, recompute_first=doc.ids.shape[0])
+    assert result.cached_tokens == 0 and result.reused_tokens_approximate == 0
+    torch.testing.assert_close(result.blend.logits, full_prefill(tiny_llama, first), atol=ATOL, rtol=0)
+    elsewhere = [ids(23, 4), ids(6, 5), doc, ids(7, 6)]  # another position, another context
+    again = segments.blend(elsewhere, recompute_first=doc.ids.shape[0])
+    assert again.cached_tokens == 2 * CHUNK  # its whole chunks, from the cache
+    torch.testing.assert_close(again.blend.logits, full_prefill(tiny_llama, elsewhere), atol=ATOL, rtol=0)
+    cheap = segments.blend(elsewhere, recompute_first=2)
+    assert cheap.cached_tokens == 2 * CHUNK and cheap.reused_tokens_approximate == doc.ids.shape[0] - 2
+    assert (cheap.blend.logits - full_prefill(tiny_llama, elsewhere)).abs().max() > 100 * ATOL  # approximate
+
+
+def test_segment_kv_and_exact_kv_never_meet(segments):
+    """An exact lookup of a cached segment's tokens finds nothing, and a segment whose tokens were stored as
+    an exact prefix is computed, not served that prefix's KV."""
+    attached, engine = segments.attached, segments.attached.engine
+    doc = ids(3 * CHUNK, 7)
+    segments.segment(doc)
+    exact = engine.lookup(attached.binding, "exact-reader", doc)
+    assert exact.matched_tokens == 0
+    engine.release(exact)
+    prefix = ids(3 * CHUNK + 1, 8)
+    attached.generate(prefix, max_new_tokens=1)  # stores the prompt's whole chunks as exact KV
+    exact = engine.lookup(attached.binding, "exact-again", prefix)
+    assert exact.matched_tokens == 3 * CHUNK
+    engine.release(exact)
+    _, cached = segments.segment(prefix)
+    assert cached == 0
+    assert segments.binding.digest != attached.binding.digest
+    assert segment_namespace(attached.namespace) == segments.binding.namespace
+
+
+def test_a_model_that_cannot_blend_is_refused_by_name():
+    engine = make_engine()
+    try:
+        with pytest.raises(UnsupportedModelError, match="SLIDING_WINDOW"):
+            SegmentCache(attach(build_tiny("mistral"), engine))
+    finally:
+        engine.close()
