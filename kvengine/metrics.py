@@ -63,6 +63,9 @@ class EngineMetrics:
         self.lookup_tokens = Counter("kvengine_lookup_tokens", "Tokens asked for by distinct lookups", m, registry=r)
         self.hit_tokens = Counter("kvengine_hit_tokens", "Tokens promised by distinct lookups", m, registry=r)
         self.loaded_tokens = Counter("kvengine_loaded_tokens", "Tokens delivered by loads", m, registry=r)
+        self.approximate_tokens = Counter("kvengine_reused_tokens_approximate", "Segment tokens blended into a "
+                                          "prompt without attending to what precedes them (never exact reuse)", m,
+                                          registry=r)
         self.load_failed_tokens = Counter("kvengine_load_failed_tokens", "Promised tokens a load could not deliver",
                                           m, registry=r)
         self.stored_bytes = Counter("kvengine_stored_bytes", "Bytes written per tier and model", ["tier", "model"],
@@ -138,7 +141,8 @@ class EngineMetrics:
             self._models.add(model)
             tiers = list(self._tiers)
         for family in (self.lookups, self.lookup_tokens, self.hit_tokens, self.loaded_tokens,
-                       self.load_failed_tokens, self.lookup_seconds, self.load_seconds, self.store_seconds):
+                       self.load_failed_tokens, self.approximate_tokens, self.lookup_seconds, self.load_seconds,
+                       self.store_seconds):
             family.labels(model=model)
         for tier in tiers:
             self.stored_bytes.labels(tier=tier, model=model)

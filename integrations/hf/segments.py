@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from kvengine import Namespace
+from kvengine.errors import AttachError
 
-from .blending import Blend, Segment, blend, check_blendable
+from .blending import Blend, Segment, blend, check_blendable, encode_segment
 from .generator import AttachedModel, as_tokens
 
 #: The namespace mark of segment KV (computed alone, from the segment's first token).
@@ -44,6 +45,20 @@ class SegmentRef:
 
 
 @dataclass(frozen=True)
+class BlendCanary:
+    """What blending costs this model, measured at :class:`SegmentCache` construction: a probe prompt (an
+    instruction, two documents, a question) blended with the cache's recompute budget against its full
+    prefill."""
+
+    recompute_first: int
+    #: KL divergence of the next-token distribution after the probe from the full prefill's.
+    kl: float
+    #: Whether the blend's most likely next token is the full prefill's.
+    same_top1: bool
+    bound: float
+
+
+@dataclass(frozen=True)
 class SegmentBlend:
     """A blended prompt (:class:`~kvengine.integrations.hf.blending.Blend`) and how much the cache supplied."""
 
@@ -60,14 +75,44 @@ class SegmentBlend:
 class SegmentCache:
     """The segments of one attached model, cached in its engine under the segment kind of its namespace.
 
+    ``recompute_first``: tokens of each segment computed again given everything before them (EPIC's rule;
+    the default budget of :meth:`blend`). ``quality_bound``: the largest KL divergence of the next-token
+    distribution from a full prefill's that the blend canary accepts (:class:`BlendCanary`); over it,
+    blending is refused for this model.
+
     :raises UnsupportedModelError: the model cannot blend (see :func:`check_blendable`).
+    :raises AttachError: the blend canary measured the model over ``quality_bound``.
     """
 
-    def __init__(self, attached: AttachedModel) -> None:
+    def __init__(self, attached: AttachedModel, *, recompute_first: int = 8, quality_bound: float = 0.01) -> None:
+        if recompute_first < 0 or quality_bound < 0:
+            raise ValueError("recompute_first and quality_bound must be >= 0")
         self.attached = attached
+        self.recompute_first = recompute_first
         self.shifter = check_blendable(attached.model)
+        self.canary = self._probe(quality_bound)
+        if self.canary.kl > quality_bound:
+            raise AttachError(f"blend canary: with {recompute_first} tokens recomputed per segment, the next-token "
+                              f"distribution is {self.canary.kl:.4g} (KL) from a full prefill's, over the bound "
+                              f"{quality_bound}: blending is refused for this model (recompute more, or raise the "
+                              "bound)")
         self.binding = attached.engine.bind(segment_namespace(attached.namespace), attached.layout)
         self._requests = itertools.count()
+
+    def _probe(self, bound: float) -> BlendCanary:
+        """Blend a fixed probe (nothing cached) and compare it with its full prefill."""
+        model = self.attached.model
+        g = torch.Generator().manual_seed(38)
+        vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+        instruction, question = (torch.randint(4, vocab, (1, n), generator=g) for n in (12, 6))
+        docs = [encode_segment(model, torch.randint(4, vocab, (1, n), generator=g)) for n in (40, 27)]
+        result = blend(model, [instruction, *docs, question], recompute_first=self.recompute_first,
+                       shifter=self.shifter)
+        with torch.no_grad():
+            full = model(torch.cat([instruction, *(d.ids for d in docs), question], dim=1)).logits[0, -1]
+        want, got = torch.log_softmax(full.float(), -1), torch.log_softmax(result.logits.float(), -1)
+        kl = float(torch.sum(want.exp() * (want - got)))
+        return BlendCanary(self.recompute_first, max(kl, 0.0), bool(got.argmax() == want.argmax()), bound)
 
     def segment(self, ids: torch.Tensor) -> tuple[Segment, int]:
         """The KV of ``ids`` computed alone, and how many of its tokens the cache supplied. What the cache
@@ -81,8 +126,13 @@ class SegmentCache:
         values = tuple(layer.values for layer in cache.layers)
         return Segment(tokens[None], keys, values), cached
 
-    def blend(self, parts: Sequence[torch.Tensor | SegmentRef], *, recompute_first: int) -> SegmentBlend:
-        """The prompt ``parts`` (token ids, or segments by their ids) blended, the last part token ids."""
+    def blend(self, parts: Sequence[torch.Tensor | SegmentRef], *, recompute_first: int | None = None) -> SegmentBlend:
+        """The prompt ``parts`` (token ids, or segments by their ids) blended, the last part token ids;
+        ``recompute_first`` at least the canary's budget (a smaller one was not measured)."""
+        budget = self.recompute_first if recompute_first is None else recompute_first
+        if budget < self.recompute_first:
+            raise ValueError(f"recompute_first {budget} is below the budget the blend canary measured "
+                             f"({self.recompute_first})")
         built: list[torch.Tensor | Segment] = []
         cached = 0
         for part in parts:
@@ -92,5 +142,7 @@ class SegmentCache:
                 cached += supplied
             else:
                 built.append(as_tokens(part)[None])
-        result = blend(self.attached.model, built, recompute_first=recompute_first, shifter=self.shifter)
+        result = blend(self.attached.model, built, recompute_first=budget, shifter=self.shifter)
+        self.attached.engine.metrics.approximate_tokens.labels(model=self.attached.namespace.model).inc(
+            result.approximate_tokens)
         return SegmentBlend(result, cached)

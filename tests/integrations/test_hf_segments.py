@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvengine.errors import UnsupportedModelError
+from kvengine.errors import AttachError, UnsupportedModelError
 from kvengine.integrations.hf import attach
 from kvengine.integrations.hf.segments import SegmentCache, SegmentRef, segment_namespace
 
@@ -30,7 +30,7 @@ def full_prefill(model, parts) -> torch.Tensor:
 def segments(tiny_llama):
     engine = make_engine()
     try:
-        yield SegmentCache(attach(tiny_llama, engine))
+        yield SegmentCache(attach(tiny_llama, engine), recompute_first=2, quality_bound=0.05)
     finally:
         engine.close()
 
@@ -45,9 +45,28 @@ def test_a_segment_is_computed_once_and_its_chunks_reused_wherever_it_stands(seg
     again = segments.blend(elsewhere, recompute_first=doc.ids.shape[0])
     assert again.cached_tokens == 2 * CHUNK  # its whole chunks, from the cache
     torch.testing.assert_close(again.blend.logits, full_prefill(tiny_llama, elsewhere), atol=ATOL, rtol=0)
-    cheap = segments.blend(elsewhere, recompute_first=2)
+    cheap = segments.blend(elsewhere)  # the cache's budget: its first 2 tokens recomputed
     assert cheap.cached_tokens == 2 * CHUNK and cheap.reused_tokens_approximate == doc.ids.shape[0] - 2
     assert (cheap.blend.logits - full_prefill(tiny_llama, elsewhere)).abs().max() > 100 * ATOL  # approximate
+    metrics = segments.attached.engine.metrics
+    assert metrics.value("kvengine_reused_tokens_approximate_total", model=segments.attached.namespace.model) \
+        == cheap.reused_tokens_approximate  # the exact blends above counted none
+    with pytest.raises(ValueError, match="below the budget the blend canary measured"):
+        segments.blend(elsewhere, recompute_first=1)
+
+
+def test_the_blend_canary_measures_the_budget_and_refuses_a_model_over_the_users_bound(tiny_llama):
+    engine = make_engine()
+    try:
+        attached = attach(tiny_llama, engine)
+        whole = SegmentCache(attached, recompute_first=64, quality_bound=0.0)  # the probe's segments recomputed whole
+        assert whole.canary.kl < 1e-6 and whole.canary.same_top1
+        budget = SegmentCache(attached, recompute_first=0, quality_bound=1.0)
+        assert budget.canary.kl > 1e-4  # reused behind other tokens without recompute: measurably off
+        with pytest.raises(AttachError, match=r"blend canary: with 0 tokens recomputed per segment.*over the bound"):
+            SegmentCache(attached, recompute_first=0, quality_bound=budget.canary.kl / 2)
+    finally:
+        engine.close()
 
 
 def test_segment_kv_and_exact_kv_never_meet(segments):
