@@ -72,6 +72,18 @@ class SegmentBlend:
         return self.blend.approximate_tokens
 
 
+@dataclass(frozen=True)
+class SegmentGeneration:
+    """Tokens generated greedily after a blended prompt, and the blend (its approximate tokens)."""
+
+    tokens: list[int]
+    prompt: SegmentBlend
+
+    @property
+    def reused_tokens_approximate(self) -> int:
+        return self.prompt.reused_tokens_approximate
+
+
 class SegmentCache:
     """The segments of one attached model, cached in its engine under the segment kind of its namespace.
 
@@ -146,3 +158,19 @@ class SegmentCache:
         self.attached.engine.metrics.approximate_tokens.labels(model=self.attached.namespace.model).inc(
             result.approximate_tokens)
         return SegmentBlend(result, cached)
+
+    def generate(self, parts: Sequence[torch.Tensor | SegmentRef], *, max_new_tokens: int,
+                 recompute_first: int | None = None) -> SegmentGeneration:
+        """Greedy tokens after the blended prompt ``parts`` (see :meth:`blend`), decoded over its cache."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
+        prompt = self.blend(parts, recompute_first=recompute_first)
+        model, cache = self.attached.model, prompt.blend.cache
+        logits, position, tokens = prompt.blend.logits, prompt.blend.tokens, []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                tokens.append(int(logits.argmax()))
+                logits = model(torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[position]]),
+                               past_key_values=cache, use_cache=True).logits[0, -1]
+                position += 1
+        return SegmentGeneration(tokens, prompt)

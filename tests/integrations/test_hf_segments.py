@@ -11,7 +11,7 @@ from kvengine.errors import AttachError, UnsupportedModelError
 from kvengine.integrations.hf import attach
 from kvengine.integrations.hf.segments import SegmentCache, SegmentRef, segment_namespace
 
-from .conftest import CHUNK, build_tiny, make_engine
+from .conftest import CHUNK, build_tiny, make_engine, reference_generate
 
 ATOL = 2e-4
 
@@ -96,3 +96,13 @@ def test_a_model_that_cannot_blend_is_refused_by_name():
             SegmentCache(attach(build_tiny("mistral"), engine))
     finally:
         engine.close()
+
+
+def test_generation_after_an_exact_blend_equals_plain_greedy_generation(segments, tiny_llama):
+    doc = SegmentRef(ids(2 * CHUNK + 5, 1))
+    parts = [ids(9, 2), doc, ids(6, 3)]
+    segments.segment(doc.ids)  # cached: the blend restores its chunks
+    run = segments.generate(parts, max_new_tokens=8, recompute_first=doc.ids.shape[0])
+    assert run.reused_tokens_approximate == 0 and run.prompt.cached_tokens == 2 * CHUNK
+    prompt = torch.cat([p.ids if isinstance(p, SegmentRef) else p for p in parts])
+    assert run.tokens == reference_generate(tiny_llama, prompt, None, 8)
