@@ -133,7 +133,8 @@ class SegmentCache:
         ctx = attached.context(binding=self.binding)
         cache, cached, _ = attached.restore(ctx, tokens, f"segment-{next(self._requests)}")
         attached.prefill(ctx, tokens, cache, cached, None)
-        attached.store(ctx, tokens, cache, {})
+        if len(tokens) // attached.chunk_size * attached.chunk_size > cached:  # whole chunks the cache lacks
+            attached.store(ctx, tokens, cache, {})
         keys = tuple(layer.keys for layer in cache.layers)
         values = tuple(layer.values for layer in cache.layers)
         return Segment(tokens[None], keys, values), cached

