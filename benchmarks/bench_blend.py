@@ -1,9 +1,9 @@
 """Reuse beyond the prefix (issue 38): quality and TTFT of blended prompts against full prefill and prefix-only
 reuse, side by side in one run.
 
-Workload (retrieval): ``--docs`` short documents, each stating one fact ("The badge code of Ilsa Marn is
-4812."), put ``--per-query`` at a time, in varying order, behind one instruction and a question about one of
-them. Each part is tokenized alone and the prompt is their concatenation, so a document's tokens are the
+Workload (retrieval): ``--docs`` documents, each stating one fact ("The badge code of Ilsa Marn is 4812.")
+among ``--sentences`` sentences about the same person, put ``--per-query`` at a time, in varying order,
+behind one instruction and a question about one of them. Each part is tokenized alone and the prompt is their concatenation, so a document's tokens are the
 same wherever it stands (and every method sees the same prompt).
 
 Methods, per query:
@@ -53,15 +53,30 @@ class Document:
     code: str
 
 
-def workload(docs: int, queries: int, per_query: int, seed: int) -> tuple[list[Document], list[tuple[list[int], int]]]:
+#: Sentences that pad a document to a realistic length (each about 20 tokens), none about badge codes.
+FILLER = [
+    "{p} leads the weekly review of the maintenance schedule and keeps the spare parts inventory up to date.",
+    "Colleagues describe {p} as careful, patient and quick to answer questions from new members of the team.",
+    "Before this role, {p} spent several years planning routes for a regional delivery company near the coast.",
+    "{p} prefers written reports to meetings and usually sends a short summary at the end of every week.",
+    "On Fridays {p} runs a small workshop on safety procedures for visitors to the northern storage hall.",
+    "{p} once reorganized the archive of paper records, which took most of a winter to complete.",
+    "The office of {p} is on the second floor, next to the room where the old printing machines are kept.",
+    "{p} speaks three languages and often helps translate letters from suppliers in other countries.",
+]
+
+
+def workload(docs: int, queries: int, per_query: int, sentences: int,
+             seed: int) -> tuple[list[Document], list[tuple[list[int], int]]]:
     """The documents, and per query (the documents' indices in prompt order, the one asked about)."""
     rng = random.Random(seed)
     out = []
     for person in rng.sample([f"{f} {last}" for f in FIRST for last in LAST], docs):
         code = str(rng.randrange(1000, 10000))
-        out.append(Document(f"\nDocument: The badge code of {person} is {code}. {person} works in building "
-                            f"{rng.choice('ABCDEFG')}{rng.randrange(1, 9)} and joined in {rng.randrange(1990, 2024)}.\n",
-                            person, code))
+        filler = [rng.choice(FILLER).format(p=person) for _ in range(sentences)]
+        fact = f"The badge code of {person} is {code}."
+        body = filler[: sentences // 2] + [fact] + filler[sentences // 2 :]
+        out.append(Document("\nDocument: " + " ".join(body) + "\n", person, code))
     asks = []
     for _ in range(queries):
         chosen = rng.sample(range(docs), per_query)
@@ -95,9 +110,10 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=12)
     ap.add_argument("--queries", type=int, default=24)
     ap.add_argument("--per-query", type=int, default=3)
+    ap.add_argument("--sentences", type=int, default=12, help="filler sentences per document (~20 tokens each)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[0, 4, 16, 64])
-    ap.add_argument("--answer", type=int, default=6, help="greedy answer tokens compared")
-    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--answer", type=int, default=8, help="greedy answer tokens compared")
+    ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=38)
     ap.add_argument("--out", default=None)
@@ -126,7 +142,7 @@ def main() -> int:
         def decode(tokens: list[int]) -> str:
             return str(tokenizer.decode(tokens))
 
-    docs, asks = workload(args.docs, args.queries, args.per_query, args.seed)
+    docs, asks = workload(args.docs, args.queries, args.per_query, args.sentences, args.seed)
     doc_ids = [encode(doc.text) for doc in docs]
     instruction = encode(INSTRUCTION)
     engine = KVEngine({"chunk_size": args.chunk, "memory": {"capacity_bytes": "1GiB"}})
