@@ -24,7 +24,6 @@ import torch
 
 from kvengine.chunks.layout import KVCategory
 from kvengine.errors import UnsupportedModelError
-from kvengine.semantics.families import derive_spec
 
 from .rerotation import KeyShifter
 
@@ -61,7 +60,7 @@ def check_blendable(model: Any) -> KeyShifter:
     :raises UnsupportedModelError: it cannot, naming why.
     """
     shifter = KeyShifter(model)  # refuses what cannot move at all
-    spec = derive_spec(model.config)
+    spec = shifter.spec
     windowed = [g for g in spec.chunk_groups if g.category is not KVCategory.FULL_ATTENTION]
     if windowed:
         raise UnsupportedModelError(f"{spec.model_type}: {windowed[0].category.name} layers keep a segment's last "

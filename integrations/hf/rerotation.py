@@ -34,7 +34,7 @@ class KeyShifter:
         config = model.config
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         name = getattr(text, "model_type", None) or getattr(config, "model_type", "<unknown>")
-        spec = derive_spec(config)  # refuses what kvengine cannot cache at all, by name
+        self.spec = spec = derive_spec(config)  # refuses what kvengine cannot cache at all, by name
         if spec.stateful:
             raise UnsupportedModelError(f"{name}: recurrent state summarizes everything before it, so it has no "
                                         "position-independent form to move")

@@ -93,8 +93,8 @@ class HostTiers:
                 total_tokens: int) -> tuple[int, int]:
         """Bring the longest prefix of ``keys`` the lower tiers hold into ``memory``, verified, and leave it
         unpinned there: (chunks, record bytes read). Bounded by the tiers' own read deadlines."""
-        binding = self._bindings.get(digest)
-        if binding is None or not keys or any(k.namespace != digest for k in keys):
+        binding = self._binding_of(digest, keys)
+        if binding is None or not keys:
             return 0, 0
         return asyncio.run_coroutine_threadsafe(
             self._promote(memory, binding, keys, first_chunk, total_tokens), self._loop).result()
@@ -102,10 +102,15 @@ class HostTiers:
     def promote_each(self, memory: MemoryTier, digest: NamespaceDigest, keys: list[ChunkKey]) -> list[bool]:
         """Keyed chunks: each of ``keys`` the lower tiers hold brought into ``memory``, verified, unpinned;
         whether each is resident now."""
-        binding = self._bindings.get(digest)
-        if binding is None or any(k.namespace != digest for k in keys):
+        binding = self._binding_of(digest, keys)
+        if binding is None:
             return [False] * len(keys)
         return asyncio.run_coroutine_threadsafe(self._promote_each(memory, binding, keys), self._loop).result()
+
+    def _binding_of(self, digest: NamespaceDigest, keys: list[ChunkKey]) -> ModelBinding | None:
+        """The binding a client sent for ``digest``, where every one of ``keys`` is under it; else None."""
+        binding = self._bindings.get(digest)
+        return binding if binding is not None and all(k.namespace == digest for k in keys) else None
 
     def close(self) -> None:
         """Write what is queued, close the tiers, stop the loop."""

@@ -269,15 +269,8 @@ class MemoryTier:
     def announce_keys(self, stored: Iterable[tuple[ChunkKey, BlockStored]]) -> None:
         """:meth:`announce` by key, for the host service (its clients know their chunks by key, not by this
         tier's entries): the chunk resident under each key is announced once."""
-        events = self._events
-        if events is None:
-            return
-        with self._lock:
-            for key, event in stored:
-                entry = self._entries.get(key)
-                if entry is not None and entry.committed and not entry.announced:
-                    entry.announced = True
-                    events.publish(event)
+        # The pairs are built as announce consumes them, under its lock: each key's entry is the one resident.
+        self.announce((entry, event) for key, event in stored if (entry := self._entries.get(key)) is not None)
 
     # -- data access ----------------------------------------------------
     def raw(self, entry: MemoryEntry) -> torch.Tensor:
