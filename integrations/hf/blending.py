@@ -1,14 +1,15 @@
-"""Prompts assembled from segments whose KV was computed alone (issue 38, second part): EPIC's selective
+"""Prompts assembled from segments whose KV was computed alone (issue 38, second part), with selective
 recompute in a transformers forward pass, which kvengine owns here (a vLLM or SGLang connector does not).
 
 A :class:`Segment` is a prompt part (a retrieved document, a tool output) with the KV the model computed for
-its tokens alone, at positions ``0..n``. :func:`blend` builds a prompt from token parts, computed here given
-everything before them, and segments reused where they stand: each segment's keys are moved to its position
-(:class:`~kvengine.integrations.hf.rerotation.KeyShifter`, exact for the segment attending to itself) and its
-first ``recompute_first`` tokens are computed again given everything before them (EPIC's rule: those tokens
-are where attention to the missing context concentrates). The rest of each segment is **approximate**: it
-never attended to what precedes it. :class:`Blend` says how many tokens are, so no caller can mistake the
-result for exact reuse; with ``recompute_first`` at least a segment's length, that segment is exact.
+its tokens alone, at positions ``0..n``. :meth:`Blender.blend` builds a prompt from token parts, computed
+given everything before them, and segments reused where they stand: each segment's keys are moved to its
+position (:class:`~kvengine.integrations.hf.rerotation.KeyShifter`, exact for the segment attending to
+itself) and the tokens a :class:`RecomputeBudget` names are computed again given everything before them:
+each segment's first tokens (EPIC), and those whose KV deviates most at a check layer (CacheBlend). The rest
+of each segment is **approximate**: it never attended to what precedes it. :class:`Blend` says how many
+tokens are, so no caller can mistake the result for exact reuse; a budget that recomputes a whole segment
+makes that segment exact.
 
 Only models whose every layer is full attention blend: a sliding window keeps a segment's last keys only
 (and would need them moved across the window's edge), and recurrent state has no position-independent form.
@@ -25,6 +26,7 @@ import torch
 from kvengine.chunks.layout import KVCategory
 from kvengine.errors import UnsupportedModelError
 
+from .layerwise import KVTable, LayerwiseForward
 from .rerotation import KeyShifter
 
 
@@ -54,18 +56,38 @@ class Blend:
     recomputed_tokens: int
 
 
-def check_blendable(model: Any) -> KeyShifter:
-    """The model's key shifter, where its cache can be blended.
+@dataclass(frozen=True)
+class RecomputeBudget:
+    """Which tokens of reused segments are computed again, given everything before them, in every layer.
 
-    :raises UnsupportedModelError: it cannot, naming why.
+    ``first``: each segment's first tokens (EPIC's rule: attention to the missing context concentrates there).
+    ``deviating``: the fraction of the other segment tokens whose KV deviates most from the reused KV at
+    ``check_layer`` (CacheBlend's rule); every token is computed up to that layer to measure it, so this
+    costs ``check_layer + 1`` layers of a full prefill besides the chosen tokens.
     """
-    shifter = KeyShifter(model)  # refuses what cannot move at all
-    spec = shifter.spec
-    windowed = [g for g in spec.chunk_groups if g.category is not KVCategory.FULL_ATTENTION]
-    if windowed:
-        raise UnsupportedModelError(f"{spec.model_type}: {windowed[0].category.name} layers keep a segment's last "
-                                    "keys only, so a segment reused behind other tokens cannot be blended there")
-    return shifter
+
+    first: int = 0
+    deviating: float = 0.0
+    check_layer: int = 1
+
+    def __post_init__(self) -> None:
+        if self.first < 0:
+            raise ValueError(f"RecomputeBudget.first must be >= 0 (got {self.first})")
+        if not 0.0 <= self.deviating <= 1.0:
+            raise ValueError(f"RecomputeBudget.deviating must be a fraction in [0, 1] (got {self.deviating})")
+        if self.check_layer < 0:
+            raise ValueError(f"RecomputeBudget.check_layer must be >= 0 (got {self.check_layer})")
+
+    def covers(self, other: RecomputeBudget) -> bool:
+        """Whether this budget recomputes at least what ``other`` does, by the same rules."""
+        return self.first >= other.first and self.deviating >= other.deviating and (
+            other.deviating == 0 or self.check_layer == other.check_layer)
+
+    def __str__(self) -> str:
+        parts = [f"first {self.first}"] if self.first or not self.deviating else []
+        if self.deviating:
+            parts.append(f"{self.deviating:.0%} deviating at layer {self.check_layer}")
+        return " + ".join(parts)
 
 
 def encode_segment(model: Any, ids: torch.Tensor) -> Segment:
@@ -75,44 +97,70 @@ def encode_segment(model: Any, ids: torch.Tensor) -> Segment:
     return Segment(ids, tuple(layer.keys for layer in cache.layers), tuple(layer.values for layer in cache.layers))
 
 
-def blend(model: Any, parts: Sequence[torch.Tensor | Segment], *, recompute_first: int,
-          shifter: KeyShifter | None = None) -> Blend:
-    """The cache of the prompt ``parts`` (in order: token ids ``[1, n]`` computed here, or :class:`Segment`\\ s
-    reused where they stand, their first ``recompute_first`` tokens computed again); the last part must be
-    token ids (what the logits follow).
+class Blender:
+    """Blends prompts for one model: its key shifter and its layer-by-layer forward, both proved when built.
 
-    :raises UnsupportedModelError: the model cannot blend. :raises ValueError: malformed parts.
+    :raises UnsupportedModelError: the model cannot blend, naming why (a layer kind that keeps a segment's last
+        keys only, recurrent state, a RoPE variant not proved, a forward the layer loop does not reproduce).
     """
-    from transformers import DynamicCache
 
-    if not parts or isinstance(parts[-1], Segment):
-        raise ValueError("the last part must be token ids, computed given everything before it")
-    if recompute_first < 0:
-        raise ValueError(f"recompute_first must be >= 0 (got {recompute_first})")
-    shifter = shifter or check_blendable(model)
-    cache = DynamicCache(config=model.config)
-    position = approximate = recomputed = 0
-    logits = torch.empty(0)
-    with torch.no_grad():
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.shifter = KeyShifter(model)  # refuses what cannot move at all
+        spec = self.shifter.spec
+        windowed = [g for g in spec.chunk_groups if g.category is not KVCategory.FULL_ATTENTION]
+        if windowed:
+            raise UnsupportedModelError(f"{spec.model_type}: {windowed[0].category.name} layers keep a segment's "
+                                        "last keys only, so a segment reused behind other tokens cannot be "
+                                        "blended there")
+        self.forward = LayerwiseForward(model)
+
+    def blend(self, parts: Sequence[torch.Tensor | Segment], budget: RecomputeBudget) -> Blend:
+        """The cache of the prompt ``parts`` (in order: token ids ``[1, n]``, computed here, or :class:`Segment`\\ s
+        reused where they stand, the tokens ``budget`` names computed again); the last part must be token ids
+        (what the logits follow). All computed tokens run together, one layer at a time.
+
+        :raises ValueError: malformed parts.
+        """
+        from transformers import DynamicCache
+
+        if not parts or isinstance(parts[-1], Segment):
+            raise ValueError("the last part must be token ids, computed given everything before it")
+        if budget.deviating and budget.check_layer >= self.forward.num_layers:
+            raise ValueError(f"check_layer {budget.check_layer} is not before the last of the model's "
+                             f"{self.forward.num_layers} layers")
+        ids = torch.cat([p.ids if isinstance(p, Segment) else p for p in parts], dim=1)
+        n = int(ids.shape[1])
+        computed = torch.ones(n, dtype=torch.bool)
+        candidates = torch.zeros(n, dtype=torch.bool)
+        layers = self.forward.num_layers
+        keys: list[torch.Tensor] | None = None
+        values: list[torch.Tensor] = []
+        position = 0
         for part in parts:
+            length = int(part.ids.shape[1]) if isinstance(part, Segment) else int(part.shape[1])
             if isinstance(part, Segment):
-                fresh = min(recompute_first, part.length)
-                if fresh:
-                    _forward(model, part.ids[:, :fresh], position, cache)
-                moved = shifter.shift([k[:, :, fresh:] for k in part.keys], position)  # token j: j -> position + j
-                for layer, (k, v) in enumerate(zip(moved, part.values)):
-                    cache.update(k, v[:, :, fresh:], layer)
-                position += part.length
-                approximate += part.length - fresh
-                recomputed += fresh
-            else:
-                logits = _forward(model, part, position, cache)
-                position += int(part.shape[1])
-    return Blend(cache, logits, position, approximate, recomputed)
-
-
-def _forward(model: Any, ids: torch.Tensor, start: int, cache: Any) -> torch.Tensor:
-    """Run ``ids`` at positions ``start..`` over ``cache`` (extended in place): the last position's logits."""
-    positions = torch.arange(start, start + ids.shape[1])[None]
-    out = model(ids, position_ids=positions, past_key_values=cache, use_cache=True)
-    return out.logits[0, -1]
+                if keys is None:
+                    keys = [part.keys[i].new_zeros((*part.keys[i].shape[:2], n, part.keys[i].shape[3]))
+                            for i in range(layers)]
+                    values = [part.values[i].new_zeros((*part.values[i].shape[:2], n, part.values[i].shape[3]))
+                              for i in range(layers)]
+                moved = self.shifter.shift(list(part.keys), position)  # token j: j -> position + j
+                for layer in range(layers):
+                    keys[layer][:, :, position: position + length] = moved[layer]
+                    values[layer][:, :, position: position + length] = part.values[layer]
+                fresh = min(budget.first, length)
+                computed[position + fresh: position + length] = False
+                candidates[position + fresh: position + length] = True
+            position += length
+        reusable = int(candidates.sum())
+        count = round(budget.deviating * reusable)
+        choose = (budget.check_layer, count, candidates) if count else None
+        table = KVTable(keys, values) if keys is not None else None
+        result = self.forward.run(ids, table, computed, choose=choose)
+        cache = DynamicCache(config=self.model.config)
+        for layer, (k, v) in enumerate(zip(result.table.keys, result.table.values)):
+            cache.update(k, v, layer)
+        approximate = int((candidates & ~result.computed).sum())
+        segment_tokens = sum(int(p.ids.shape[1]) for p in parts if isinstance(p, Segment))
+        return Blend(cache, result.logits, n, approximate, segment_tokens - approximate)

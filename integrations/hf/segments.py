@@ -23,8 +23,12 @@ import torch
 from kvengine import Namespace
 from kvengine.errors import AttachError
 
-from .blending import Blend, Segment, blend, check_blendable, encode_segment
+from .blending import Blend, Blender, RecomputeBudget, Segment, encode_segment
+from .decoding import GREEDY, DecodingRules, Sampling, sample
 from .generator import AttachedModel, as_tokens
+
+#: EPIC's rule with a small budget: each segment's first 8 tokens computed again.
+DEFAULT_BUDGET = RecomputeBudget(first=8)
 
 #: The namespace mark of segment KV (computed alone, from the segment's first token).
 SEGMENT_KIND = "kvengine-segment:v1"
@@ -50,7 +54,7 @@ class BlendCanary:
     instruction, two documents, a question) blended with the cache's recompute budget against its full
     prefill."""
 
-    recompute_first: int
+    budget: RecomputeBudget
     #: KL divergence of the next-token distribution after the probe from the full prefill's.
     kl: float
     #: Whether the blend's most likely next token is the full prefill's.
@@ -74,7 +78,7 @@ class SegmentBlend:
 
 @dataclass(frozen=True)
 class SegmentGeneration:
-    """Tokens generated greedily after a blended prompt, and the blend (its approximate tokens)."""
+    """Tokens generated after a blended prompt, and the blend (its approximate tokens)."""
 
     tokens: list[int]
     prompt: SegmentBlend
@@ -87,24 +91,25 @@ class SegmentGeneration:
 class SegmentCache:
     """The segments of one attached model, cached in its engine under the segment kind of its namespace.
 
-    ``recompute_first``: tokens of each segment computed again given everything before them (EPIC's rule;
-    the default budget of :meth:`blend`). ``quality_bound``: the largest KL divergence of the next-token
+    ``budget``: the tokens of each segment computed again given everything before them (the default budget of
+    :meth:`blend`, and the least it accepts). ``quality_bound``: the largest KL divergence of the next-token
     distribution from a full prefill's that the blend canary accepts (:class:`BlendCanary`); over it,
     blending is refused for this model.
 
-    :raises UnsupportedModelError: the model cannot blend (see :func:`check_blendable`).
+    :raises UnsupportedModelError: the model cannot blend (see :class:`Blender`).
     :raises AttachError: the blend canary measured the model over ``quality_bound``.
     """
 
-    def __init__(self, attached: AttachedModel, *, recompute_first: int = 8, quality_bound: float = 0.01) -> None:
-        if recompute_first < 0 or quality_bound < 0:
-            raise ValueError("recompute_first and quality_bound must be >= 0")
+    def __init__(self, attached: AttachedModel, *, budget: RecomputeBudget = DEFAULT_BUDGET,
+                 quality_bound: float = 0.01) -> None:
+        if quality_bound < 0:
+            raise ValueError(f"quality_bound must be >= 0 (got {quality_bound})")
         self.attached = attached
-        self.recompute_first = recompute_first
-        self.shifter = check_blendable(attached.model)
+        self.budget = budget
+        self.blender = Blender(attached.model)
         self.canary = self._probe(quality_bound)
         if self.canary.kl > quality_bound:
-            raise AttachError(f"blend canary: with {recompute_first} tokens recomputed per segment, the next-token "
+            raise AttachError(f"blend canary: recomputing {budget} tokens per segment, the next-token "
                               f"distribution is {self.canary.kl:.4g} (KL) from a full prefill's, over the bound "
                               f"{quality_bound}: blending is refused for this model (recompute more, or raise the "
                               "bound)")
@@ -118,13 +123,12 @@ class SegmentCache:
         vocab = int(model.config.get_text_config(decoder=True).vocab_size)
         instruction, question = (torch.randint(4, vocab, (1, n), generator=g) for n in (12, 6))
         docs = [encode_segment(model, torch.randint(4, vocab, (1, n), generator=g)) for n in (40, 27)]
-        result = blend(model, [instruction, *docs, question], recompute_first=self.recompute_first,
-                       shifter=self.shifter)
+        result = self.blender.blend([instruction, *docs, question], self.budget)
         with torch.no_grad():
             full = model(torch.cat([instruction, *(d.ids for d in docs), question], dim=1)).logits[0, -1]
         want, got = torch.log_softmax(full.float(), -1), torch.log_softmax(result.logits.float(), -1)
         kl = float(torch.sum(want.exp() * (want - got)))
-        return BlendCanary(self.recompute_first, max(kl, 0.0), bool(got.argmax() == want.argmax()), bound)
+        return BlendCanary(self.budget, max(kl, 0.0), bool(got.argmax() == want.argmax()), bound)
 
     def segment(self, ids: torch.Tensor) -> tuple[Segment, int]:
         """The KV of ``ids`` computed alone, and how many of its tokens the cache supplied. What the cache
@@ -139,13 +143,14 @@ class SegmentCache:
         values = tuple(layer.values for layer in cache.layers)
         return Segment(tokens[None], keys, values), cached
 
-    def blend(self, parts: Sequence[torch.Tensor | SegmentRef], *, recompute_first: int | None = None) -> SegmentBlend:
+    def blend(self, parts: Sequence[torch.Tensor | SegmentRef], *,
+              budget: RecomputeBudget | None = None) -> SegmentBlend:
         """The prompt ``parts`` (token ids, or segments by their ids) blended, the last part token ids;
-        ``recompute_first`` at least the canary's budget (a smaller one was not measured)."""
-        budget = self.recompute_first if recompute_first is None else recompute_first
-        if budget < self.recompute_first:
-            raise ValueError(f"recompute_first {budget} is below the budget the blend canary measured "
-                             f"({self.recompute_first})")
+        ``budget`` at least the canary's (a smaller one was not measured)."""
+        budget = budget or self.budget
+        if not budget.covers(self.budget):
+            raise ValueError(f"recompute budget ({budget}) is below the budget the blend canary measured "
+                             f"({self.budget})")
         built: list[torch.Tensor | Segment] = []
         cached = 0
         for part in parts:
@@ -155,23 +160,30 @@ class SegmentCache:
                 cached += supplied
             else:
                 built.append(as_tokens(part)[None])
-        result = blend(self.attached.model, built, recompute_first=budget, shifter=self.shifter)
+        result = self.blender.blend(built, budget)
         self.attached.engine.metrics.approximate_tokens.labels(model=self.attached.namespace.model).inc(
             result.approximate_tokens)
         return SegmentBlend(result, cached)
 
     def generate(self, parts: Sequence[torch.Tensor | SegmentRef], *, max_new_tokens: int,
-                 recompute_first: int | None = None) -> SegmentGeneration:
-        """Greedy tokens after the blended prompt ``parts`` (see :meth:`blend`), decoded over its cache."""
+                 sampling: Sampling = GREEDY, eos_token_id: int | Sequence[int] | None = -1,
+                 budget: RecomputeBudget | None = None) -> SegmentGeneration:
+        """Up to ``max_new_tokens`` tokens after the blended prompt ``parts`` (see :meth:`blend`), decoded over its
+        cache; sampling and stopping as :meth:`AttachedModel.generate <.generator.AttachedModel.generate>`'s."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
-        prompt = self.blend(parts, recompute_first=recompute_first)
+        rules = DecodingRules.of(self.attached.model, eos_token_id)
+        prompt = self.blend(parts, budget=budget)
         model, cache = self.attached.model, prompt.blend.cache
-        logits, position, tokens = prompt.blend.logits, prompt.blend.tokens, []
+        logits, start = prompt.blend.logits, prompt.blend.tokens
+        tokens: list[int] = []
+        rng = torch.Generator().manual_seed(sampling.seed)
         with torch.no_grad():
-            for _ in range(max_new_tokens):
-                tokens.append(int(logits.argmax()))
-                logits = model(torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[position]]),
-                               past_key_values=cache, use_cache=True).logits[0, -1]
-                position += 1
+            for i in range(max_new_tokens):
+                if i:
+                    if tokens[-1] in rules.stops:
+                        break
+                    logits = model(torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[start + i - 1]]),
+                                   past_key_values=cache, use_cache=True).logits[0, -1]
+                tokens.append(sample(logits, sampling, rng, rules, length=start + i, last=i + 1 == max_new_tokens))
         return SegmentGeneration(tokens, prompt)
