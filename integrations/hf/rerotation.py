@@ -4,7 +4,10 @@ rotated exactly as the model rotates it.
 
 :class:`KeyShifter` checks a model once, refusing by name what is not proved to move (recurrent state, MLA
 latents, absolute position embeddings, RoPE variants whose frequencies depend on the sequence length), then
-moves a segment's cached keys, layer by layer, ``delta`` positions later.
+proves the move on the model itself (a probe's keys computed at one position, moved, against the keys the
+model computes at the other: a rotary layout other than the one :func:`rotate` turns, such as GLM's
+interleaved pairs, fails there and is refused), and moves a segment's cached keys, layer by layer,
+``delta`` positions later.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from kvengine.chunks.layout import KVCategory
 from kvengine.errors import UnsupportedModelError
 from kvengine.semantics.families import derive_spec, rope_types
 from kvengine.semantics.rerotation import rope_verdict, rotate
+
+#: Largest difference of moved keys from recomputed ones the proof accepts, relative to the keys' scale.
+PROOF_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.float16: 2e-2}
 
 #: Cache parts whose keys are rotated as a model's attention rotates them (full and windowed attention).
 _MOVABLE = frozenset({KVCategory.FULL_ATTENTION, KVCategory.SLIDING_WINDOW})
@@ -54,6 +60,23 @@ class KeyShifter:
         self._by_type = "layer_type" in inspect.signature(self._embedding.forward).parameters
         self._layer_types: list[str] = list(getattr(text, "layer_types", None) or [])
         self.layers = int(text.num_hidden_layers)
+        self._prove(model, str(name), int(text.vocab_size))
+
+    def _prove(self, model: Any, name: str, vocab: int, delta: int = 37) -> None:
+        """A probe's keys cached at positions ``0..``, moved ``delta`` later, must equal the keys the model
+        caches for it at ``delta..`` (and its values must not depend on the position at all)."""
+        ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(38))
+        here, there = (_cached(model, ids, start) for start in (0, delta))
+        moved = self.shift(here[0], delta)
+        scale = max(float(k.abs().max()) for k in there[0]) or 1.0
+        tolerance = PROOF_RTOL.get(there[0][0].dtype, PROOF_RTOL[torch.float16]) * max(1.0, scale)
+        key_gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(moved, there[0]))
+        value_gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(here[1], there[1]))
+        if max(key_gap, value_gap) > tolerance:
+            raise UnsupportedModelError(f"{name}: a probe's keys moved {delta} positions differ from the keys the "
+                                        f"model computes there by {key_gap:.3g} (values by {value_gap:.3g}; "
+                                        f"tolerance {tolerance:.3g}): its rotary layout is not the one kvengine "
+                                        "moves, so its segments cannot be moved")
 
     def angles(self, layer: int, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cosines and sines (float32, ``[rotary_dim]``) of ``layer``'s rotation for ``delta`` positions, without
@@ -88,3 +111,10 @@ class KeyShifter:
             cos, sin = cached[kind]
             out.append(rotate(k, cos.to(k.device), sin.to(k.device)))
         return out
+
+
+def _cached(model: Any, ids: torch.Tensor, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The keys and values ``model`` caches for ``ids`` alone at positions ``start..`` (per layer)."""
+    with torch.no_grad():
+        cache = model(ids, position_ids=torch.arange(start, start + ids.shape[1])[None], use_cache=True).past_key_values
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]

@@ -9,7 +9,7 @@ import torch
 
 from kvengine.errors import UnsupportedModelError
 from kvengine.integrations.hf.rerotation import KeyShifter
-from kvengine.integrations.hf.tiny_models import build_tiny
+from kvengine.integrations.hf.tiny_models import build_tiny, rescale_
 from kvengine.semantics.rerotation import SHIFTABLE_ROPE, rope_verdict, rotate
 
 SEGMENT = 24
@@ -53,10 +53,31 @@ def test_llama_keys_move_exactly_under_every_shiftable_rope_variant(rope):
     check_moves(build_tiny("llama", rope_parameters=ROPES[rope]))
 
 
+def build_partial_rotary(model_type: str):
+    """A tiny random model of a family outside the exactness matrix, rotating half of each head's dims."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    rescale_(model, seed=0)
+    return model.eval()
+
+
+def test_partial_rotary_keys_move_exactly():
+    """Phi-3 with a partial rotary factor rotates the first half of each head's dims (rotate-half layout)."""
+    model = build_partial_rotary("phi3")
+    assert model.model.rotary_emb.inv_freq.numel() * 2 < model.config.head_dim  # partial, as intended
+    check_moves(model)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2", "gemma3"])
-def test_keys_move_exactly_in_families_with_key_norms_windows_and_local_global_bases(family):
+def test_keys_move_exactly_in_families_with_key_norms_windows_local_global_bases_and_partial_rotary(family):
     """Qwen3 normalizes keys before rotating them; Mistral and Gemma2 have sliding windows (the cache keeps the
-    window's last keys, moved alike); Gemma3's local and global layers rotate with different bases."""
+    window's last keys, moved alike); Gemma3's local and global layers rotate with different bases; this Phi-3
+    rotates half of each head's dimensions (partial rotary)."""
     check_moves(build_tiny(family))
 
 
@@ -88,3 +109,12 @@ def test_partial_rotary_turns_only_the_rotary_dims_and_a_full_turn_is_the_identi
     torch.testing.assert_close(back, keys, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="rotary dims"):
         rotate(keys, torch.ones(10), torch.zeros(10))
+
+
+def test_a_rotary_layout_other_than_rotate_half_fails_the_proof_and_is_refused():
+    """GLM-4 rotates interleaved pairs of dimensions: its RoPE type is "default", its family is registered,
+    and moving its keys as rotate-half would silently give wrong keys. The shifter's own proof on the model
+    catches it."""
+    with pytest.raises(UnsupportedModelError, match=r"glm4: a probe's keys moved 37 positions differ from the keys "
+                                                    r"the model computes there by \d"):
+        KeyShifter(build_partial_rotary("glm4"))
