@@ -33,7 +33,8 @@ from typing import Any
 from _util import print_header, print_table, write_json
 from bench_serving import CONNECTOR, model_dir, thread_env
 
-ARMS = ("vllm", "kvengine-mem", "kvengine-disk")
+#: An arm ending in ``+prefault`` sets ``memory.prefault`` (the arena touched at start).
+ARMS = ("vllm", "kvengine-mem", "kvengine-mem+prefault", "kvengine-disk")
 
 
 class Timeline:
@@ -107,8 +108,9 @@ def arm_process(spec: dict[str, Any]) -> dict[str, Any]:
                                 enforce_eager=True, max_num_seqs=max(8, spec["users"]), enable_prefix_caching=True,
                                 seed=0, kv_cache_memory_bytes=spec["kv_cache_bytes"])
     if spec["arm"] != "vllm":
-        section: dict[str, Any] = {"memory": {"capacity_bytes": spec["kvengine_bytes"]}}
-        if spec["arm"] == "kvengine-disk":
+        prefault = spec["prefault"] or spec["arm"].endswith("+prefault")
+        section: dict[str, Any] = {"memory": {"capacity_bytes": spec["kvengine_bytes"], "prefault": prefault}}
+        if spec["arm"].startswith("kvengine-disk"):
             section["memory"]["capacity_bytes"] = spec["kvengine_bytes"] // 4
             section["disk"] = {"path": spec["disk"]}
         args["kv_transfer_config"] = {"kv_connector": "KVEngineConnector", "kv_connector_module_path": CONNECTOR,
@@ -168,6 +170,7 @@ def main() -> int:
     ap.add_argument("--reply", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2, help="arms alternated this many times")
+    ap.add_argument("--prefault", action="store_true", help="kvengine arms: memory.prefault (arena touched at start)")
     ap.add_argument("--out", default="step_timeline.json")
     ap.add_argument("--arm-spec", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -183,7 +186,7 @@ def main() -> int:
     for repeat in range(args.repeats):
         for arm in args.arms.split(","):
             spec = {"arm": arm, "model": str(model), "users": args.users, "prompt": args.prompt, "reply": args.reply,
-                    "rounds": args.rounds, "seed": 100 + repeat,
+                    "rounds": args.rounds, "seed": 100 + repeat, "prefault": args.prefault,
                     "kv_cache_bytes": per_token * (args.prompt + args.reply + 128) * args.users,
                     "kvengine_bytes": max(1 << 29, per_token * (args.prompt + args.reply) * args.users * (args.rounds + 2)),
                     "disk": str(work / f"disk-{arm}-{repeat}"), "out": str(work / f"{arm}-{repeat}.json")}

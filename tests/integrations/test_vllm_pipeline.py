@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,12 @@ from .test_vllm_units import CHUNK, RATIO, fill, make_layout
 TOKENS = list(range(2 * CHUNK))
 SRC = ((1, 2, 3, 4), (5, 6, 7, 8))
 DST = ((10, 11, 12, 13), (0, 0, 14, 15))  # out-of-window sliding blocks are null (0)
+
+
+@pytest.fixture(params=[False, True], ids=["in-line", "beside"])
+def beside(request):
+    """Copies in the calling thread (host-memory caches) or on the copy thread (accelerator caches)."""
+    return request.param
 
 
 @pytest.fixture
@@ -51,7 +59,7 @@ def load(eng, binding, pipe: LayerPipeline) -> LoadJob:
     return job
 
 
-def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup):
+def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup, beside):
     """Pages saved layer by layer (some during the forward, the rest at the end) load into other blocks stage by
     stage in forward order: full attention whole, the sliding window only within the window; no pin left."""
     layout, backing, copier, eng, binding = setup
@@ -63,7 +71,7 @@ def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup):
         scatter(i, *args)
 
     copier.scatter_tensor = recording  # type: ignore[method-assign]
-    pipe = LayerPipeline(copier, forward_order=[1, 0])
+    pipe = LayerPipeline(copier, forward_order=[1, 0], beside_forward=beside)
     try:
         job = save(eng, binding, pipe, copier, layers_done=[1])
         assert job.filled == 2
@@ -78,10 +86,10 @@ def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup):
     assert eng.core.memory.total_pins() == 0
 
 
-def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(setup):
+def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(setup, beside):
     """A layer copy failing on chunk 1 loads only chunk 0 (counted), raises nothing and leaves no pin."""
     layout, backing, copier, eng, binding = setup
-    pipe = LayerPipeline(copier, forward_order=[0, 1])
+    pipe = LayerPipeline(copier, forward_order=[0, 1], beside_forward=beside)
     try:
         save(eng, binding, pipe, copier)
         scatter = copier.scatter_tensor
@@ -100,7 +108,7 @@ def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(se
     assert eng.core.memory.total_pins() == 0
 
 
-def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup):
+def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup, beside):
     """A save copy failing on chunk 1 commits only chunk 0; the unfilled chunk is never published."""
     layout, backing, copier, eng, binding = setup
     gather_into = copier.gather_into
@@ -111,7 +119,7 @@ def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup):
         gather_into(i, start, *args)
 
     copier.gather_into = failing  # type: ignore[method-assign]
-    pipe = LayerPipeline(copier, forward_order=[0, 1])
+    pipe = LayerPipeline(copier, forward_order=[0, 1], beside_forward=beside)
     try:
         assert save(eng, binding, pipe, copier).filled == 1
     finally:
@@ -128,3 +136,28 @@ def test_saves_of_a_chunk_whose_pages_were_freed_stop_there(setup):
     holes = ((1, 2, 0, 4), (5, 6, 7, 8))  # full-attention block of chunk 1 freed
     assert copier.usable_chunks([v.token_range[0] for v in staged.chunks], holes, 0) == 1
     eng.commit_store(staged, 0)
+
+
+def test_copies_run_in_the_calling_thread_for_host_memory_caches_and_beside_it_otherwise(setup):
+    """vLLM's CPU backend: a copy thread would take a core from the forward's OpenMP threads, so with host
+    memory caches (the default derived from the caches' device) copies run where they are queued."""
+    layout, _, copier, eng, _ = setup
+    threads: list[str] = []
+    gather = copier.gather_into
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        gather(*args, **kwargs)
+
+    copier.gather_into = recording  # type: ignore[method-assign]
+    seen = {}
+    for beside_forward in (None, True):
+        pipe = LayerPipeline(copier, forward_order=[0, 1], beside_forward=beside_forward)
+        try:
+            binding = eng.bind(Namespace(model=f"pipeline-{beside_forward}"), layout.chunk)  # nothing stored yet
+            save(eng, binding, pipe, copier, layers_done=[0])
+        finally:
+            pipe.close()
+        seen[beside_forward], threads[:] = set(threads), []
+    assert seen[None] == {threading.current_thread().name}
+    assert len(seen[True]) == 1 and next(iter(seen[True])).startswith("kvengine-layers")
