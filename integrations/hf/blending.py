@@ -17,6 +17,7 @@ Only models whose every layer is full attention blend: a sliding window keeps a 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,35 +133,33 @@ class Blender:
         ids = torch.cat([p.ids if isinstance(p, Segment) else p for p in parts], dim=1)
         n = int(ids.shape[1])
         computed = torch.ones(n, dtype=torch.bool)
-        candidates = torch.zeros(n, dtype=torch.bool)
-        layers = self.forward.num_layers
-        keys: list[torch.Tensor] | None = None
-        values: list[torch.Tensor] = []
-        position = 0
-        for part in parts:
-            length = int(part.ids.shape[1]) if isinstance(part, Segment) else int(part.shape[1])
-            if isinstance(part, Segment):
-                if keys is None:
-                    keys = [part.keys[i].new_zeros((*part.keys[i].shape[:2], n, part.keys[i].shape[3]))
-                            for i in range(layers)]
-                    values = [part.values[i].new_zeros((*part.values[i].shape[:2], n, part.values[i].shape[3]))
-                              for i in range(layers)]
-                moved = self.shifter.shift(list(part.keys), position)  # token j: j -> position + j
-                for layer in range(layers):
-                    keys[layer][:, :, position: position + length] = moved[layer]
-                    values[layer][:, :, position: position + length] = part.values[layer]
-                fresh = min(budget.first, length)
-                computed[position + fresh: position + length] = False
-                candidates[position + fresh: position + length] = True
-            position += length
-        reusable = int(candidates.sum())
-        count = round(budget.deviating * reusable)
+        candidates = torch.zeros(n, dtype=torch.bool)  # segment tokens the budget's first tokens leave
+        starts = list(itertools.accumulate((int(p.ids.shape[1] if isinstance(p, Segment) else p.shape[1])
+                                            for p in parts), initial=0))
+        placed = [(start, part) for start, part in zip(starts, parts) if isinstance(part, Segment)]
+        for start, segment in placed:
+            rest = slice(start + min(budget.first, segment.length), start + segment.length)
+            computed[rest], candidates[rest] = False, True
+        count = round(budget.deviating * int(candidates.sum()))
         choose = (budget.check_layer, count, candidates) if count else None
-        table = KVTable(keys, values) if keys is not None else None
-        result = self.forward.run(ids, table, computed, choose=choose)
+        result = self.forward.run(ids, self._table(placed, n), computed, choose=choose)
         cache = DynamicCache(config=self.model.config)
         for layer, (k, v) in enumerate(zip(result.table.keys, result.table.values)):
             cache.update(k, v, layer)
         approximate = int((candidates & ~result.computed).sum())
-        segment_tokens = sum(int(p.ids.shape[1]) for p in parts if isinstance(p, Segment))
-        return Blend(cache, result.logits, n, approximate, segment_tokens - approximate)
+        return Blend(cache, result.logits, n, approximate, sum(s.length for _, s in placed) - approximate)
+
+    def _table(self, placed: list[tuple[int, Segment]], n: int) -> KVTable | None:
+        """Every layer's KV of an ``n``-token prompt with each segment's moved to where it stands (zeros
+        elsewhere: those tokens are computed); None without segments."""
+        if not placed:
+            return None
+        first = placed[0][1]
+        keys = [k.new_zeros((*k.shape[:2], n, k.shape[3])) for k in first.keys]
+        values = [v.new_zeros((*v.shape[:2], n, v.shape[3])) for v in first.values]
+        for start, segment in placed:
+            moved = self.shifter.shift(list(segment.keys), start)  # token j: j -> start + j
+            for layer, (k, v) in enumerate(zip(moved, segment.values)):
+                keys[layer][:, :, start: start + segment.length] = k
+                values[layer][:, :, start: start + segment.length] = v
+        return KVTable(keys, values)
