@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import print_header, print_table, write_json
-from bench_serving import CONNECTOR, model_dir, thread_env
+from bench_serving import CONNECTOR, kv_bytes_per_token, model_dir, thread_env
 
 #: An arm ending in ``+prefault`` sets ``memory.prefault`` (the arena touched at start).
 ARMS = ("vllm", "kvengine-mem", "kvengine-mem+prefault", "kvengine-disk")
@@ -180,7 +180,7 @@ def main() -> int:
         return 0
     print_header()
     model, _ = model_dir()
-    per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32 KV
+    per_token = kv_bytes_per_token(model, "float32")
     work = Path(tempfile.mkdtemp(prefix="timeline-"))
     results: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for repeat in range(args.repeats):

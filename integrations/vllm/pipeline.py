@@ -1,4 +1,4 @@
-"""Layer-by-layer copies between vLLM's paged caches and kvengine chunks, beside the forward pass.
+"""Layer-by-layer copies between vLLM's paged caches and kvengine chunks, between or beside the forward's layers.
 
 Where the KV cache lives on an accelerator, one background thread runs a step's copies in the order they
 were queued, overlapping the forward. Where it lives in host memory (vLLM's CPU backend), the copies run
@@ -7,6 +7,7 @@ a copy thread beside them takes one, so the forward's other threads wait for it 
 (measured with ``benchmarks/step_timeline.py``: cold prompts ran 5.6% longer, the machine idle 6.7% of the
 run against 0.01% without the connector). In the calling thread a copy uses the cores the forward just
 released, and the order of copies is the same.
+
 A *stage* is one cached tensor of the chunk layout: one layer's pages (or
 several layers' when they share a cache). Every load stage is queued when
 the step starts, in forward order, so the forward computes layer ``l``
@@ -87,7 +88,7 @@ class SaveJob:
 
 
 class LayerPipeline:
-    """Runs the copies of one step at a time on a background thread (see the module docs)."""
+    """Runs the copies of one step at a time, on a background thread or in line (see the module docs)."""
 
     def __init__(self, copier: PagedCopier, forward_order: Sequence[int],
                  broadcast: LatentBroadcast | None = None, *, beside_forward: bool | None = None) -> None:
