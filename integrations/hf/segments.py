@@ -109,7 +109,7 @@ class SegmentCache:
         self.blender = Blender(attached.model)
         self.canary = self._probe(quality_bound)
         if self.canary.kl > quality_bound:
-            raise AttachError(f"blend canary: recomputing {budget} tokens per segment, the next-token "
+            raise AttachError(f"blend canary: with recompute budget ({budget}), the next-token "
                               f"distribution is {self.canary.kl:.4g} (KL) from a full prefill's, over the bound "
                               f"{quality_bound}: blending is refused for this model (recompute more, or raise the "
                               "bound)")

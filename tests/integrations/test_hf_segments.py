@@ -64,7 +64,7 @@ def test_the_blend_canary_measures_the_budget_and_refuses_a_model_over_the_users
         assert whole.canary.kl < 1e-6 and whole.canary.same_top1
         budget = SegmentCache(attached, budget=RecomputeBudget(first=0), quality_bound=1.0)
         assert budget.canary.kl > 1e-4  # reused behind other tokens without recompute: measurably off
-        with pytest.raises(AttachError, match=r"blend canary: recomputing first 0 tokens per segment.*over the bound"):
+        with pytest.raises(AttachError, match=r"blend canary: with recompute budget \(first 0\), the next-token.*over the bound"):
             SegmentCache(attached, budget=RecomputeBudget(first=0), quality_bound=budget.canary.kl / 2)
     finally:
         engine.close()
