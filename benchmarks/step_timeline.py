@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import print_header, print_table, write_json
-from bench_serving import CONNECTOR, kv_bytes_per_token, model_dir, thread_env
+from bench_serving import CONNECTOR, cpu_share, cpu_times, kv_bytes_per_token, model_dir, thread_env
 
 #: An arm ending in ``+prefault`` sets ``memory.prefault`` (the arena touched at start).
 ARMS = ("vllm", "kvengine-mem", "kvengine-mem+prefault", "kvengine-disk")
@@ -139,27 +139,21 @@ def arm_process(spec: dict[str, Any]) -> dict[str, Any]:
     timeline = Timeline()
     instrument(engine, timeline)
     threads0, cpu0, w0 = thread_cpu(), time.process_time(), time.perf_counter()
-    machine0 = _proc_stat()
+    machine0 = cpu_times()
     rounds, ttfts = [], []
     for _ in range(spec["rounds"]):
         wall, ttft = run_round()
         rounds.append(wall)
         ttfts += ttft
     wall, cpu = time.perf_counter() - w0, time.process_time() - cpu0
-    machine1 = _proc_stat()
+    machine1 = cpu_times()
     threads1 = thread_cpu()
     engine.engine_core.shutdown()
-    d = [b - a for a, b in zip(machine0, machine1)]
     return {"arm": spec["arm"], "wall_s": wall, "cpu_s": cpu, "rounds_s": rounds, "ttft_s": ttfts,
             "phases": {p: {"wall_s": timeline.wall[p], "cpu_s": timeline.cpu[p], "calls": timeline.calls[p]}
                        for p in timeline.wall},
             "threads_cpu_s": {k: threads1.get(k, 0.0) - threads0.get(k, 0.0) for k in threads1},
-            "machine_idle": (d[3] + d[4]) / max(1, sum(d))}
-
-
-def _proc_stat() -> list[int]:
-    with open("/proc/stat") as f:
-        return [int(x) for x in f.readline().split()[1:9]]
+            "machine_idle": cpu_share(machine0, machine1).get("idle", float("nan"))}
 
 
 def main() -> int:

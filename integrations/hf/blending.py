@@ -28,7 +28,7 @@ from kvengine.chunks.layout import KVCategory
 from kvengine.errors import UnsupportedModelError
 
 from .layerwise import KVTable, LayerwiseForward
-from .rerotation import KeyShifter
+from .rerotation import KeyShifter, kv_at
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,8 @@ class RecomputeBudget:
 
 def encode_segment(model: Any, ids: torch.Tensor) -> Segment:
     """``ids``' KV computed alone (positions ``0..n``), as a segment record holds it."""
-    with torch.no_grad():
-        cache = model(ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=True).past_key_values
-    return Segment(ids, tuple(layer.keys for layer in cache.layers), tuple(layer.values for layer in cache.layers))
+    keys, values = kv_at(model, ids, 0)
+    return Segment(ids, tuple(keys), tuple(values))
 
 
 class Blender:

@@ -66,9 +66,9 @@ class KeyShifter:
         """A probe's keys cached at positions ``0..``, moved ``delta`` later, must equal the keys the model
         caches for it at ``delta..`` (and its values must not depend on the position at all)."""
         ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(38))
-        here, there = (_cached(model, ids, start) for start in (0, delta))
+        here, there = (kv_at(model, ids, start) for start in (0, delta))
         moved = self.shift(here[0], delta)
-        scale = max(float(k.abs().max()) for k in there[0]) or 1.0
+        scale = max(float(k.abs().max()) for k in there[0])
         tolerance = PROOF_RTOL.get(there[0][0].dtype, PROOF_RTOL[torch.float16]) * max(1.0, scale)
         key_gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(moved, there[0]))
         value_gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(here[1], there[1]))
@@ -113,7 +113,7 @@ class KeyShifter:
         return out
 
 
-def _cached(model: Any, ids: torch.Tensor, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def kv_at(model: Any, ids: torch.Tensor, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The keys and values ``model`` caches for ``ids`` alone at positions ``start..`` (per layer)."""
     with torch.no_grad():
         cache = model(ids, position_ids=torch.arange(start, start + ids.shape[1])[None], use_cache=True).past_key_values
