@@ -516,7 +516,27 @@ def summarize(res: dict[str, Any], workload: dict[str, Any]) -> None:
         s["kvengine_unused_read_bytes"] = m.get("kvengine_unused_read_bytes_total", 0.0)
         g = res.get("metrics_gauges", {})
         s["chunk_tokens"] = g.get("kvengine_vllm_chunk_tokens")
+        s["tail_step_tokens"] = g.get("kvengine_vllm_tail_step_tokens")
+        s["kvengine_tail_hit_tokens"] = m.get("kvengine_tail_hit_tokens_total", 0.0)
+        if s["chunk_tokens"]:  # what whole chunks alone could have supplied (kvengine before tails)
+            s["chunk_ceiling_rate"] = hit_ceiling(reqs, workload["shared_prefix_tokens"], int(s["chunk_tokens"])) / prompt
+    # what any cache could have supplied at vLLM's block granularity (its prefix cache's, and kvengine's tails')
+    s["block_ceiling_rate"] = hit_ceiling(reqs, workload["shared_prefix_tokens"], res["block_size"]) / prompt
     res["summary"] = s
+
+
+def hit_ceiling(reqs: list[dict[str, Any]], shared_prefix: int, unit: int) -> int:
+    """Prompt tokens any cache could have supplied in whole ``unit``s: of each turn, what its user's previous
+    turn computed (that prompt and its reply, less the reply's last token: never fed), capped at the prompt
+    less its last token (always computed); of a first turn, the system prompt every user shares."""
+    prev: dict[int, dict[str, Any]] = {}
+    total = 0
+    for r in sorted(reqs, key=lambda r: (r["turn"], r["user"])):
+        before = prev.get(r["user"])
+        reusable = shared_prefix if before is None else before["prompt_tokens"] + before["generated_tokens"] - 1
+        total += min(reusable, r["prompt_tokens"] - 1) // unit * unit
+        prev[r["user"]] = r
+    return total
 
 
 def _mb(d: dict[str, float] | None, tier: str) -> str:
@@ -542,6 +562,13 @@ def report(data: dict[str, Any]) -> None:
     print_table("Serving under KV-cache pressure (rounds of U concurrent chat turns)",
                 ["arm", "U", "prompt tok/s", "gen tok/s", "TTFT p50 s", "TTFT p95 s", "vLLM hit", "connector hit",
                  "stored MB mem/disk", "loaded MB mem/disk", "preempt", "CPU s", "others/steal/idle %"], rows)
+    for r in runs:
+        s = r.get("summary")
+        if s and s.get("chunk_ceiling_rate") is not None:
+            print(f"  {LABELS.get(r['arm'], r['arm'])}, U={r['users']}: hit {100 * s['cached_rate']:.0f}% of prompt "
+                  f"tokens (vLLM's own + connector), ceiling {100 * s['block_ceiling_rate']:.0f}% in whole blocks, "
+                  f"{100 * s['chunk_ceiling_rate']:.0f}% in whole chunks; tails supplied "
+                  f"{s['kvengine_tail_hit_tokens']:.0f} tokens")
     big = max(r["users"] for r in runs)
     turn_rows = [[LABELS.get(r["arm"], r["arm"])] + [f"{x:.2f}" for x in r["summary"]["ttft_p50_per_turn_s"]]
                  for r in runs if r["users"] == big and "summary" in r]

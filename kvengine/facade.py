@@ -179,9 +179,11 @@ class KVEngine:
         or there are none. The memory tier always holds exact KV."""
         return self.core.tiers.lossy_codec
 
-    def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+    def bind(self, namespace: Namespace, layout: ChunkLayout, *, tail_step: int = 0) -> ModelBinding:
+        """:meth:`CacheEngine.bind <kvengine.core.engine.CacheEngine.bind>`; ``tail_step``: hits end at the last
+        whole step of this many tokens, not the last whole chunk (:mod:`kvengine.core.tails`)."""
         self._check_open()
-        return self.core.bind(namespace, layout)
+        return self.core.bind(namespace, layout, tail_step=tail_step)
 
     def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,

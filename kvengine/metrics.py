@@ -62,6 +62,8 @@ class EngineMetrics:
                                registry=r)
         self.lookup_tokens = Counter("kvengine_lookup_tokens", "Tokens asked for by distinct lookups", m, registry=r)
         self.hit_tokens = Counter("kvengine_hit_tokens", "Tokens promised by distinct lookups", m, registry=r)
+        self.tail_hit_tokens = Counter("kvengine_tail_hit_tokens", "Tokens of hits past the last whole chunk, up "
+                                       "to a whole block (tails: kvengine.core.tails)", m, registry=r)
         self.loaded_tokens = Counter("kvengine_loaded_tokens", "Tokens delivered by loads", m, registry=r)
         self.approximate_tokens = Counter("kvengine_reused_tokens_approximate", "Segment tokens blended into a "
                                           "prompt without attending to what precedes them (never exact reuse)", m,
@@ -74,6 +76,8 @@ class EngineMetrics:
         self.unused_read_bytes = Counter("kvengine_unused_read_bytes", "Bytes lookups read from lower tiers into "
                                          "memory for reservations that ended without a load (a hit the caller "
                                          "did not take)", registry=r)
+        self.tails_superseded = Counter("kvengine_tails_superseded", "Tails discarded from memory when their "
+                                        "chunk was stored further (a longer tail, or the whole chunk)", registry=r)
         self.stored_chunks = Counter("kvengine_stored_chunks", "Chunks written per tier and model", ["tier", "model"],
                                      registry=r)
         self.store_rejected = Counter("kvengine_store_rejected", "Chunks not stored", ["reason"], registry=r)
@@ -140,7 +144,7 @@ class EngineMetrics:
         with self._lock:
             self._models.add(model)
             tiers = list(self._tiers)
-        for family in (self.lookups, self.lookup_tokens, self.hit_tokens, self.loaded_tokens,
+        for family in (self.lookups, self.lookup_tokens, self.hit_tokens, self.tail_hit_tokens, self.loaded_tokens,
                        self.load_failed_tokens, self.approximate_tokens, self.lookup_seconds, self.load_seconds,
                        self.store_seconds):
             family.labels(model=model)

@@ -25,11 +25,15 @@ class ModelBinding:
     digest: NamespaceDigest
     #: The namespace's model identity, the unit of quarantine (:func:`~kvengine.trust.quarantine.root_digest`).
     root: str = ""
+    #: Tokens per tail step: a store also keeps the partial chunk up to its last whole step, so hits end
+    #: there (:mod:`kvengine.core.tails`); 0: whole chunks only. Not part of the digest: a tail's key is the
+    #: hash of its exact tokens, whoever stored it.
+    tail_step: int = 0
 
     @classmethod
-    def create(cls, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
+    def create(cls, namespace: Namespace, layout: ChunkLayout, tail_step: int = 0) -> ModelBinding:
         seed = xxhash.xxh3_128_digest(namespace.digest() + layout.fingerprint.encode())
-        return cls(namespace, layout, NamespaceDigest(seed), root_digest(namespace))
+        return cls(namespace, layout, NamespaceDigest(seed), root_digest(namespace), tail_step)
 
     @property
     def chunk_size(self) -> int:

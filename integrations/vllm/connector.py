@@ -51,12 +51,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvengine.errors import ConfigError, UnsupportedModelError
 
 from .handoff import Role
-from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunk_size
+from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunk_size, shares_one_copy, tail_step
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .scheduler import SchedulerSide
 from .stats import KVEnginePromMetrics, KVEngineStats, SchedulerStatsSource, WorkerStatsSource
-from .worker import WorkerSide, shares_one_copy
+from .worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -202,12 +202,16 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM maps failed blocks back to requests only for single-group models;
         # with several groups, loads are asynchronous so failures go per request.
         asynchronous = len(plans) > 1
+        # hits to the last whole block (a cache's; a handoff moves the prompt less its last token instead)
+        step = tail_step(plans, options.engine.chunk_size, vllm_config.parallel_config.tensor_parallel_size) \
+            if kv_role is Role.BOTH else 0
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         #: the block size the engine core resolved from the KV cache groups (see _keep_block_size)
         self._block_size = int(vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, asynchronous=asynchronous,
+            self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, tail_step=step,
+                                            asynchronous=asynchronous,
                                             lookup_wait_s=options.lookup_wait_s,
                                             has_state=any(p.kind is GroupKind.STATE for p in plans), role=kv_role,
                                             producers=frozenset(options.engine.peers.peers),
@@ -215,7 +219,7 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
                                             == "fail")
         else:
             self._worker = WorkerSide(vllm_config=vllm_config, kv_cache_config=kv_cache_config, options=options,
-                                      plans=plans, asynchronous=asynchronous, role=kv_role)
+                                      plans=plans, asynchronous=asynchronous, role=kv_role, tail_step=step)
         self._worker_stats: WorkerStatsSource | None = None
         self._scheduler_stats = SchedulerStatsSource(self._scheduler.stats) if self._scheduler is not None else None
         logger.info("kvengine: %s half ready (groups %s, %s loads)", role.name.lower(),

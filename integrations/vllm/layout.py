@@ -251,6 +251,23 @@ def resolve_chunk_size(plans: Iterable[GroupPlan], requested: int | None) -> int
     return requested
 
 
+def tail_step(plans: tuple[GroupPlan, ...], chunk_size: int, world_size: int) -> int:
+    """Tokens per tail step (:mod:`kvengine.core.tails`): every group's block (their least common multiple),
+    so hits end at the last whole block; 0 (whole chunks only) where a chunk is one block, for models with
+    recurrent state (hits end where a state is stored: chunk boundaries) and where ranks share one MLA copy
+    (the other ranks mirror rank 0's chunks whole, :mod:`.replica`)."""
+    step = math.lcm(*(p.block_size for p in plans))
+    if step >= chunk_size or chunk_size % step or any(p.kind is GroupKind.STATE for p in plans) or \
+            shares_one_copy(plans, world_size):
+        return 0
+    return step
+
+
+def shares_one_copy(plans: tuple[GroupPlan, ...], world_size: int) -> bool:
+    """Whether rank 0 stores the only copy and shares its loads (MLA under tensor parallelism, :mod:`.replica`)."""
+    return world_size > 1 and all(p.kind is GroupKind.MLA for p in plans)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PagedTensor:
     """One stored tensor of a chunk: a layer's pages."""

@@ -69,24 +69,26 @@ class PagedCopier:
         """Where tensor ``i``'s cache lives (a gather's destination must be there too)."""
         return self._caches[i].device
 
-    def usable_chunks(self, starts: Sequence[int], block_ids: BlockIds, null: int) -> int:
-        """How many of the chunks starting at ``starts`` (in order) hold every page a store needs.
+    def usable_chunks(self, ranges: Sequence[tuple[int, int]], block_ids: BlockIds, null: int) -> int:
+        """How many of the chunks of token ``ranges`` (in order; a tail's is shorter) hold every page a
+        store needs.
 
         The first chunk that lacks one ends the count: a later chunk is
         unreachable without it.
         """
-        for n, start in enumerate(starts):
+        for n, (start, end) in enumerate(ranges):
             try:
                 for t in self.layout.tensors:
-                    self._pages(t, start, block_ids, null, start, start + self._chunk)
+                    self._pages(t, start, block_ids, null, start, end)
             except MissingPage:
                 return n
-        return len(starts)
+        return len(ranges)
 
     def gather_into(self, i: int, start: int, block_ids: BlockIds, null: int, out: torch.Tensor, *,
                     end: int | None = None) -> None:
         """Copy tensor ``i``'s pages of the chunk starting at token ``start`` into ``out``; with ``end``, only
-        the pages holding tokens before it (a prompt's partial last chunk, :mod:`.handoff`).
+        the pages holding tokens before it (a tail, :mod:`kvengine.core.tails`, or a handed-off prompt's
+        partial last chunk, :mod:`.handoff`).
 
         Pages of freed sliding-window blocks, and pages from ``end`` on, are zero-filled.
 
@@ -94,16 +96,18 @@ class PagedCopier:
         """
         t, cache = self.layout.tensors[i], self._caches[i]
         src, dst = self._pages(t, start, block_ids, null, start, start + self._chunk if end is None else end)
-        if len(src) == t.pages:
+        n = len(src)
+        if src == list(range(n)):  # every page up to ``end`` (a whole chunk, or a tail): no scatter
             idx = _as_index(dst)
+            head = out if n == t.pages else out[:n]
             if isinstance(idx, slice):
-                out.copy_(cache[idx])
-            else:
-                torch.index_select(cache, 0, idx, out=out)
+                head.copy_(cache[idx])
+            elif n:
+                torch.index_select(cache, 0, idx, out=head)
+            out[n:].zero_()
             return
         out.zero_()
-        if src:
-            out[torch.tensor(src)] = cache.index_select(0, torch.tensor(dst))
+        out[torch.tensor(src)] = cache.index_select(0, torch.tensor(dst))
 
     def scatter_tensor(self, i: int, tensor: torch.Tensor, start: int, block_ids: BlockIds, null: int, lo: int,
                        hi: int) -> None:

@@ -187,7 +187,7 @@ class LayerPipeline:
             for n, view in enumerate(job.staged.chunks[: job.filled]):
                 try:
                     self._copier.gather_into(i, view.token_range[0], job.spec.block_ids, job.null_block_id,
-                                             view.tensors[i])
+                                             view.tensors[i], end=view.token_range[1])
                 except Exception as exc:
                     logger.warning("kvengine: save of %s stopped at chunk %d (%s: %s)",
                                    job.spec.request_id, view.index, type(exc).__name__, exc)

@@ -16,7 +16,9 @@ Per request, a small state machine (:class:`_Phase`):
 * ``build_connector_meta`` hands committed plans to the worker, which
   consumes the reservation by loading it -> IDLE; and asks the worker to
   store every chunk the step completes, prompt or generated (decode chunks:
-  the next turn of a chat hits through the previous reply).
+  the next turn of a chat hits through the previous reply), and with tails
+  (:mod:`kvengine.core.tails`) the partial chunk up to the last whole block,
+  so hits end at a block.
 * ``request_finished`` releases whatever is still reserved.
 
 Prefill/decode disaggregation (:mod:`.handoff`): a producer's step that
@@ -126,8 +128,9 @@ class SchedulerStats:
 class SchedulerSide:
     def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float, has_state: bool = False,
                  role: Role = Role.BOTH, producers: frozenset[str] = frozenset(),
-                 fail_short_handoffs: bool = False) -> None:
-        self._chunk = chunk_size
+                 fail_short_handoffs: bool = False, tail_step: int = 0) -> None:
+        #: the unit of stores and hits: a block with tails (:mod:`kvengine.core.tails`), else a chunk
+        self._step = tail_step or chunk_size
         self._async = asynchronous
         self._has_state = has_state
         self._wait = lookup_wait_s
@@ -163,7 +166,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         limit = request.num_tokens - 1  # vLLM computes at least the last token
-        if not st.can_read or self._client is None or limit < (1 if st.handed_in_by else self._chunk):
+        if not st.can_read or self._client is None or limit < (1 if st.handed_in_by else self._step):
             return 0, False
         try:
             wait = 0.0  # asked again: the answer is there or still pending, never waited for twice
@@ -247,7 +250,7 @@ class SchedulerSide:
                 continue
             st = state
             computed = computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0)
-            end = min(computed, self._storable(st.request)) // self._chunk * self._chunk
+            end = min(computed, self._storable(st.request)) // self._step * self._step
             if end <= st.stored_until or self._manager is None:
                 continue
             block_ids = self._manager.get_block_ids(request_id)

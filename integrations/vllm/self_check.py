@@ -250,7 +250,7 @@ def _save(engine: KVEngine, binding: ModelBinding, pipeline: LayerPipeline, copi
           forward_order: Sequence[int], tokens: np.ndarray, blocks: _Blocks, layout: PagedLayout) -> None:
     """Store the source blocks' chunks through the pipeline's save stages, as ``save_kv_layer`` does."""
     staged = engine.begin_store(binding, tokens)
-    usable = copier.usable_chunks([v.token_range[0] for v in staged.chunks], blocks.source, NULL_BLOCK)
+    usable = copier.usable_chunks([v.token_range for v in staged.chunks], blocks.source, NULL_BLOCK)
     spec = SaveSpec(request_id="self-check", salt="", tokens=tokens.tobytes(), block_ids=blocks.source)
     pipeline.begin_saves([SaveJob(spec, staged, NULL_BLOCK, usable)])
     for stage in forward_order:  # as the forward finishes each layer

@@ -57,7 +57,7 @@ from .acceptance import accept_backends, publish_platform, vllm_platform
 from .channel import Answer, LookupService
 from .copy_specs import HandoffSpec, SaveSpec
 from .handoff import HandoffServer, PromptTail, PromptTails, Role
-from .layout import GroupKind, GroupPlan, PagedLayout
+from .layout import GroupKind, GroupPlan, PagedLayout, shares_one_copy
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
@@ -105,7 +105,7 @@ class ReservationDesk:
 
     def __init__(self, engine: KVEngine, namespace: Namespace, layout: ChunkLayout,
                  states: BoundaryStates | None = None, broadcast: LatentBroadcast | None = None,
-                 tails: PromptTails | None = None) -> None:
+                 tails: PromptTails | None = None, tail_step: int = 0) -> None:
         self.engine = engine
         self.states = states
         #: prompt tails handed off by producers (:mod:`.handoff`), looked up when the scheduler asks
@@ -114,7 +114,9 @@ class ReservationDesk:
         self._broadcast = broadcast
         self._namespace = namespace
         self._layout = layout
-        self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout)}
+        #: hits end at the last whole block stored, not the last whole chunk (:mod:`kvengine.core.tails`)
+        self._tail_step = tail_step
+        self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout, tail_step=tail_step)}
         #: None: a hit that is a prompt tail alone (no whole chunk before it)
         self._held: dict[str, Reservation | None] = {}
         #: hybrid models: the recurrent state at each held reservation's end
@@ -133,7 +135,8 @@ class ReservationDesk:
         with self._lock:
             binding = self._bindings.get(salt)
         if binding is None:
-            binding = self.engine.bind(self._namespace.with_updates(cache_salt=salt), self._layout)
+            binding = self.engine.bind(self._namespace.with_updates(cache_salt=salt), self._layout,
+                                       tail_step=self._tail_step)
             with self._lock:
                 self._bindings[salt] = binding
         return binding
@@ -296,8 +299,10 @@ class ReservationDesk:
 
 class WorkerSide:
     def __init__(self, *, vllm_config: object, kv_cache_config: object, options: ConnectorOptions,
-                 plans: tuple[GroupPlan, ...], asynchronous: bool, role: Role = Role.BOTH) -> None:
+                 plans: tuple[GroupPlan, ...], asynchronous: bool, role: Role = Role.BOTH,
+                 tail_step: int = 0) -> None:
         self._role = role
+        self._tail_step = tail_step
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._options = options
@@ -369,7 +374,8 @@ class WorkerSide:
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
             if self._role is not Role.BOTH:
                 self._tails = PromptTails(self.engine, self.layout, self._copier, options.handoff.fetch_timeout)
-            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast, self._tails)
+            self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast, self._tails,
+                                        self._tail_step)
             self._metrics()
             publish_platform(self.engine.metrics.registry, platform, namespace, acceptance)
             self._step_metrics(self.engine.metrics.registry)
@@ -402,6 +408,8 @@ class WorkerSide:
         # What vLLM chose at start-up (it varies by model, dtype and platform), for operators and tests.
         Gauge("kvengine_vllm_chunk_tokens", "Tokens per kvengine chunk (chunk_size, resolved)",
               registry=r).set(self.layout.chunk.chunk_size)
+        Gauge("kvengine_vllm_tail_step_tokens", "Hits end at a whole multiple of this many tokens past the last "
+              "whole chunk (tails; 0: whole chunks only)", registry=r).set(self._tail_step)
         blocks = Gauge("kvengine_vllm_block_tokens", "Block size vLLM chose per KV cache group", ["group", "kind"],
                        registry=r)
         for plan in self.layout.groups:
@@ -527,12 +535,12 @@ class WorkerSide:
             full = [i for i, t in enumerate(self.layout.tensors) if t.kind.every_block]
             for view in views:
                 start = view.token_range[0]
-                if start < lo or not self._copier.usable_chunks([start], spec.block_ids, null):
+                if start < lo or not self._copier.usable_chunks([view.token_range], spec.block_ids, null):
                     continue
                 computed = []
                 for i in full:
                     out = torch.empty_like(view.tensors[i])
-                    self._copier.gather_into(i, start, spec.block_ids, null, out)
+                    self._copier.gather_into(i, start, spec.block_ids, null, out, end=view.token_range[1])
                     computed.append(out)
                 results.append(compare_kv([view.tensors[i] for i in full], computed))
         finally:
@@ -578,9 +586,9 @@ class WorkerSide:
                 self._m_store_skips.labels(reason="invalid").inc()
                 logger.warning("kvengine: store of %s refused: %s", spec.request_id, exc)
                 continue
-            starts = [view.token_range[0] for view in staged.chunks]
-            usable = self._copier.usable_chunks(starts, spec.block_ids, meta.null_block_id)
-            if usable < len(starts):  # an earlier chunk's pages were freed: later ones are unreachable
+            usable = self._copier.usable_chunks([view.token_range for view in staged.chunks], spec.block_ids,
+                                                meta.null_block_id)
+            if usable < len(staged.chunks):  # an earlier chunk's pages were freed: later ones are unreachable
                 self._m_store_skips.labels(reason="missing_page").inc()
             jobs.append(SaveJob(spec, staged, meta.null_block_id, usable))
         self._pipeline.begin_saves(jobs)
@@ -674,11 +682,6 @@ class WorkerSide:
         if self._stop_metrics is not None:
             self._stop_metrics()
             self._stop_metrics = None
-
-
-def shares_one_copy(plans: tuple[GroupPlan, ...], world_size: int) -> bool:
-    """Whether rank 0 stores the only copy and shares its loads (MLA under tensor parallelism, :mod:`.replica`)."""
-    return world_size > 1 and all(p.kind is GroupKind.MLA for p in plans)
 
 
 def _conv_state_layout() -> str:

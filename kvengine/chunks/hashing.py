@@ -142,3 +142,20 @@ def prefix_hashes(
         prev = h.digest()
         out.append(prev)
     return cast(list[ChunkHash], out)  # ChunkHash is bytes at run time: no call per chunk
+
+
+def tail_hashes(tokens: TokenInput, parent: bytes, start: int, ends: Sequence[int]) -> list[ChunkHash]:
+    """Hashes of the partial chunks ``tokens[start:end]`` after ``parent`` (the chain hash of the chunk
+    before ``start``, or the seed), one per ``end`` in ascending order: each equals the last of
+    ``prefix_hashes(tokens[:end], ..., partial=True)``, from one incremental hasher."""
+    data = token_bytes(tokens)
+    hasher = xxhash.xxh3_128(parent)
+    pos = start
+    out: list[bytes] = []
+    for end in ends:
+        if end <= pos:
+            raise InvalidRequestError(f"tail ends must ascend past {start}, got {list(ends)}")
+        hasher.update(data[pos * _TOKEN_BYTES : end * _TOKEN_BYTES])
+        out.append(hasher.copy().digest())
+        pos = end
+    return cast(list[ChunkHash], out)

@@ -48,6 +48,7 @@ from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.compression import default_codecs
 from kvengine.config import EngineConfig, MemoryConfig
+from kvengine.core import tails
 from kvengine.core.allocator import SlabAllocator
 from kvengine.core.buffers import BufferPool
 from kvengine.core.copies import copy_all
@@ -89,6 +90,14 @@ class _Question:
     first: int  # the first chunk asked about (the caller holds every token before it)
     asked: int  # tokens asked about (the cap applied)
     asked_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Tail:
+    """A tail (:mod:`.tails`) a lookup found, pinned: of chunk number ``chunk``."""
+
+    chunk: int
+    entry: MemoryEntry
 
 
 class CacheEngine:
@@ -213,15 +222,23 @@ class CacheEngine:
             await asyncio.to_thread(self.events.close)
 
     # -- binding -------------------------------------------------------------
-    def bind(self, namespace: Namespace, layout: ChunkLayout) -> ModelBinding:
-        """Validate a model's chunk layout against this engine; raise if it can never work."""
+    def bind(self, namespace: Namespace, layout: ChunkLayout, *, tail_step: int = 0) -> ModelBinding:
+        """Validate a model's chunk layout against this engine; raise if it can never work.
+
+        ``tail_step``: store and find tails (:mod:`.tails`) of this many tokens' steps (an inference engine's
+        block size); 0: whole chunks only.
+        """
         self.check_open()
         if layout.chunk_size != self.config.chunk_size:
             raise InvalidRequestError(
                 f"layout chunk_size {layout.chunk_size} differs from the engine's chunk_size "
                 f"{self.config.chunk_size}"
             )
-        binding = ModelBinding.create(namespace, layout)
+        tail_step = check_token_count(tail_step, "tail_step")
+        if tail_step and (tail_step >= layout.chunk_size or layout.chunk_size % tail_step):
+            raise InvalidRequestError(f"tail_step {tail_step} must be a divisor of chunk_size {layout.chunk_size} "
+                                      "smaller than it (or 0: whole chunks only)")
+        binding = ModelBinding.create(namespace, layout, tail_step)
         self.memory.admit(binding)
         self.tiers.check_namespace(namespace)
         if not namespace.verified:
@@ -255,7 +272,8 @@ class CacheEngine:
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
         reads: ReadScope | None = None, from_token: int = 0,
     ) -> Reservation:
-        """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``).
+        """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``), and with the binding's
+        ``tail_step`` the longest stored tail after it (:mod:`.tails`).
 
         Idempotent per ``request_id``: the same question returns the same
         reservation with a renewed lease, pinning and counting nothing again.
@@ -272,25 +290,65 @@ class CacheEngine:
             return question
         entries = self.memory.pin_prefix(question.keys)
         sources = {"memory": len(entries)}
-        read_bytes = 0
         promoted: list[MemoryEntry] = []
-        short = len(entries) < len(question.keys)
-        if short and self.transports:
-            with read_scope(reads):  # one deadline for all of this lookup's reads from lower tiers
-                promoted = await self.promoter.promote(binding, question.keys[len(entries) :],
-                                                       question.first + len(entries), question.asked, sources)
-            entries += promoted
-            read_bytes = sum(e.nbytes for e in promoted)
-        elif short and self.memory.lower_tiers:  # the host service's tiers: it promotes, this engine pins
-            rest = question.keys[len(entries) :]
-            count, read_bytes = await asyncio.to_thread(self.memory.promote, binding, rest,
-                                                        question.first + len(entries), question.asked)
-            promoted = self.memory.pin_prefix(rest[:count]) if count else []
-            sources["host"] = len(promoted)
-            entries += promoted
+        tail: _Tail | None = None
+        below = len(entries) < len(question.keys) and bool(self.transports or self.memory.lower_tiers)
+        with read_scope(reads):  # one deadline for all of this lookup's reads from lower tiers
+            if below:
+                promoted = await self._promote(binding, question.keys[len(entries) :], question.first + len(entries),
+                                               question.asked, sources)
+                entries += promoted
+            chunk, candidates = self._tail_candidates(binding, question, tokens, len(entries))
+            tail = self._memory_tail(chunk, candidates)
+            if tail is None and candidates and self.has_lower_tiers:
+                tail = await self._promote_tail(binding, chunk, candidates, sources)
+                promoted += [tail.entry] if tail is not None else []
+        read_bytes = sum(e.nbytes for e in promoted)
+        if tail is not None:
+            entries.append(tail.entry)
+            self.metrics.tail_hit_tokens.labels(model=binding.namespace.model).inc(tail.entry.num_tokens)
         if promoted and self.memory.publishes_events:
-            self.memory.announce(_StoreEvents(binding, question.hashes, token_bytes(tokens)).pairs(promoted))
+            hashes = question.hashes if tail is None else [*question.hashes[: tail.chunk], tail.entry.key.chunk_hash]
+            self.memory.announce(_StoreEvents(binding, hashes, token_bytes(tokens)).pairs(promoted))
         return self._reserve(binding, request_id, question, entries, started, sources, read_bytes)
+
+    async def _promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int, total_tokens: int,
+                       sources: dict[str, int]) -> list[MemoryEntry]:
+        """The longest prefix of ``keys`` (chunk ``first_chunk`` on, of a prompt of ``total_tokens``) lower tiers
+        hold, read into memory and pinned: this engine's tiers, or the host service's (it promotes, this
+        engine pins)."""
+        if self.transports:
+            return await self.promoter.promote(binding, keys, first_chunk, total_tokens, sources)
+        count, nbytes = await asyncio.to_thread(self.memory.promote, binding, keys, first_chunk, total_tokens)
+        self.metrics.loaded_bytes.labels(tier="host").inc(nbytes)
+        promoted = self.memory.pin_prefix(keys[:count]) if count else []
+        sources["host"] = sources.get("host", 0) + len(promoted)
+        return promoted
+
+    @staticmethod
+    def _tail_candidates(binding: ModelBinding, question: _Question, tokens: TokenInput,
+                         matched: int) -> tuple[int, list[tuple[int, ChunkKey]]]:
+        """The chunk after the ``matched`` chunks from ``question.first``, and its tails a hit may end with,
+        longest first (none without a tail step)."""
+        chunk = question.first + matched
+        return chunk, tails.candidates(binding, tokens, question.hashes, chunk, question.asked)
+
+    def _memory_tail(self, chunk: int, candidates: list[tuple[int, ChunkKey]]) -> _Tail | None:
+        """The longest of chunk ``chunk``'s ``candidates`` memory holds, pinned."""
+        for _end, key in candidates:
+            entry = self.memory.pin(key)
+            if entry is not None:
+                return _Tail(chunk, entry)
+        return None
+
+    async def _promote_tail(self, binding: ModelBinding, chunk: int, candidates: list[tuple[int, ChunkKey]],
+                            sources: dict[str, int]) -> _Tail | None:
+        """The longest of chunk ``chunk``'s ``candidates`` lower tiers hold, read into memory and pinned."""
+        for end, key in candidates:
+            got = await self._promote(binding, [key], chunk, end, sources)
+            if got:
+                return _Tail(chunk, got[0])
+        return None
 
     def lookup_resident(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
@@ -312,6 +370,14 @@ class CacheEngine:
         if len(entries) < len(question.keys) and self.has_lower_tiers:
             self.memory.unpin(entries)
             return None
+        chunk, candidates = self._tail_candidates(binding, question, tokens, len(entries))
+        tail = self._memory_tail(chunk, candidates)
+        if tail is None and candidates and self.has_lower_tiers:  # a tail below: the engine's loop reads it
+            self.memory.unpin(entries)
+            return None
+        if tail is not None:
+            entries.append(tail.entry)
+            self.metrics.tail_hit_tokens.labels(model=binding.namespace.model).inc(tail.entry.num_tokens)
         return self._reserve(binding, request_id, question, entries, started, {"memory": len(entries)})
 
     def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
@@ -528,13 +594,13 @@ class CacheEngine:
 
     async def _store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         """:meth:`store`, unmeasured."""
-        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
+        hashes, total = tails.store_hashes(binding, tokens, self.config.store_partial_chunks)
         events = _StoreEvents(binding, hashes, token_bytes(tokens)) if self.memory.publishes_events and hashes else None
         if not (self.transports and self.config.write_mode == "write_through"):
             # Write-behind: tier writes start after the copies. Overlapping them was measured to make the
             # data durable ~10% sooner but this call ~35% slower (2 cores, one memory bus), and this
             # call's latency is what a write-behind caller waits for.
-            result, held, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source,
+            result, held, error = await asyncio.to_thread(self._copy_in, binding, tokens, hashes, total, source,
                                                           None, events)
             if held:
                 stored = events.of_all(held) if events is not None else None
@@ -554,8 +620,8 @@ class CacheEngine:
             loop.call_soon_threadsafe(start_write, entry, events.of(entry) if events is not None else None)
 
         try:
-            result, _, error = await asyncio.to_thread(self._copy_in, binding, hashes, len(tokens), source, hand_off,
-                                                       events)
+            result, _, error = await asyncio.to_thread(self._copy_in, binding, tokens, hashes, total, source,
+                                                       hand_off, events)
         except BaseException:  # cancelled: what was copied is still written before this returns
             if writes:
                 await asyncio.wait(writes)
@@ -574,8 +640,8 @@ class CacheEngine:
         which must follow. Preparing stops at the first chunk that finds no room.
         """
         self.check_open()
-        hashes = prefix_hashes(tokens, binding.chunk_size, binding.digest, partial=self.config.store_partial_chunks)
-        staged = self._stage(binding, hashes, len(tokens))
+        hashes, total = tails.store_hashes(binding, tokens, self.config.store_partial_chunks)
+        staged = self._stage(binding, tokens, hashes, total)
         # pinned until committed: abandoned ones are dropped by the reaper
         self.stager.keep_open(staged, self._clock() + self.config.lease_seconds * ABANDON_AFTER_LEASES)
         if self.memory.publishes_events and staged.entries:  # the tokens, copied: the caller may reuse its buffer
@@ -598,28 +664,32 @@ class CacheEngine:
         return result
 
     def _copy_in(
-        self, binding: ModelBinding, hashes: list, total: int, source: ChunkSource,
+        self, binding: ModelBinding, tokens: TokenInput, hashes: list, total: int, source: ChunkSource,
         hand_off: Callable[[MemoryEntry], object] | None = None, events: _StoreEvents | None = None,
     ) -> tuple[StoreResult, list[MemoryEntry], BaseException | None]:
         """Copy new chunks into memory (blocking): the result, the new entries (pinned for the lower
         tiers), and what ``source`` raised, if it did (the chunks copied before it are committed all the
         same). With ``hand_off``, each chunk is handed on as soon as it is copied (see :meth:`Stager.fill`).
         With ``events``, the committed chunks are announced."""
-        staged = self._stage(binding, hashes, total)
+        staged = self._stage(binding, tokens, hashes, total)
         filled, error = self.stager.fill(staged, partial(_copy_chunk, binding.layout, source), hand_off)
         result, held = self.stager.commit(staged, filled)
         if events is not None:
             self.memory.announce(events.pairs(staged.entries[: result.stored_chunks]))
         return result, held, error
 
-    def _stage(self, binding: ModelBinding, hashes: list, total: int) -> StagedStore:
-        """Slots for the new chunks of a prompt of ``total`` tokens (none for a quarantined namespace)."""
+    def _stage(self, binding: ModelBinding, tokens: TokenInput, hashes: list, total: int) -> StagedStore:
+        """Slots for the new chunks (``hashes``) of the first ``total`` of ``tokens`` (none for a quarantined
+        namespace), with the tails each supersedes."""
         if self.is_quarantined(binding):  # nothing more is added to KV that failed a provenance check
             self.metrics.quarantine_refusals.labels(op="store").inc()
             return StagedStore(binding, (), 0, len(hashes), ())
         size = binding.chunk_size
         keys = [ChunkKey(binding.digest, h) for h in hashes]
-        return self.stager.prepare(binding, keys, [(i * size, min((i + 1) * size, total)) for i in range(len(keys))])
+        staged = self.stager.prepare(binding, keys, [(i * size, min((i + 1) * size, total)) for i in range(len(keys))])
+        if binding.tail_step and staged.chunks:
+            staged.supersedes = tails.superseded(binding, tokens, hashes, staged.chunks)
+        return staged
 
     def holds(self, key: ChunkKey) -> bool:
         """Whether the memory tier holds ``key`` now (a later read may still miss: it can be evicted).

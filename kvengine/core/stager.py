@@ -8,7 +8,8 @@ a store the caller fills itself (:meth:`CacheEngine.begin_store` /
   that finds no room (a prompt larger than memory never evicts its own head);
 * a slot is invisible to lookups until committed, so a half-written chunk is
   never served;
-* committing publishes the filled prefix and aborts the rest; the committed
+* committing publishes the filled prefix, discards from memory the tails it
+  supersedes (:mod:`.tails`) and aborts the rest; the committed
   chunks come back pinned once each for the tier writer (or unpinned when
   there are no lower tiers) -- also when the fill failed part-way, so the
   committed prefix always reaches the tiers;
@@ -98,6 +99,10 @@ class Stager:
             self.memory.commit(entry, keep_pin=True)
         for entry in staged.entries[filled:]:
             self.memory.abort(entry)
+        for keys in staged.supersedes[:filled]:
+            for key in keys:
+                if self.memory.discard(key):  # pinned (a load holds it): stays until evicted
+                    self.metrics.tails_superseded.inc()
         model = staged.binding.namespace.model
         self.metrics.stored_bytes.labels(tier="memory", model=model).inc(sum(e.nbytes for e in staged.entries[:filled]))
         self.metrics.stored_chunks.labels(tier="memory", model=model).inc(filled)

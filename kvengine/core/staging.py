@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvengine.chunks.keys import ChunkKey
 from kvengine.core.memory_tier import MemoryEntry
 from kvengine.types import ChunkView, ModelBinding
 
@@ -32,3 +33,5 @@ class StagedStore:
     committed: bool = False
     #: Leading entries already committed and handed to the tier writes while the rest was filled.
     published: int = 0
+    #: Per entry, the tails it supersedes (:mod:`kvengine.core.tails`): discarded from memory once it is committed.
+    supersedes: tuple[tuple[ChunkKey, ...], ...] = ()

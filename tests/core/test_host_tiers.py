@@ -103,6 +103,7 @@ def test_a_restarted_service_serves_what_its_disk_tier_holds_to_a_new_engine_exa
             assert engine.lookup_resident(binding, "cold", TOKENS) is None  # short in memory: ask the service
             assert _load_all(engine, 5) == (len(TOKENS), len(TOKENS), True)
             assert engine.metrics.value("kvengine_hit_tokens_total", model="shared") == len(TOKENS)
+            assert engine.metrics.value("kvengine_loaded_bytes_total", tier="host") == 3 * LAYOUT.nbytes()
             res = engine.lookup_resident(binding, "warm", TOKENS)
             assert res is not None and res.matched_tokens == len(TOKENS)
             engine.release(res)

@@ -62,10 +62,52 @@ def block_sizes_of(metrics: dict[str, float]) -> dict[str, int]:
     return out
 
 
-def expected_hit(n: int, chunk: int, stored_prefix: int | None = None) -> int:
-    """Tokens a request of ``n`` tokens can load when the first ``stored_prefix`` tokens' chunks are cached."""
-    limit = (n - 1) // chunk * chunk
-    return limit if stored_prefix is None else min(limit, stored_prefix // chunk * chunk)
+def expected_hit(n: int, chunk: int, stored_prefix: int | None = None, *, step: int = 0,
+                 computed: int | None = None, prompt: int | None = None) -> int:
+    """Tokens a request of ``n`` tokens can load when the first ``stored_prefix`` tokens' chunks are cached.
+
+    ``step`` and ``computed``: the connector's tail step, and how many tokens the one earlier request that
+    shares the prefix computed (its prompt and reply but the last token): that request's last tail is hit
+    too where the prefix covers it (kvengine.core.tails), so the hit ends at a whole block. ``prompt``: that
+    request's prompt length, where the engine has a lower tier: the tail at its prompt's end, superseded in
+    memory once its reply moved on, is still found there.
+    """
+    limit = n - 1 if stored_prefix is None else min(n - 1, stored_prefix)
+    hit = limit // chunk * chunk
+    if step and computed is not None:
+        for end in (computed, *(() if prompt is None else (prompt,))):
+            if hit < end // step * step <= limit:
+                hit = end // step * step
+    return hit
+
+
+def hits_after(prompts: list[list[int]], earlier: list[tuple[list[int], dict[str, Any]]],
+               metrics: dict[str, float], *, below: bool) -> list[int]:
+    """The hits of ``prompts`` once the ``earlier`` requests (prompt, output) computed and stored theirs: each
+    prompt hits what the one it shares most with stored (``below``: the engine has a lower tier)."""
+    chunk, step = chunk_of(metrics), tail_step_of(metrics)
+    seqs = [(q + o["tokens"][:-1], len(q)) for q, o in earlier]  # the last generated token is never fed
+    return [max(expected_hit(len(p), chunk, len(os.path.commonprefix([p, seq])), step=step, computed=len(seq),
+                             prompt=n if below else None) for seq, n in seqs) for p in prompts]
+
+
+def records_stored(requests: list[tuple[list[int], dict[str, Any]]], metrics: dict[str, float]) -> int:
+    """Records the ``requests`` (prompt, output; no two sharing a chunk) stored: each whole chunk of what
+    they computed, and their tails: at the prompt's last whole block, and at each block the reply completed
+    inside a chunk (kvengine.core.tails)."""
+    chunk, step = chunk_of(metrics), tail_step_of(metrics)
+    count = 0
+    for q, o in requests:
+        computed = len(q) + len(o["tokens"]) - 1
+        count += computed // chunk
+        if step:
+            count += sum(1 for end in range(len(q) // step * step, computed // step * step + 1, step) if end % chunk)
+    return count
+
+
+def tail_step_of(metrics: dict[str, float]) -> int:
+    """Tokens per tail step the connector chose (0: hits end at whole chunks)."""
+    return int(metrics["kvengine_vllm_tail_step_tokens"])
 
 
 def _run(scenario: str, work: Path) -> tuple[dict[str, Any], str]:
@@ -168,11 +210,10 @@ def test_llama_hits_are_loaded_and_skip_prefill(first):
     """vLLM counts the connector's tokens as computed (prefill skipped) and the engine loaded exactly those."""
     r, _ = first
     assert [o["cached"] for o in r["cold"]] == [0, 0, 0]
-    chunk = chunk_of(r["metrics_warm"])
-    assert [o["cached"] for o in r["warm"]] == [expected_hit(len(p), chunk) for p in r["base"]]
-    shared_prefix = [600, 300, 1100]
-    assert [o["cached"] for o in r["shared_out"]] == [expected_hit(len(p), chunk, k)
-                                                     for p, k in zip(r["shared"], shared_prefix)]
+    cold = list(zip(r["base"], r["cold"]))
+    assert [o["cached"] for o in r["warm"]] == hits_after(r["base"], cold, r["metrics_warm"], below=True)
+    assert any(o["cached"] % chunk_of(r["metrics_warm"]) for o in r["warm"]), "no hit ended past a whole chunk"
+    assert [o["cached"] for o in r["shared_out"]] == hits_after(r["shared"], cold, r["metrics_warm"], below=True)
     vllm_cached = sum(o["cached"] for o in r["warm"] + r["shared_out"])
     assert vllm_cached > 0 and r["loaded_warm"] == vllm_cached
     assert r["metrics_warm"]["kvengine_load_failed_tokens_total"] == 0
@@ -212,12 +253,13 @@ def test_a_chats_next_turn_hits_through_the_previous_reply(first):
     full chunk of what the first turn computed, beyond its prompt's chunks, and both turns stay exact."""
     f, _ = first
     chunk = chunk_of(f["metrics_warm"])
+    unit = tail_step_of(f["metrics_warm"]) or chunk  # the hit ends at the last whole block (tails) or chunk
     assert tokens(f["reply_turn1"]) == f["ref_reply_turn1"]
     assert tokens(f["reply_turn2"]) == f["ref_reply_turn2"]
     turn1, _ = f["reply_prompts"]
     for p, reply, nxt in zip(turn1, f["reply_turn1"], f["reply_turn2"]):
         computed = len(p) + len(reply["tokens"]) - 1  # the last generated token was never fed
-        assert nxt["cached"] == computed // chunk * chunk > len(p) // chunk * chunk
+        assert nxt["cached"] == computed // unit * unit > len(p) // chunk * chunk
 
 
 def test_second_engine_process_gets_hits_from_the_disk_tier(first, second):
@@ -225,9 +267,9 @@ def test_second_engine_process_gets_hits_from_the_disk_tier(first, second):
     f, _ = first
     s, _ = second
     prompts = f["base"] + f["shared"]
-    chunk = chunk_of(s["cross_metrics"])
-    assert chunk == chunk_of(f["metrics_warm"])
-    assert [o["cached"] for o in s["cross"]] == [expected_hit(len(p), chunk) for p in prompts]
+    assert chunk_of(s["cross_metrics"]) == chunk_of(f["metrics_warm"])
+    earlier = list(zip(prompts, f["cold"] + f["shared_out"]))
+    assert [o["cached"] for o in s["cross"]] == hits_after(prompts, earlier, s["cross_metrics"], below=True)
     assert tokens(s["cross"]) == f["ref_base"] + f["ref_shared"]
     m = s["cross_metrics"]
     assert m['kvengine_loaded_bytes_total{tier="local_disk"}'] > 0
@@ -263,7 +305,7 @@ def test_lookup_still_in_flight_is_answered_later(first):
     r, log = first
     x = r["inflight"]
     assert tokens(x["warm"]) == r["ref_base"]
-    assert [o["cached"] for o in x["warm"]] == [expected_hit(len(p), chunk_of(x["metrics"])) for p in r["base"]]
+    assert [o["cached"] for o in x["warm"]] == hits_after(r["base"], list(zip(r["base"], x["cold"])), x["metrics"], below=False)
     in_flight = [int(n) for n in re.findall(r"lookups_in_flight=(\d+)", log)]
     assert any(n > 0 for n in in_flight)
 
@@ -284,9 +326,8 @@ def test_gemma2_sliding_window_and_full_groups_exact_with_hits(second):
     s, _ = second
     assert tokens(s["gemma_cold"]) == s["gemma_ref"][:3]
     assert tokens(s["gemma_warm"]) == s["gemma_ref"]
-    chunk = chunk_of(s["gemma_metrics"])
-    expected = [expected_hit(len(p), chunk) for p in s["gemma_base"]]
-    expected += [expected_hit(len(p), chunk, k) for p, k in zip(s["gemma_shared"], [650, 1030])]
+    expected = hits_after(s["gemma_base"] + s["gemma_shared"], list(zip(s["gemma_base"], s["gemma_cold"])),
+                          s["gemma_metrics"], below=False)
     assert [o["cached"] for o in s["gemma_warm"]] == expected
     assert s["gemma_metrics"]["kvengine_loaded_tokens_total"] == sum(expected)
 
@@ -298,13 +339,13 @@ def test_tensor_parallel_ranks_store_and_load_their_shards_exactly(tp):
     reading the disk; a TP=1 engine on the same disk directory is served nothing."""
     r, _ = tp
     ref = r["ref"]
-    chunk = chunk_of(r["rank_metrics"][0])
+    m = r["rank_metrics"][0]
+    cold = list(zip(r["base"], r["cold"]))
     assert tokens(r["cold"]) == ref[:3] and [o["cached"] for o in r["cold"]] == [0, 0, 0]
     assert tokens(r["warm"]) == ref[:3]
-    assert [o["cached"] for o in r["warm"]] == [expected_hit(len(p), chunk) for p in r["base"]]
+    assert [o["cached"] for o in r["warm"]] == hits_after(r["base"], cold, m, below=True)
     assert tokens(r["shared_out"]) == ref[3:]
-    assert [o["cached"] for o in r["shared_out"]] == [expected_hit(len(p), chunk, k)
-                                                      for p, k in zip(r["shared"], (600, 300, 1100))]
+    assert [o["cached"] for o in r["shared_out"]] == hits_after(r["shared"], cold, m, below=True)
     done = [(o, x) for o, x in zip(r["stress"], r["ref_stress"]) if o is not None]
     assert len(done) == len(r["stress"]) - len(r["stress_aborted"]) and all(o["tokens"] == x for o, x in done)
     for rank in r["rank_metrics"]:  # both ranks loaded the same tokens, and hold nothing after the stress
@@ -320,7 +361,8 @@ def test_tensor_parallel_ranks_store_and_load_their_shards_exactly(tp):
     assert tp1["kvengine_loaded_tokens_total"] == 0
     prompts = r["base"] + r["shared"]
     assert tokens(r["fresh"]) == ref
-    assert [o["cached"] for o in r["fresh"]] == [expected_hit(len(p), chunk) for p in prompts]
+    assert [o["cached"] for o in r["fresh"]] == hits_after(prompts, list(zip(prompts, r["cold"] + r["shared_out"])),
+                                                          m, below=True)
     assert [m["kvengine_loaded_tokens_total"] for m in r["fresh_metrics"]] == [sum(o["cached"] for o in r["fresh"])] * 2
 
 
@@ -335,10 +377,7 @@ def test_chunked_local_attention_and_attention_sinks_exact_with_hits(local, fami
     assert set(block_sizes_of(d["metrics"])) == kinds
     assert tokens(d["cold"]) == d["ref"][:3] and [o["cached"] for o in d["cold"]] == [0, 0, 0]
     assert tokens(d["warm"]) == d["ref"]
-    chunk = chunk_of(d["metrics"])
-    expected = [expected_hit(len(p), chunk) for p in d["base"]]
-    expected += [expected_hit(len(p), chunk, len(os.path.commonprefix([p, b])))
-                 for p, b in zip(d["shared"], (d["base"][0], d["base"][2]))]
+    expected = hits_after(d["base"] + d["shared"], list(zip(d["base"], d["cold"])), d["metrics"], below=False)
     assert [o["cached"] for o in d["warm"]] == expected
     assert any(n % 512 for n in expected), "no hit ended inside an attention chunk"
     assert d["metrics"]["kvengine_loaded_tokens_total"] == sum(expected)
@@ -464,15 +503,15 @@ def test_deepseek_v2_mla_latent_pages_are_exact_and_a_fresh_process_hits_the_dis
     if r["backend"] != "AMX_MLA":
         pytest.skip(f"vLLM picked {r['backend']} for MLA on this CPU (no AMX): refused, see the next tests")
     ref, own = r["ref"], r["ref_prefix_cache"]  # without any cache; vLLM's own prefix cache (base warmed)
-    chunk = chunk_of(r["first"]["metrics"])
+    m = r["first"]["metrics"]
     cold, warm, shared = r["first"]["passes"]
     assert [(o["tokens"], o["logprobs"], o["cached"]) for o in cold] == [(o["tokens"], o["logprobs"], 0)
                                                                            for o in ref[:2]]
-    assert [o["cached"] for o in warm] == [expected_hit(len(p), chunk) for p in r["base"]]
-    assert [o["cached"] for o in shared] == [expected_hit(len(p), chunk, len(os.path.commonprefix([p, b])))
-                                             for p, b in zip(r["shared"], r["base"])]
+    assert [o["cached"] for o in warm] == hits_after(r["base"], list(zip(r["base"], cold)), m, below=True)
+    assert [o["cached"] for o in shared] == hits_after(r["shared"], list(zip(r["base"], cold)), m, below=True)
     (fresh,) = r["fresh"]["passes"]
-    assert [o["cached"] for o in fresh] == [expected_hit(len(p), chunk) for p in r["base"] + r["shared"]]
+    prompts = r["base"] + r["shared"]
+    assert [o["cached"] for o in fresh] == hits_after(prompts, list(zip(prompts, cold + shared)), m, below=True)
     assert r["fresh"]["metrics"]["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in fresh)
     pairs = [(o, p) for o, p in zip(warm + shared + fresh, own * 2) if o["cached"] == p["cached"]]
     assert len(pairs) >= 6, [(o["cached"], p["cached"]) for o, p in zip(warm + shared + fresh, own * 2)]
@@ -494,15 +533,16 @@ def test_deepseek_v2_at_two_ranks_stores_one_latent_copy_that_both_ranks_load_ex
     if "skipped" in r:
         pytest.skip(r["skipped"])
     first, fresh = r["first"], r["fresh"]
-    chunk = chunk_of(first["metrics"])
+    m = first["metrics"]
     cold, warm, shared = first["passes"]
     assert [(o["tokens"], o["logprobs"], o["cached"]) for o in cold] == [(o["tokens"], o["logprobs"], 0)
                                                                            for o in r["ref_cold"]]
-    assert [o["cached"] for o in warm] == [expected_hit(len(p), chunk) for p in r["base"]]
-    assert [o["cached"] for o in shared] == [expected_hit(len(p), chunk, len(os.path.commonprefix([p, b])))
-                                             for p, b in zip(r["shared"], r["base"])]
+    assert tail_step_of(m) == 0  # ranks sharing one MLA copy store whole chunks only
+    assert [o["cached"] for o in warm] == hits_after(r["base"], list(zip(r["base"], cold)), m, below=True)
+    assert [o["cached"] for o in shared] == hits_after(r["shared"], list(zip(r["base"], cold)), m, below=True)
     (again,) = fresh["passes"]
-    assert [o["cached"] for o in again] == [expected_hit(len(p), chunk) for p in r["base"] + r["shared"]]
+    prompts = r["base"] + r["shared"]
+    assert [o["cached"] for o in again] == hits_after(prompts, list(zip(prompts, cold + shared)), m, below=True)
     own = r["ref_hits"]  # vLLM's own prefix cache, base warmed
     pairs = [(o, p) for o, p in zip(warm + shared + again, own * 2) if o["cached"] == p["cached"]]
     assert len(pairs) >= 6, [(o["cached"], p["cached"]) for o, p in zip(warm + shared + again, own * 2)]
@@ -550,23 +590,23 @@ def test_model_directory_rewritten_in_place_is_a_miss_for_a_fresh_engine(provena
     the outputs are the new weights' own."""
     r, _ = provenance
     assert r["same_sizes"], "the rewrite changed file names or sizes; the regression needs them equal"
-    chunk = chunk_of(r["old"]["metrics"])
-    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
-    assert [o["cached"] for o in r["old"]["again"]] == hits  # control: the old weights hit their own chunks
-    new = r["rewritten"]
+    old, new, prompts = r["old"], r["rewritten"], r["prompts"]
+    # control: the old weights hit their own chunks
+    assert [o["cached"] for o in old["again"]] == hits_after(prompts, list(zip(prompts, old["first"])), old["metrics"], below=True)
     assert [o["cached"] for o in new["first"]] == [0, 0]
     assert tokens(new["first"]) == tokens(new["again"]) == r["ref_new"] != r["ref_old"]
-    assert [o["cached"] for o in new["again"]] == hits  # its own chunks, from then on
+    # its own chunks, from then on
+    assert [o["cached"] for o in new["again"]] == hits_after(prompts, list(zip(prompts, new["first"])), new["metrics"], below=True)
 
 
 def test_shadow_check_of_honest_kv_is_exact_and_later_hits_are_served(provenance):
     """shadow.first_hits=1: the namespace's first hit is recomputed by vLLM and compared with the stored
     pages (bitwise equal: same kernels, same prefill), not loaded; every later hit is loaded."""
     r, _ = provenance
-    x, chunk = r["shadow_honest"], chunk_of(r["shadow_honest"]["metrics"])
-    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
-    assert [o["cached"] for o in x["first"]] == [0, hits[1]]
-    assert [o["cached"] for o in x["again"]] == hits
+    x, prompts = r["shadow_honest"], r["prompts"]
+    stored = list(zip(prompts, r["rewritten"]["first"]))  # on the disk, by the same weights
+    assert [o["cached"] for o in x["first"]] == [0, hits_after(prompts, stored, x["metrics"], below=True)[1]]
+    assert [o["cached"] for o in x["again"]] == hits_after(prompts, stored, x["metrics"], below=True)
     assert tokens(x["first"]) == tokens(x["again"]) == r["ref_new"]
     m = x["metrics"]
     assert m['kvengine_provenance_checks_total{check="shadow",outcome="exact"}'] == 1
@@ -599,10 +639,10 @@ def test_real_model_outputs_are_exact_and_a_fresh_process_hits_the_disk_tier(rea
     n_base = len(report["base"])
     assert tokens(report["cold"]) == report["ref"][:n_base]
     assert tokens(report["warm"]) == report["ref"]
-    chunk = chunk_of(report["warm_metrics"])
-    for prompt_ids, out in zip(report["base"], report["warm"][:n_base]):
-        assert out["cached"] == expected_hit(len(prompt_ids), chunk)
-    assert all(out["cached"] >= chunk for out in report["warm"][n_base:])  # at least the system prompt
+    m, base = report["warm_metrics"], report["base"]
+    assert [o["cached"] for o in report["warm"][:n_base]] == hits_after(base, list(zip(base, report["cold"])), m,
+                                                                        below=True)
+    assert all(out["cached"] >= chunk_of(m) for out in report["warm"][n_base:])  # at least the system prompt
     assert report["warm_metrics"]["kvengine_loaded_tokens_total"] == sum(o["cached"] for o in report["warm"])
     assert "Paris" in report["texts"][1]  # real weights answer in real English
 
@@ -614,11 +654,9 @@ def test_a_writer_engine_puts_its_chunks_in_mooncake(mooncake):
     r, _ = mooncake
     a = r["writer"]
     assert tokens(a["out"]) == r["ref"] and [o["cached"] for o in a["out"]] == [0] * len(r["prompts"])
-    m, chunk = a["metrics"], chunk_of(a["metrics"])
-    # the chunks B's hits need (the 16 tokens generated complete no further chunk of these prompts)
-    full_chunks = sum(expected_hit(len(p), chunk) for p in r["prompts"]) // chunk
+    m = a["metrics"]
     assert m['kvengine_stored_chunks_total{tier="mooncake"}'] == m['kvengine_stored_chunks_total{tier="memory"}'] \
-        == full_chunks > 0
+        == records_stored(list(zip(r["prompts"], a["out"])), m) > 0
     assert sum(v for k, v in m.items() if k.startswith("kvengine_tier_put_failures_total{")) == 0  # any reason
     assert m['kvengine_writes_dropped_total{reason="mooncake_failed"}'] == 0
 
@@ -632,7 +670,7 @@ def test_second_engine_process_gets_hits_through_a_mooncake_master(mooncake):
     a, b = r["writer"], r["reader"]
     chunk = chunk_of(b["metrics"])
     assert chunk == chunk_of(a["metrics"])
-    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    hits = hits_after(r["prompts"], list(zip(r["prompts"], a["out"])), b["metrics"], below=True)
     assert [o["cached"] for o in b["out"]] == hits and sum(hits) > 0
     assert tokens(b["out"]) == r["ref"]
     m = b["metrics"]
@@ -642,7 +680,7 @@ def test_second_engine_process_gets_hits_through_a_mooncake_master(mooncake):
     chunk_bytes = a["metrics"]['kvengine_stored_bytes_total{tier="memory"}'] / \
         a["metrics"]['kvengine_stored_chunks_total{tier="memory"}']
     assert m['kvengine_loaded_bytes_total{tier="mooncake"}'] == m['kvengine_loaded_bytes_total{tier="memory"}'] \
-        == sum(hits) // chunk * chunk_bytes
+        == sum(-(-h // chunk) for h in hits) * chunk_bytes  # a tail's record is a whole chunk's pages
     assert m["kvengine_integrity_failures_total"] == 0
     assert sum(v for k, v in m.items() if k.startswith("kvengine_tier_errors_total{")) == 0
 
@@ -655,28 +693,30 @@ def test_two_engines_alive_at_once_share_a_prefix_through_the_host_service_held_
     r, _ = host
     n = len(r["prompts"])
     ref, ref_later = r["ref"][:n], r["ref"][n:]
-    chunk = chunk_of(r["b_metrics"])
-    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
-    hits_later = [expected_hit(len(p), chunk) for p in r["later"]]
+    a, b = r["a_metrics"], r["b_metrics"]
+    hits = hits_after(r["prompts"], list(zip(r["prompts"], r["a"])), b, below=True)
+    hits_later = hits_after(r["later"], list(zip(r["later"], r["b_later"])), a, below=True)
     assert sum(hits) > 0 and sum(hits_later) > 0
     assert tokens(r["a"]) == ref and [o["cached"] for o in r["a"]] == [0] * n
     assert tokens(r["b"]) == ref and [o["cached"] for o in r["b"]] == hits  # B loads what A stored
     assert tokens(r["b_later"]) == ref_later and [o["cached"] for o in r["b_later"]] == [0] * len(hits_later)
     assert tokens(r["a_later"]) == ref_later and [o["cached"] for o in r["a_later"]] == hits_later  # and back
-    a, b = r["a_metrics"], r["b_metrics"]
     for m, loaded in ((a, sum(hits_later)), (b, sum(hits))):
         assert m["kvengine_loaded_tokens_total"] == loaded and m["kvengine_load_failed_tokens_total"] == 0
-    stored = a['kvengine_stored_chunks_total{tier="memory"}'] + b['kvengine_stored_chunks_total{tier="memory"}']
-    assert a['kvengine_stored_chunks_total{tier="memory"}'] == sum(hits) // chunk  # A: its prompts' full chunks
-    assert r["both_alive"] == {"chunks": stored, "pins": 0}  # each chunk once, across both engines
+    assert a['kvengine_stored_chunks_total{tier="memory"}'] == records_stored(list(zip(r["prompts"], r["a"])), a)
+    # each chunk once, across both engines: what they stored, less the tails a longer record superseded, plus
+    # the records a lookup read back into the service's memory from its disk (a superseded tail, hit again)
+    record_bytes = a['kvengine_stored_bytes_total{tier="memory"}'] / a['kvengine_stored_chunks_total{tier="memory"}']
+    held = sum(m['kvengine_stored_chunks_total{tier="memory"}'] - m["kvengine_tails_superseded_total"] +
+               m.get('kvengine_loaded_bytes_total{tier="host"}', 0) / record_bytes for m in (a, b))
+    assert r["both_alive"] == {"chunks": held, "pins": 0}
 
 
 def test_an_engine_sigkilled_leaves_its_chunks_hits_for_the_other_and_no_pin(host):
     """Scenario: A is SIGKILLed while B runs on: B's next run still hits every full chunk A stored, exact,
     and once both are gone the service holds no pin of either."""
     r, _ = host
-    chunk = chunk_of(r["b_metrics"])
-    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    hits = hits_after(r["prompts"], list(zip(r["prompts"], r["a"])), r["b_metrics"], below=True)
     after = r["b_after_a_killed"]
     assert tokens(after) == r["ref"][: len(hits)] and [o["cached"] for o in after] == hits
     assert r["service"]["pins"] == 0
@@ -687,8 +727,7 @@ def test_a_service_killed_under_an_engine_costs_hits_never_exactness_and_a_resta
     hit (recomputed, nothing failed into vLLM); the service is started again on its disk tier (its arena
     empty): B re-attaches and its next run hits every full chunk, promoted from the service's disk, exact."""
     r, _ = host
-    chunk = chunk_of(r["b_metrics"])
-    hits = [expected_hit(len(p), chunk) for p in r["prompts"]]
+    hits = hits_after(r["prompts"], list(zip(r["prompts"], r["a"])), r["b_after"], below=True)
     down, (cold, warm) = r["service_killed"], r["service_back"]
     assert tokens(down) == tokens(cold) == tokens(warm) == r["ref"][: len(hits)]
     assert [o["cached"] for o in down] == [0] * len(hits)

@@ -380,9 +380,11 @@ CHUNK = 2 * BS
 
 
 @contextlib.contextmanager
-def make_halves(*, held_chunks: tuple[int, ...] = (3,), has_state: bool = False, **engine_extra):
+def make_halves(*, held_chunks: tuple[int, ...] = (3,), has_state: bool = False, tail_step: int = 0,
+                held_tokens: int = 0, **engine_extra):
     """The scheduler half wired through the real channel to one real engine per tensor-parallel rank (no vLLM
-    engine); rank r holds the first ``held_chunks[r]`` chunks of ``tokens``. ``engine`` and ``desk`` are
+    engine); rank r holds the first ``held_chunks[r]`` chunks of ``tokens`` (or, where given, what a store of
+    its first ``held_tokens`` tokens keeps: with ``tail_step``, a tail too). ``engine`` and ``desk`` are
     rank 0's."""
     from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
     from kvengine.integrations.vllm.channel import LookupService
@@ -399,16 +401,17 @@ def make_halves(*, held_chunks: tuple[int, ...] = (3,), has_state: bool = False,
             engine = stack.enter_context(KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "8MiB"},
                                                    **engine_extra}, transports=[]))
             desk = ReservationDesk(engine, Namespace(model="halves-test", rank=rank, world_size=len(held_chunks)),
-                                   layout)
+                                   layout, tail_step=tail_step)
             service = LookupService(desk)
             stack.callback(service.close)
             path, key = service.start()
             addresses.append(ChannelAddress(path, key, 0))
             if held:
-                engine.store(desk.binding(""), tokens[:held * CHUNK],
+                engine.store(desk.binding(""), tokens[:held_tokens or held * CHUNK],
                              lambda i, s, e: [torch.full((2, 2, BS, 8), float(i))])
             ranks.append(SimpleNamespace(engine=engine, desk=desk))
-        sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, has_state=has_state)
+        sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, has_state=has_state,
+                              tail_step=tail_step)
         sched.connect(addresses)
         stack.callback(sched.shutdown)
         sched.bind_kv_cache_manager(SimpleNamespace(block_pool=SimpleNamespace(null_block=SimpleNamespace(
@@ -500,9 +503,8 @@ def test_tensor_parallel_refuses_what_is_not_validated_across_ranks():
     name. Only MLA alone at several ranks shares one copy."""
     from kvengine.errors import UnsupportedModelError
     from kvengine.integrations.vllm.connector import check_tensor_parallel
-    from kvengine.integrations.vllm.layout import plan_groups
+    from kvengine.integrations.vllm.layout import plan_groups, shares_one_copy
     from kvengine.integrations.vllm.options import ConnectorOptions
-    from kvengine.integrations.vllm.worker import shares_one_copy
 
     options = ConnectorOptions.from_extra_config({})
     full = plan_groups(config_of(spec("FullAttentionSpec")))
@@ -606,6 +608,35 @@ def test_chunks_completed_by_generated_tokens_are_stored_as_they_fill(has_state)
         req.all_token_ids = (prompt + generated + [7])[:3 * CHUNK + 1]
         (late,) = h.sched.build_connector_meta(decode_step("d", 3 * CHUNK)).saves
         assert late.tokens == token_bytes(req.all_token_ids[:3 * CHUNK])
+
+
+def test_with_tails_hits_and_stores_end_at_whole_blocks():
+    """tail_step (vLLM's block): the stored tail after the last whole chunk is offered, asking again renews
+    it (same pins), and stores follow every block a step completes: the prompt's last whole block, then each
+    block the reply completes."""
+    with make_halves(tail_step=BS, held_tokens=2 * CHUNK + BS + 5) as h:
+        req = request("t", h.tokens[: 3 * CHUNK])
+        assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK + BS, False)
+        pins = h.engine.core.memory.total_pins()
+        assert pins == 3  # two chunks and the tail
+        assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK + BS, False)
+        assert h.engine.core.memory.total_pins() == pins
+        assert h.sched.request_finished(req) == (False, None)
+        settle(h, 0)
+        prompt = h.tokens[3 * CHUNK : 3 * CHUNK + BS + 10]  # unrelated to what is held
+        req = request("u", prompt)
+        assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # a lookup of less than a chunk goes out
+        h.sched.update_state_after_alloc(req, blocks(1, 2), 0)
+        first = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="u", num_computed_tokens=0)],
+                                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                                num_scheduled_tokens={"u": len(prompt)})
+        assert [len(s.tokens) // 4 for s in h.sched.build_connector_meta(first).saves] == [BS]
+        saves = []
+        for n in range(1, 2 * BS):
+            req.all_token_ids = prompt + list(range(700, 700 + n))
+            req.num_tokens = len(req.all_token_ids)
+            saves += h.sched.build_connector_meta(decode_step("u", len(prompt) + n - 1)).saves
+        assert [len(s.tokens) // 4 for s in saves] == [2 * BS, 3 * BS]
 
 
 def test_a_hit_sampled_for_a_shadow_check_is_computed_by_vllm_and_compared_by_the_worker():

@@ -37,7 +37,7 @@ def setup():
 
 def save(eng, binding, pipe: LayerPipeline, copier: PagedCopier, layers_done=()) -> SaveJob:
     staged = eng.begin_store(binding, TOKENS)
-    usable = copier.usable_chunks([v.token_range[0] for v in staged.chunks], SRC, 0)
+    usable = copier.usable_chunks([v.token_range for v in staged.chunks], SRC, 0)
     spec = SaveSpec(request_id="s", salt="", tokens=np.array(TOKENS, dtype="<u4").tobytes(), block_ids=SRC)
     pipe.begin_saves([SaveJob(spec, staged, 0, usable)])
     for stage in layers_done:
@@ -113,10 +113,10 @@ def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup, beside):
     layout, backing, copier, eng, binding = setup
     gather_into = copier.gather_into
 
-    def failing(i, start, *args):
+    def failing(i, start, *args, **kwargs):
         if start == CHUNK:
             raise RuntimeError("injected")
-        gather_into(i, start, *args)
+        gather_into(i, start, *args, **kwargs)
 
     copier.gather_into = failing  # type: ignore[method-assign]
     pipe = LayerPipeline(copier, forward_order=[0, 1], beside_forward=beside)
@@ -134,7 +134,7 @@ def test_saves_of_a_chunk_whose_pages_were_freed_stop_there(setup):
     layout, backing, copier, eng, binding = setup
     staged = eng.begin_store(binding, TOKENS)
     holes = ((1, 2, 0, 4), (5, 6, 7, 8))  # full-attention block of chunk 1 freed
-    assert copier.usable_chunks([v.token_range[0] for v in staged.chunks], holes, 0) == 1
+    assert copier.usable_chunks([v.token_range for v in staged.chunks], holes, 0) == 1
     eng.commit_store(staged, 0)
 
 

@@ -313,11 +313,32 @@ def test_freed_block_zero_fills_sliding_window_but_stops_full_attention():
     copier = PagedCopier(layout, caches)
     chunk = gather(copier, layout, 0, ((1, 2), (0, 5)))
     assert chunk[1][:RATIO].abs().sum() == 0 and torch.equal(chunk[1][RATIO:], caches["swa"][10:12])
-    assert copier.usable_chunks([0, CHUNK], ((1, 2, 3, 4), (0, 5, 6, 7)), null=0) == 2
-    assert copier.usable_chunks([0, CHUNK], ((1, 2, 0, 4), (5, 6, 7, 8)), null=0) == 1
-    assert copier.usable_chunks([0, CHUNK], ((0, 2, 3, 4), (5, 6, 7, 8)), null=0) == 0
+    assert copier.usable_chunks([(0, CHUNK), (CHUNK, 2 * CHUNK)], ((1, 2, 3, 4), (0, 5, 6, 7)), null=0) == 2
+    assert copier.usable_chunks([(0, CHUNK), (CHUNK, 2 * CHUNK)], ((1, 2, 0, 4), (5, 6, 7, 8)), null=0) == 1
+    assert copier.usable_chunks([(0, CHUNK), (CHUNK, 2 * CHUNK)], ((0, 2, 3, 4), (5, 6, 7, 8)), null=0) == 0
     with pytest.raises(MissingPage):
         gather(copier, layout, 0, ((0, 2), (3, 5)))
+
+
+def test_a_tail_is_gathered_up_to_its_end_and_needs_no_later_block():
+    """A tail (a chunk's first block, kvengine.core.tails) holds that block's pages, zeros after them; a
+    request that has no block past the tail yet can store it, and a load writes back only its pages."""
+    layout, caches = make_layout()
+    fill(caches["full"])
+    copier = PagedCopier(layout, caches)
+    blocks = ((1, 2, 3), (5, 6, 7))  # chunk 1 has its first block (index 2) only
+    assert copier.usable_chunks([(0, CHUNK), (CHUNK, CHUNK + BS)], blocks, null=0) == 2
+    assert copier.usable_chunks([(0, CHUNK), (CHUNK, 2 * CHUNK)], blocks, null=0) == 1
+    tail = [torch.full(t.shape, -1.0) for t in layout.chunk.tensors]
+    for i, tensor in enumerate(tail):
+        copier.gather_into(i, CHUNK, blocks, 0, tensor, end=CHUNK + BS)
+    assert torch.equal(tail[0][:RATIO], caches["full"][3 * RATIO:4 * RATIO]) and tail[0][RATIO:].eq(0).all()
+    assert torch.equal(tail[1][:RATIO], caches["swa"][7 * RATIO:8 * RATIO]) and tail[1][RATIO:].eq(0).all()
+    caches["full"].zero_()
+    view = ChunkView(1, None, (CHUNK, CHUNK + BS), tuple(tail), layout.chunk)  # type: ignore[arg-type]
+    scatter(copier, view, ((10, 11, 12, 13), (14, 15, 8, 9)), CHUNK, CHUNK + BS)
+    assert torch.equal(caches["full"][12 * RATIO:13 * RATIO], tail[0][:RATIO])
+    assert caches["full"][13 * RATIO:14 * RATIO].eq(0).all()  # the block past the tail is left alone
 
 
 def test_blocks_in_range_skips_null_blocks():
