@@ -99,7 +99,7 @@ class PagedCopier:
         n = len(src)
         if src == list(range(n)):  # every page up to ``end`` (a whole chunk, or a tail): no scatter
             idx = _as_index(dst)
-            head = out if n == t.pages else out[:n]
+            head = out[:n]
             if isinstance(idx, slice):
                 head.copy_(cache[idx])
             elif n:

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvengine.chunks.hashing import TokenInput, prefix_hashes, tail_hashes
+import numpy as np
+
+from kvengine.chunks.hashing import TokenInput, prefix_hashes, tail_hashes, token_bytes
 from kvengine.chunks.keys import ChunkHash, ChunkKey
 from kvengine.types import ChunkView, ModelBinding
 
@@ -79,6 +81,7 @@ def superseded(binding: ModelBinding, tokens: TokenInput, hashes: Sequence[Chunk
     step, size = binding.tail_step, binding.chunk_size
     if not step:
         return tuple(() for _ in chunks)
+    tokens = np.frombuffer(token_bytes(tokens), dtype="<u4")  # validated and converted once, not per chunk
     out = []
     for view in chunks:
         start, end = view.token_range
