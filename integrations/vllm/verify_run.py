@@ -30,7 +30,8 @@ fails unless vLLM reports preemptions in each of the connector's passes.
 
 Greedy tokens must equal the reference's in the writer and the reader pass,
 and log-probabilities within :data:`ALONE_TOLERANCE` of it for a request run alone (the
-preempted requests, batched: :data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`).
+preempted requests, batched: :data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`; those of a
+recurrent-state model below fp32 by their tokens alone, see :func:`_preempted_bound`).
 Each KV cache group gets a verdict, with the tokens the reader loaded (a
 reader that loads nothing fails). vLLM keeps its KV inside the workers, so a
 group's state is judged by the outputs it leads to (``max_state_error`` None).
@@ -65,11 +66,8 @@ CONNECTOR_MODULE = "kvengine.integrations.vllm.connector"
 PREEMPTED_REQUESTS = 4
 FIRST_TURN, NEXT_TURN, PREEMPTION = "first turn", "reply reused on the next turn", "preemption"
 #: Largest log-probability difference for a request run alone, as in the reference. Tighter than the bound
-#: for the preempted requests (:data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`): vLLM resumes a preempted
-#: hybrid request from the state at a block boundary, which moves its bf16 outputs by its own rounding (measured,
-#: Qwen3-Next: 0.016 from the reference in the proof; the same 0.016, and up to 1.19 over 257 tokens, with and
-#: without the connector against the request run alone) -- as much as a recurrent state read from the wrong
-#: block moves them (docs/vllm.md, Gaps) -- while requests alone stay within 6e-4: there a wrong state cannot hide.
+#: for the preempted requests (:func:`_preempted_bound`): requests alone stay within 6e-4 (bf16 Qwen3-Next), so
+#: a wrong recurrent state cannot hide there.
 ALONE_TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 5e-3}
 #: EngineArgs the proof sets (``--engine-args`` may not)
 PROOF_ARGS = frozenset({"model", "dtype", "tensor_parallel_size", "max_num_seqs", "max_model_len",
@@ -252,7 +250,7 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
     clock.step("log-probability error against the reference: " + ", ".join(
         f"{which} {name} {e:.3g}" for (which, name), e in errors.items()))
     for (which, name), e in errors.items():
-        bound = (LOGPROB_TOLERANCE if name == PREEMPTION else ALONE_TOLERANCE)[dtype]
+        bound = _preempted_bound(dtype, hybrid) if name == PREEMPTION else ALONE_TOLERANCE[dtype]
         if e > bound and not failures:
             failures.append(f"{which} pass, {name}: log-probabilities differ by up to {e:.3g} (tolerance {bound:g} "
                             f"for {dtype}{' batched' if name == PREEMPTION else ''})")
@@ -404,6 +402,20 @@ def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str) -> list[_O
                 done[out.request_id] = _Output(list(c.token_ids),
                                                [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])])
     return [done[rid] for rid in ids]
+
+
+def _preempted_bound(dtype: str, hybrid: bool) -> float:
+    """The log-probability bound for the preempted requests: the dtype's, except for a model with recurrent
+    state below fp32, whose preempted requests are judged by their greedy tokens alone (no bound).
+
+    vLLM resumes a preempted hybrid request from the state at a block boundary and recomputes the rest, so its
+    outputs follow where it resumed, which follows step timing (asynchronous loads and saves): in bf16,
+    Qwen3-Next's preempted requests moved by up to 1.19 without the connector against the same requests run
+    alone, and by 1.93 in 4 of 6 proofs against the reference (2026-12-06, tokens identical). A bound there
+    refuses at random, and proves nothing a bound can: reading the state from the wrong block moves outputs by
+    0.015 (docs/vllm.md, Gaps), below the dtype's bound already. The requests run alone, held to
+    :data:`ALONE_TOLERANCE`, are where a wrong state shows."""
+    return math.inf if hybrid and dtype != "float32" else LOGPROB_TOLERANCE[dtype]
 
 
 def _differences(which: str, got: dict[str, list[_Output]], want: dict[str, list[_Output]]) -> list[str]:

@@ -202,3 +202,15 @@ def test_vllm_budget_refuses_a_request_that_does_not_grow():
 
     with pytest.raises(UnsupportedModelError, match="cannot size a KV budget that preempts"):
         _Plan.of(256, 256, 16, kinds=2).calibrate(6, 5, 0)
+
+
+def test_vllm_preempted_requests_of_a_recurrent_state_model_below_fp32_are_judged_by_tokens_alone():
+    """Their log-probabilities follow where vLLM resumed them (step timing); everything else keeps a bound."""
+    import math
+
+    from kvengine.integrations.vllm.verify_run import _preempted_bound
+    from kvengine.trust.proof_run import LOGPROB_TOLERANCE
+
+    assert _preempted_bound("bfloat16", hybrid=True) == _preempted_bound("float16", hybrid=True) == math.inf
+    assert _preempted_bound("float32", hybrid=True) == LOGPROB_TOLERANCE["float32"]
+    assert _preempted_bound("bfloat16", hybrid=False) == LOGPROB_TOLERANCE["bfloat16"]

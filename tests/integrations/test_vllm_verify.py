@@ -114,22 +114,7 @@ def test_sliding_window_hybrid_and_mla_models_are_exact(tmp_path, family, dtype,
     on AMX CPUs, DeepSeek-V2 (MLA latent pages, bf16, with the engine settings it is served with). Models of
     several KV cache groups run on a budget sized from one preempted-size request's measured use of it."""
     code, out, records = _verify(tmp_path, family, dtype=dtype, disk=family != "gemma2", extra=extra)
-    if code and family == "qwen3_next" and _preemption_rounding_alone(tmp_path / "verify.log"):
-        # Known false refusal, seen in 2 of 4 runs on 2026-12-06 (log-probability error 1.93, writer pass): a
-        # preempted bf16 hybrid request's outputs depend on where vLLM resumed it, and the writer's preemption
-        # points, set by step timing, need not be the reference's. Proven again once, in a fresh directory; any
-        # other failure, or this one twice, fails.
-        again = tmp_path / "again"
-        again.mkdir()
-        code, out, records = _verify(again, family, dtype=dtype, disk=True, extra=extra)
     _assert_proven(code, out, records, groups)
-
-
-def _preemption_rounding_alone(log: Path) -> bool:
-    """Whether the proof's only failure was the preempted requests' log-probability bound."""
-    failed = [line for line in log.read_text().splitlines() if line.startswith("kvengine verify: FAILED: ")]
-    return len(failed) == 1 and ";" not in failed[0] and \
-        re.search(r"FAILED: (writer|reader) pass, preemption: log-probabilities differ", failed[0]) is not None
 
 
 def test_engine_args_the_proof_sets_are_refused_by_name(tmp_path):
