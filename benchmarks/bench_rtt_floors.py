@@ -11,7 +11,13 @@ Each row adds one layer the peer tier needs, measured side by side in one run (m
 * ``libzmq, blocking``: DEALER/ROUTER without asyncio (libzmq hands each message to and from its
   own I/O thread on both sides);
 * ``zmq.asyncio``: the same through pyzmq's asyncio sockets;
+* ``kvengine tcp-wire request``: one GET over kvengine's tcp wire without the peer tier's client
+  (framing, the connection pool and the server's service: what the wire itself costs);
 * ``kvengine ZeroMQ get`` / ``kvengine tcp-wire get``: a 4 KiB record through the peer tier.
+
+Beside each round trip, the CPU time each side spent on it (the client's process time, the server
+process's from ``/proc``): a round trip is about the client's CPU, the server's, and the kernel's
+wake-ups between them, so the columns name where the microseconds go.
 
 Usage: ``python benchmarks/bench_rtt_floors.py`` (writes ``benchmarks/results/rtt_floors.json``).
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import statistics
 import subprocess
@@ -181,6 +188,31 @@ def rtt_zmq(port: int, rounds: int, use_asyncio: bool) -> float:
     return asyncio.run(main())
 
 
+def rtt_kvengine_request(port: int, rounds: int) -> float:
+    """One GET through the tcp wire's connector alone (no peer tier client: routing, record checks)."""
+    from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
+    from kvengine.transports.peer_protocol import Op
+    from kvengine.transports.placement import Membership, Peer
+    from kvengine.transports.tcp_peer import TcpConnector
+
+    key, record = _record()
+
+    async def main() -> float:
+        connector = TcpConnector()
+        transport = PeerTransport(TcpConnector(), Membership([f"127.0.0.1:{port}"]), PeerClientOptions(replicas=1))
+        assert (await transport.put([(key, record)]))[0]
+        await transport.close()
+        peer, times = Peer("127.0.0.1", port), []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            reply = await connector.request(peer, Op.GET, [key], (), 10)
+            times.append(time.perf_counter() - t0)
+            assert reply is not None and reply[0].flags == (True,)
+        await connector.close()
+        return statistics.median(times) * 1e6
+    return asyncio.run(main())
+
+
 def rtt_kvengine(kind: str, port: int, rounds: int) -> float:
     from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
     from kvengine.transports.placement import Membership
@@ -214,6 +246,12 @@ def _record() -> tuple[Any, bytes]:
     return make(SMALL)
 
 
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user and system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2000)
@@ -225,30 +263,50 @@ def main() -> int:
         return 0
     print_header()
     servers = {k: spawn(k) for k in ("tcp", "asyncio", "zmq", "kv-zmq", "kv-tcp")}
-    arms: dict[str, Any] = {
-        "thread hop (one way)": lambda: rtt_thread_hop(args.rounds),
-        "raw TCP, blocking": lambda: rtt_tcp(servers["tcp"][1], args.rounds),
-        "asyncio TCP (Protocol both sides)": lambda: rtt_asyncio(servers["asyncio"][1], args.rounds),
-        "libzmq DEALER/ROUTER, blocking": lambda: rtt_zmq(servers["zmq"][1], args.rounds, False),
-        "zmq.asyncio DEALER, blocking ROUTER": lambda: rtt_zmq(servers["zmq"][1], args.rounds, True),
-        "kvengine ZeroMQ get (4 KiB record)": lambda: rtt_kvengine("kv-zmq", servers["kv-zmq"][1], args.rounds // 4),
-        "kvengine tcp-wire get (4 KiB record)": lambda: rtt_kvengine("kv-tcp", servers["kv-tcp"][1], args.rounds // 4),
+    kv_rounds = args.rounds
+    # name -> (the server it talks to, round trips, the measurement)
+    arms: dict[str, tuple[str | None, int, Any]] = {
+        "thread hop (one way)": (None, args.rounds, lambda: rtt_thread_hop(args.rounds)),
+        "raw TCP, blocking": ("tcp", args.rounds, lambda: rtt_tcp(servers["tcp"][1], args.rounds)),
+        "asyncio TCP (Protocol both sides)": ("asyncio", args.rounds,
+                                              lambda: rtt_asyncio(servers["asyncio"][1], args.rounds)),
+        "libzmq DEALER/ROUTER, blocking": ("zmq", args.rounds, lambda: rtt_zmq(servers["zmq"][1], args.rounds, False)),
+        "zmq.asyncio DEALER, blocking ROUTER": ("zmq", args.rounds,
+                                                lambda: rtt_zmq(servers["zmq"][1], args.rounds, True)),
+        "kvengine tcp-wire request (no peer tier)": ("kv-tcp", kv_rounds,
+                                                     lambda: rtt_kvengine_request(servers["kv-tcp"][1], kv_rounds)),
+        "kvengine ZeroMQ get (4 KiB record)": ("kv-zmq", kv_rounds,
+                                               lambda: rtt_kvengine("kv-zmq", servers["kv-zmq"][1], kv_rounds)),
+        "kvengine tcp-wire get (4 KiB record)": ("kv-tcp", kv_rounds,
+                                                 lambda: rtt_kvengine("kv-tcp", servers["kv-tcp"][1], kv_rounds)),
     }
     samples: dict[str, list[float]] = {k: [] for k in arms}
+    client_cpu: dict[str, list[float]] = {k: [] for k in arms}
+    server_cpu: dict[str, list[float]] = {k: [] for k in arms}
     try:
         for _ in range(args.repeats):
-            for name, fn in arms.items():
+            for name, (server, rounds, fn) in arms.items():
+                pid = servers[server][0].pid if server else None
+                before, server_before = time.process_time(), _process_cpu(pid) if pid else 0.0
                 samples[name].append(fn())
+                client_cpu[name].append((time.process_time() - before) / rounds * 1e6)
+                server_cpu[name].append((_process_cpu(pid) - server_before) / rounds * 1e6 if pid else 0.0)
     finally:
         for proc, _ in servers.values():
             proc.kill()
             proc.wait()
     med = {k: statistics.median(v) for k, v in samples.items()}
+    cpu = {k: (statistics.median(client_cpu[k]), statistics.median(server_cpu[k])) for k in arms}
     base = med["raw TCP, blocking"]
-    rows = [[k, f"{v:.1f}", f"{v / base:.1f}x" if not k.startswith("thread") else "-"] for k, v in med.items()]
-    print_table(f"4 KiB round trips on loopback, us (medians of {args.rounds} round trips x {args.repeats} passes)",
-                ["what", "us", "over raw TCP"], rows)
-    print(f"\nwrote {write_json('rtt_floors.json', {'rounds': args.rounds, 'us': med, 'samples_us': samples})}")
+    rows = [[k, f"{v:.1f}", f"{v / base:.1f}x" if not k.startswith("thread") else "-",
+             f"{cpu[k][0]:.0f}" if arms[k][0] else "-", f"{cpu[k][1]:.0f}" if arms[k][0] else "-"]
+            for k, v in med.items()]
+    print_table(f"4 KiB round trips on loopback, us (medians of {args.rounds} round trips x {args.repeats} passes; "
+                f"kvengine's: {kv_rounds})", ["what", "us", "over raw TCP", "client CPU us", "server CPU us"], rows)
+    out = write_json("rtt_floors.json", {"rounds": args.rounds, "us": med, "samples_us": samples,
+                                         "cpu_us_per_round_trip": {k: {"client": c, "server": s}
+                                                                   for k, (c, s) in cpu.items()}})
+    print(f"\nwrote {out}")
     return 0
 
 

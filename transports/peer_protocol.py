@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvengine.chunks.keys import ChunkHash, ChunkKey, NamespaceDigest
-from kvengine.chunks.record import decode_header as decode_record_header
+from kvengine.chunks.record import peek_identity
 from kvengine.errors import IntegrityError, IntegrityReason, TransportError
 from kvengine.transport import Buffer
 
@@ -207,12 +207,14 @@ def gather_records(frames: Sequence[Buffer], lengths: Sequence[int]) -> list[Buf
 def record_matches(key: ChunkKey, record: Buffer) -> IntegrityReason | None:
     """None if ``record`` has an intact header naming ``key`` and the right length, else the reason."""
     try:
-        header = decode_record_header(memoryview(record), expect_namespace=key.namespace)
+        named = peek_identity(memoryview(record))
     except IntegrityError as exc:
         return exc.reason
-    if header.key != key:
+    if named.key.namespace != key.namespace:
+        return "other_namespace"
+    if named.key != key:
         return "other_key"
-    if header.record_length != len(record):
+    if named.record_length != len(record):
         return "wrong_length"
     return None
 

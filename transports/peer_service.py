@@ -32,7 +32,7 @@ from functools import partial
 from typing import Protocol
 
 from kvengine.chunks.keys import ChunkKey, NamespaceDigest
-from kvengine.chunks.record import unpack_record, verify_seal
+from kvengine.chunks.record import verify_record, verify_seal
 from kvengine.errors import IntegrityError
 from kvengine.threads import start_thread
 from kvengine.transport import Buffer
@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: Payloads above this are joined and verified in a worker thread, not on the event loop.
 _THREAD_BYTES = 256 * 1024
+#: the counter each op's requests are counted under
+_OP_COUNTS = {op: f"op_{op.name.lower()}" for op in Op}
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,14 +131,17 @@ class PeerService:
 
     async def serve(self, msg: Message, frames: Sequence[Buffer], client: bytes | None = None) -> Reply | None:
         """The reply to an admitted request whose payload came as ``frames``."""
+        payload = msg.payload_bytes
         try:
-            if msg.payload_bytes > _THREAD_BYTES:
+            if payload > _THREAD_BYTES:
                 records = await asyncio.to_thread(gather_records, frames, msg.lengths)
-            else:
+            elif payload or frames:
                 records = gather_records(frames, msg.lengths)
+            else:  # no record (every get, exists, delete)
+                records = [b""] * len(msg.lengths)
         except ProtocolError as exc:
             return self.refuse(msg.request_id, exc.status)
-        self.counts[f"op_{msg.op.name.lower()}"] += 1
+        self.counts[_OP_COUNTS[msg.op]] += 1
         try:
             return await self._dispatch(msg, records, client)
         except Exception as exc:  # the store broke its no-raise contract: a miss, counted and logged
@@ -233,7 +238,7 @@ class PeerService:
         reason = record_matches(key, record)
         secret = self.options.secret
         if reason is None and (self.options.verify_puts or secret is not None):
-            check = partial(verify_seal, secret=secret) if secret is not None else unpack_record
+            check = partial(verify_seal, secret=secret) if secret is not None else verify_record
             try:
                 view = memoryview(record)
                 if len(view) > _THREAD_BYTES:

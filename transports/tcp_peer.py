@@ -11,12 +11,14 @@ announces, before libzmq has buffered it. Here each message is::
 
 so the server knows, before it reads a payload byte, how much will come,
 and reads exactly that into buffers of exactly that size
-(:class:`asyncio.BufferedProtocol`: the kernel copies straight into the
-record's buffer). Bytes beyond the announced payload are the next message,
-whose length then fails its check: the connection is closed and nothing of
-it was ever buffered. A connection carries one request at a time; while a
-request is served its connection is not read (TCP pushes back on the
-sender). A client keeps up to ``connections_per_peer`` connections per peer.
+(:class:`asyncio.BufferedProtocol`: the kernel copies a large record
+straight into its buffer; a small message is read whole in one go, see
+:class:`_Framed`). Bytes beyond the announced payload are the next message,
+whose length then fails its check: the connection is closed, having
+buffered at most the read-ahead (32 KiB) of it. A connection carries one
+request at a time; while a request is served its next bytes are not parsed,
+and once the read-ahead is full not read (TCP pushes back on the sender).
+A client keeps up to ``connections_per_peer`` connections per peer.
 
 Server bounds (:class:`TcpServerOptions`): connections in all and per
 client, a deadline for each message once its first byte arrived (a client
@@ -84,6 +86,12 @@ _SMALL_PAYLOAD = 256 << 10
 #: (asyncio copies what a socket does not take at once; a whole 32 MiB record would be copied and shifted).
 _WRITE_PIECE = 1 << 20
 _WRITE_HIGH, _WRITE_LOW = 2 << 20, 512 << 10
+#: Bytes read at once between messages (per connection): a small message and its reply take one read each.
+_READ_AHEAD = 32 << 10
+#: A message whose records total at most this is written with its header in one write (one send).
+_ONE_WRITE = 64 << 10
+#: A connection's timer that fires this close to its deadline closes it (timers may fire a clock tick early).
+_TIMER_SLACK = 1e-3
 
 
 def fingerprint(der: bytes) -> bytes:
@@ -175,8 +183,19 @@ class TcpServerOptions:
 class _Framed(asyncio.BufferedProtocol):
     """Reads messages (length, header, records) into exactly sized buffers; writes them in pieces.
 
-    Subclasses get :meth:`on_header` (may pause the stream: return False, then call :meth:`proceed`),
-    :meth:`on_message` and :meth:`on_lost`. A message that breaks the framing closes the connection.
+    Between messages the socket is read into a read-ahead buffer (:data:`_READ_AHEAD` bytes), so a
+    small message (length, header and payload in one segment) takes one read and one loop turn; its
+    bytes are copied from there into the buffers the header sizes, and a large record's rest is read
+    straight into its own buffer.
+
+    A stalled stream (:meth:`stall`: a request being served, or waiting for receive budget) is not
+    parsed: what arrives meanwhile is kept in the read-ahead buffer, and reading pauses only once that
+    is full (no pause and resume, two system calls, per request of a client that waits for its reply);
+    :meth:`unstall` parses what was kept, then reads on.
+
+    Subclasses get :meth:`on_header` (may stall the stream: call :meth:`stall` and return False, then
+    call :meth:`proceed` and :meth:`unstall`), :meth:`on_message` and :meth:`on_lost`. A message that
+    breaks the framing closes the connection.
     """
 
     def __init__(self, limits: Limits, *, reply: bool) -> None:
@@ -186,6 +205,11 @@ class _Framed(asyncio.BufferedProtocol):
         self.closed = False
         self._writable = asyncio.Event()
         self._writable.set()
+        self._ahead = bytearray(_READ_AHEAD)
+        self._reading_ahead = False  # get_buffer handed out (part of) the read-ahead buffer
+        self._kept = (0, 0)  # bytes of the read-ahead buffer read while stalled, not parsed yet
+        self._stalled = False  # not parsing: a request being served, or waiting for receive budget
+        self._paused = False  # reading paused (stalled with a full read-ahead buffer)
         self._reset()
 
     def _reset(self) -> None:
@@ -204,24 +228,28 @@ class _Framed(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(_WRITE_HIGH, _WRITE_LOW)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._target[self._filled:]
+        if self._stalled:  # kept for unstall: never full here (reading pauses when it fills)
+            self._reading_ahead = True
+            return memoryview(self._ahead)[self._kept[1]:]
+        self._reading_ahead = self._filled == 0 and self._stage == "length"
+        return memoryview(self._ahead) if self._reading_ahead else self._target[self._filled:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._filled == 0 and self._stage == "length":
-            self.on_message_start()
+        if self._reading_ahead and self._stalled:
+            self._keep(self._kept[0], self._kept[1] + nbytes)
+            return
+        if self._reading_ahead:
+            self._feed(0, nbytes)
+            return
         self._filled += nbytes
         if self._filled < len(self._target) or self.closed:
             return
-        try:
-            self._advance()
-        except ProtocolError as exc:
-            self.on_bad(self._header, exc)
-            self.abort()
+        self._step()
 
     @property
     def mid_message(self) -> bool:
         """Part of a message has been read, not all of it."""
-        return self._filled > 0 or self._stage != "length"
+        return self._filled > 0 or self._stage != "length" or self._kept[1] > self._kept[0]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -235,6 +263,52 @@ class _Framed(asyncio.BufferedProtocol):
         self._writable.set()
 
     # -- reading ---------------------------------------------------------------------------------------------
+    def stall(self) -> None:
+        """Parse nothing more until :meth:`unstall` (what arrives meanwhile is kept, see the class docs)."""
+        self._stalled = True
+
+    def unstall(self) -> None:
+        """Parse on: first what was kept, then what the socket brings."""
+        self._stalled = False
+        start, end = self._kept
+        self._kept = (0, 0)
+        if start < end:
+            self._feed(start, end)
+        if self._paused and not self._stalled and not self.closed and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _feed(self, start: int, end: int) -> None:
+        """Hand the read-ahead buffer's bytes ``start:end`` to the messages they belong to, stage by stage,
+        until they are used up or the stream stalls (the rest is kept for :meth:`unstall`)."""
+        data = memoryview(self._ahead)
+        while start < end and not self.closed and not self._stalled:
+            if self._filled == 0 and self._stage == "length":
+                self.on_message_start()
+            take = min(end - start, len(self._target) - self._filled)
+            self._target[self._filled:self._filled + take] = data[start:start + take]
+            self._filled += take
+            start += take
+            if self._filled == len(self._target):
+                self._step()
+        if start < end and not self.closed:
+            self._keep(start, end)
+
+    def _keep(self, start: int, end: int) -> None:
+        """Keep bytes ``start:end`` of the read-ahead buffer (stalled); a full buffer pauses reading."""
+        self._kept = (start, end)
+        if end == len(self._ahead) and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _step(self) -> None:
+        """The current stage's buffer is full: on to the next stage (a bad message closes the connection)."""
+        try:
+            self._advance()
+        except ProtocolError as exc:
+            self.on_bad(self._header, exc)
+            self.abort()
+
     def _advance(self) -> None:
         if self._stage == "length":
             (n,) = _LEN.unpack(self._target)
@@ -296,17 +370,30 @@ class _Framed(asyncio.BufferedProtocol):
         self.on_message(msg, records)
 
     # -- writing ---------------------------------------------------------------------------------------------
+    def write_at_once(self, header: bytes, records: Sequence[Buffer]) -> bool:
+        """Hand a small message (records of at most :data:`_ONE_WRITE` bytes) to the socket in one write
+        (copying it costs less than a send more); whether the socket took it without back-pressure."""
+        assert self.transport is not None
+        self.transport.write(b"".join((_LEN.pack(len(header)), header, *records)))
+        return not self.closed and self._writable.is_set()
+
     async def write(self, header: bytes, records: Sequence[Buffer]) -> None:
         """Send one message; returns once the socket has taken all but a bounded tail of it."""
         assert self.transport is not None
-        self.transport.write(_LEN.pack(len(header)) + header)
+        if sum(len(r) for r in records) <= _ONE_WRITE:
+            self.write_at_once(header, records)
+            records = ()
+        else:
+            self.transport.write(_LEN.pack(len(header)) + header)
         for record in records:
             view = memoryview(record).cast("B")
             for i in range(0, len(view), _WRITE_PIECE):
-                await self._writable.wait()
-                if self.closed:
-                    raise ConnectionResetError("connection closed while writing")
+                await self.drained()
                 self.transport.write(view[i:i + _WRITE_PIECE])
+        await self.drained()
+
+    async def drained(self) -> None:
+        """Wait until the socket takes more (it took all but a bounded tail of what was written)."""
         await self._writable.wait()
         if self.closed:
             raise ConnectionResetError("connection closed while writing")
@@ -399,7 +486,10 @@ class _ServerConnection(_Framed):
         self.server = server
         self.client: bytes = b""  # identity for limits: certificate fingerprint, else IP address
         self.identity: bytes | None = None  # proven identity (TLS client certificate), for tenants
+        #: the connection's one timer; it closes the connection at ``_due`` (None: nothing due), see :meth:`_arm`
         self._timer: asyncio.TimerHandle | None = None
+        self._due: float | None = None
+        self._why = ""
         self._held = 0  # receive budget held by the request being read
         self._waiting: asyncio.Task[None] | None = None  # waiting for receive budget (reading paused)
         self._broken = False  # closed for breaking the protocol (counted once, as that)
@@ -420,9 +510,30 @@ class _ServerConnection(_Framed):
         self._arm(self.server.options.idle_timeout, "idle")
 
     def _arm(self, seconds: float, why: str) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, why)
+        """Close the connection in ``seconds`` (counted as ``closed_{why}``) unless armed again or disarmed.
+
+        One timer per connection, moved only when the deadline comes sooner than it fires: a deadline moved
+        later is found when the timer fires, which then waits on. So a request costs no timer of its own
+        (a message deadline, then an idle one, per request, were two timers made and three cancelled)."""
+        loop = asyncio.get_running_loop()
+        self._due, self._why = loop.time() + seconds, why
+        if self._timer is None or self._timer.when() > self._due:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(self._due, self._on_timer)
+
+    def _disarm(self) -> None:
+        self._due = None  # the timer, if any, finds nothing due
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._due is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._due - loop.time() > _TIMER_SLACK:  # moved later since: wait on
+            self._timer = loop.call_at(self._due, self._on_timer)
+        else:
+            self._expire(self._why)
 
     def _expire(self, why: str) -> None:
         self.server.counts[f"closed_{why}"] += 1
@@ -441,8 +552,7 @@ class _ServerConnection(_Framed):
         if budget.try_take(self.client, nbytes):
             self._held = nbytes
             return True
-        assert self.transport is not None
-        self.transport.pause_reading()
+        self.stall()
         self._waiting = self.server.spawn(self._wait_for_budget(nbytes))
         return False
 
@@ -466,8 +576,8 @@ class _ServerConnection(_Framed):
         elif grant is Grant.TIMED_OUT:
             self._expire("message_timeout")
         else:
-            self.transport.resume_reading()
             self.proceed()
+            self.unstall()
 
     def _give_back(self) -> None:
         if self._held:
@@ -475,13 +585,17 @@ class _ServerConnection(_Framed):
             self._held = 0
 
     def on_message(self, msg: Message, records: list[Buffer]) -> None:
-        assert self.transport is not None
-        if self._timer is not None:
-            self._timer.cancel()
-        self.transport.pause_reading()  # one request at a time per connection
-        self.server.spawn(self._serve(msg, records))
+        self._disarm()  # serving is bounded by the service, the reply by reply_timeout
+        self.stall()  # one request at a time per connection
+        self.server.spawn(self._serve(msg, records), leaves_itself=True)
 
     async def _serve(self, msg: Message, records: list[Buffer]) -> None:
+        try:
+            await self._answer(msg, records)
+        finally:
+            self.server.leave()
+
+    async def _answer(self, msg: Message, records: list[Buffer]) -> None:
         server = self.server
         try:
             reply = await server.serve(self, msg, records)
@@ -491,17 +605,18 @@ class _ServerConnection(_Framed):
         if self.closed:
             return
         try:  # a client that stops reading loses its connection, not a slot for good
-            async with asyncio.timeout(server.service.options.reply_timeout):
-                await self.write(reply.header, reply.records)
+            if not (reply.payload_bytes <= _ONE_WRITE and self.write_at_once(reply.header, reply.records)):
+                async with asyncio.timeout(server.service.options.reply_timeout):
+                    await (self.write(reply.header, reply.records) if reply.payload_bytes > _ONE_WRITE
+                           else self.drained())
         except TimeoutError:
             server.counts["reply_abandoned_slow_client"] += 1
             self.abort()
             return
         except ConnectionError:
             return
-        assert self.transport is not None
         self._arm(server.options.idle_timeout, "idle")
-        self.transport.resume_reading()
+        self.unstall()
 
     def on_bad(self, header: bytes, exc: ProtocolError) -> None:
         self._broken = True
@@ -512,8 +627,10 @@ class _ServerConnection(_Framed):
             self.transport.write(_LEN.pack(len(reply.header)) + reply.header)
 
     def on_lost(self) -> None:
+        self._disarm()
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         if self._waiting is not None:  # a request waiting for receive budget leaves the line
             self._waiting.cancel()
             self._waiting = None
@@ -587,11 +704,20 @@ class TcpPeerServer:
                 del self._per_client[conn.client]
                 self.budget.reshare()  # one client fewer: shares grow
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def spawn(self, work: Coroutine[Any, Any, None], *, leaves_itself: bool = False) -> asyncio.Task[None]:
+        """Run ``work`` as a task this server cancels when it closes. ``leaves_itself``: ``work`` calls
+        :meth:`leave` when it ends (a done callback would cost a loop turn more per request)."""
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if not leaves_itself:
+            task.add_done_callback(self._tasks.discard)
         return task
+
+    def leave(self) -> None:
+        """The running task (spawned ``leaves_itself``) ends."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.discard(task)
 
     def blame(self, conn: _ServerConnection, what: str) -> None:
         if conn.client not in self._blamed:

@@ -168,8 +168,8 @@ def sealed_by_another_version(buf: bytes | memoryview) -> bool:
     return xxhash.xxh3_64_intdigest(memoryview(buf)[: header_length - _CHECK.size]) == stored
 
 
-def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest | None = None) -> RecordHeader:
-    """Parse and verify the header at the start of ``buf`` (payload not checked)."""
+def _checked_header(buf: bytes | memoryview) -> memoryview:
+    """The header at the start of ``buf``, whole and matching its checksum (not parsed further)."""
     header_length = peek_header_length(buf)
     if header_length < _FIXED.size + _CHECK.size or len(buf) < header_length:
         raise IntegrityError("truncated_header", f"header {header_length} bytes, have {len(buf)}")
@@ -177,6 +177,55 @@ def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest 
     (stored_check,) = _CHECK.unpack_from(view, header_length - _CHECK.size)
     if xxhash.xxh3_64_intdigest(view[: header_length - _CHECK.size]) != stored_check:
         raise IntegrityError("header_checksum", "header bytes do not match their checksum")
+    return view
+
+
+@dataclass(frozen=True, slots=True)
+class RecordIdentity:
+    """What a record's checked header says it is and holds, its descriptors left unparsed
+    (:func:`peek_identity`)."""
+
+    key: ChunkKey
+    header_length: int
+    payload_length: int
+    payload_checksum: int
+    authenticated: bool
+
+    @property
+    def record_length(self) -> int:
+        return self.header_length + self.payload_length + (MAC_BYTES if self.authenticated else 0)
+
+
+def peek_identity(buf: bytes | memoryview) -> RecordIdentity:
+    """The key and lengths the header at the start of ``buf`` names, its checksum verified; the descriptor
+    table is left unparsed (:func:`decode_header` checks it), so this costs one hash of the header whatever
+    the record's tensor count. For stores and wires that pass records on (:func:`verify_record`)."""
+    view = _checked_header(buf)
+    (_, _, flags, _, ns, chunk_hash, _, _, _, _, _, payload_length, checksum) = _FIXED.unpack_from(view)
+    return RecordIdentity(ChunkKey(NamespaceDigest(bytes(ns)), ChunkHash(bytes(chunk_hash))), len(view),
+                          payload_length, checksum, bool(flags & RecordFlag.AUTHENTICATED))
+
+
+def verify_record(buf: bytes | memoryview, *, expect_key: ChunkKey) -> None:
+    """Check that ``buf`` is a whole, intact record of ``expect_key`` (the checks of :func:`unpack_record`
+    but the descriptor table's, which its reader parses: :class:`IntegrityError` with the same reasons)."""
+    named = peek_identity(buf)
+    if named.key.namespace != expect_key.namespace:
+        raise IntegrityError("other_namespace", "record belongs to another namespace")
+    if named.key != expect_key:
+        raise IntegrityError("other_key", "record holds a different chunk")
+    if len(buf) != named.record_length:
+        raise IntegrityError("truncated_payload" if len(buf) < named.record_length else "trailing_bytes",
+                             f"record {len(buf)} bytes, header says {named.record_length}")
+    payload = memoryview(buf)[named.header_length : named.header_length + named.payload_length]
+    if xxhash.xxh3_64_intdigest(payload) != named.payload_checksum:
+        raise IntegrityError("payload_checksum", "payload bytes do not match their checksum")
+
+
+def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest | None = None) -> RecordHeader:
+    """Parse and verify the header at the start of ``buf`` (payload not checked)."""
+    view = _checked_header(buf)
+    header_length = len(view)
     (_, version, flags, _, ns, chunk_hash, start, end, codec_id, n_tensors, raw_length, payload_length,
      payload_checksum) = _FIXED.unpack_from(view)
     if expect_namespace is not None and ns != expect_namespace:

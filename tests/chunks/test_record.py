@@ -20,7 +20,9 @@ from kvengine.chunks.record import (
     decode_header,
     descriptors_for,
     encode_header,
+    peek_identity,
     unpack_record,
+    verify_record,
 )
 from kvengine.errors import IntegrityError
 
@@ -89,6 +91,41 @@ def test_other_namespace_and_key_rejected():
     with pytest.raises(IntegrityError) as err:
         unpack_record(_record(), expect_key=ChunkKey(NS, ChunkHash(b"\x02" * 16)))
     assert err.value.reason == "other_key"
+
+
+def _reason(check, blob: bytes, key: ChunkKey = KEY) -> str | None:
+    try:
+        check(blob, expect_key=key)
+    except IntegrityError as exc:
+        return exc.reason
+    return None
+
+
+def _flipped(position: int) -> bytes:
+    blob = bytearray(_record())
+    blob[position] ^= 0x10
+    return bytes(blob)
+
+
+@pytest.mark.parametrize("blob, key", [
+    *((_flipped(p), KEY) for p in (0, 5, 40, 60, 100, 200, -1, -500)),
+    *((_record()[:cut], KEY) for cut in (0, 3, 20, 120, -1, -1000)),
+    (_record() + b"\0", KEY),
+    (_record(), ChunkKey(Namespace(model="other").digest(), ChunkHash(b"\x01" * 16))),
+    (_record(), ChunkKey(NS, ChunkHash(b"\x02" * 16))),
+    (_record(), KEY),
+])
+def test_verify_record_refuses_what_unpack_record_refuses_for_the_same_reason(blob, key):
+    """The wire's check (no descriptor parse: one hash of the header) names every damage as the parser does."""
+    assert _reason(verify_record, blob, key) == _reason(unpack_record, blob, key)
+
+
+def test_peek_identity_names_key_and_length_without_parsing_descriptors():
+    blob = _record()
+    named = peek_identity(blob)
+    header, _ = unpack_record(blob, expect_key=KEY)
+    assert (named.key, named.record_length, named.payload_checksum) == (KEY, len(blob), header.payload_checksum)
+    assert not named.authenticated
 
 
 def test_descriptors_follow_layout_dtype():

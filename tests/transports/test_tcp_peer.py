@@ -20,11 +20,12 @@ from kvengine.errors import ConfigError
 from kvengine.tiers import build_tiers
 from kvengine.transport import ReadScope, read_scope
 from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-from kvengine.transports.peer_protocol import Op, encode_request
+from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_request
 from kvengine.transports.peer_service import ServerOptions
 from kvengine.transports.peer_store import MemoryRecordStore
 from kvengine.transports.placement import Membership, Peer, rendezvous_owners
 from kvengine.transports.tcp_peer import (
+    _READ_AHEAD,
     TcpConnector,
     TcpOptions,
     TcpPeerServer,
@@ -121,6 +122,59 @@ async def test_a_trickled_message_is_cut_at_its_deadline_and_idle_connections_ar
     assert server.counts["closed_idle"] >= 1
     assert [bytes(r) for r in await client.get([item[0]]) if r is not None] == [item[1]]  # ... and reopened
     await client.close()
+    await server.close()
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, list[bool], bytes]:
+    """One reply off a raw connection: its request id, flags and payload."""
+    (n,) = _LEN.unpack(await reader.readexactly(4))
+    msg = decode_header(await reader.readexactly(n), Limits(), reply=True)
+    return msg.request_id, list(msg.flags), await reader.readexactly(msg.payload_bytes)
+
+
+async def test_pipelined_requests_read_ahead_are_answered_in_order_and_deadlines_still_hold(make_record: Any) -> None:
+    """Three gets in one write (read ahead together, while the first is served the rest wait parsed-not): three
+    replies in order. After them, a trickled message is still cut at its deadline (one timer per connection,
+    moved as requests come)."""
+    store = DelayedStore(MiB, 0.05)
+    item = make_record(4096)
+    await store.put([item])
+    server = await _server(store, message_timeout=0.3, idle_timeout=5)
+    assert server.address is not None
+    host, port = server.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for _ in range(2):  # the second round: after replies, on a connection that read ahead before
+        requests = [encode_request(Op.GET, rid, [item[0]]) for rid in (7, 8, 9)]
+        writer.write(b"".join(_LEN.pack(len(r)) + r for r in requests))
+        assert [await _read_reply(reader) for _ in requests] == [(rid, [True], item[1]) for rid in (7, 8, 9)]
+    writer.write(_LEN.pack(40)[:3])
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert 0.25 < time.monotonic() - t0 < 2
+    assert server.counts["closed_message_timeout"] == 1 and server.counts["op_get"] == 6
+    await server.close()
+
+
+async def test_a_client_sending_while_its_request_is_served_is_paused_after_the_read_ahead(make_record: Any) -> None:
+    """Bytes that come while a request is served are kept, up to the read-ahead buffer, then the server stops
+    reading (TCP pushes back): a client that floods holds at most that much of the server's memory. Once the
+    reply is out, the kept bytes are parsed: garbage closes the connection, counted."""
+    store = DelayedStore(MiB, 1.0)
+    item = make_record(100)
+    await store.put([item])
+    server = await _server(store)
+    assert server.address is not None
+    host, port = server.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    request = encode_request(Op.GET, 1, [item[0]])
+    writer.write(_LEN.pack(len(request)) + request + b"\xff" * (4 * _READ_AHEAD))
+    await asyncio.sleep(0.5)  # the get is being served
+    (conn,) = server._connections
+    assert conn._kept[1] == _READ_AHEAD and conn.transport is not None and not conn.transport.is_reading()
+    assert await _read_reply(reader) == (1, [True], item[1])
+    with pytest.raises(ConnectionResetError):  # the kept garbage broke the framing: closed, unread bytes reset it
+        await asyncio.wait_for(reader.read(), 5)
+    assert server.counts["dropped_connection_too_large"] == 1
     await server.close()
 
 
