@@ -304,9 +304,7 @@ class CacheEngine:
                 tail = await self._promote_tail(binding, chunk, candidates, sources)
                 promoted += [tail.entry] if tail is not None else []
         read_bytes = sum(e.nbytes for e in promoted)
-        if tail is not None:
-            entries.append(tail.entry)
-            self.metrics.tail_hit_tokens.labels(model=binding.namespace.model).inc(tail.entry.num_tokens)
+        self._end_with(binding, entries, tail)
         if promoted and self.memory.publishes_events:
             hashes = question.hashes if tail is None else [*question.hashes[: tail.chunk], tail.entry.key.chunk_hash]
             self.memory.announce(_StoreEvents(binding, hashes, token_bytes(tokens)).pairs(promoted))
@@ -340,6 +338,12 @@ class CacheEngine:
             if entry is not None:
                 return _Tail(chunk, entry)
         return None
+
+    def _end_with(self, binding: ModelBinding, entries: list[MemoryEntry], tail: _Tail | None) -> None:
+        """A hit's whole chunks ``entries``, then its tail if one was found (counted)."""
+        if tail is not None:
+            entries.append(tail.entry)
+            self.metrics.tail_hit_tokens.labels(model=binding.namespace.model).inc(tail.entry.num_tokens)
 
     async def _promote_tail(self, binding: ModelBinding, chunk: int, candidates: list[tuple[int, ChunkKey]],
                             sources: dict[str, int]) -> _Tail | None:
@@ -375,9 +379,7 @@ class CacheEngine:
         if tail is None and candidates and self.has_lower_tiers:  # a tail below: the engine's loop reads it
             self.memory.unpin(entries)
             return None
-        if tail is not None:
-            entries.append(tail.entry)
-            self.metrics.tail_hit_tokens.labels(model=binding.namespace.model).inc(tail.entry.num_tokens)
+        self._end_with(binding, entries, tail)
         return self._reserve(binding, request_id, question, entries, started, {"memory": len(entries)})
 
     def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
