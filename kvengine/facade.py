@@ -224,6 +224,12 @@ class KVEngine:
         self.core.release_now(reservation)
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
+        """:meth:`CacheEngine.store <kvengine.core.engine.CacheEngine.store>`. An engine with no lower tier of
+        its own stores in the calling thread, with no hop to its loop."""
+        self._check_open()
+        stored = self.core.store_resident(binding, tokens, source)
+        if stored is not None:
+            return stored
         return self.run(self.core.store(binding, tokens, in_callers_mode(source)))
 
     def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:

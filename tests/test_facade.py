@@ -77,6 +77,39 @@ def test_a_lookup_memory_alone_answers_runs_in_the_callers_thread(tmp_path, lowe
         assert eng.core.memory.total_pins() == 0
 
 
+@pytest.mark.parametrize("lower_tier", [False, True])
+def test_a_store_with_no_lower_tier_runs_in_the_callers_thread(tmp_path, lower_tier):
+    """A memory-only engine copies a store's chunks in the calling thread (no hop to its loop and on to a
+    worker thread); with a lower tier to hand chunks on to, the store runs on the engine's threads. Either
+    way the chunks are stored and read back exact, and a source that raises still commits what it copied."""
+    layout = make_layout()
+    config: dict = {"chunk_size": CHUNK, "memory": {"capacity_bytes": 16 * layout.nbytes()}}
+    if lower_tier:
+        config["disk"] = {"path": str(tmp_path / "disk")}
+    with KVEngine(config) as eng:
+        binding = eng.bind(Namespace(model="store-threads"), layout)
+        tokens = list(range(3 * CHUNK))
+        kv = FakeKV(len(tokens))
+        threads: list[threading.Thread] = []
+
+        def source(index: int, start: int, end: int) -> list[torch.Tensor]:
+            threads.append(threading.current_thread())
+            if index == 2:
+                raise KeyError("the caller's source failed")
+            return kv.source(index, start, end)
+
+        with pytest.raises(KeyError, match="source failed"):
+            eng.store(binding, tokens, source)
+        assert len(threads) == 3 and all((t is threading.current_thread()) is not lower_tier for t in threads)
+        res = eng.lookup(binding, "r", tokens)
+        assert res.matched_tokens == 2 * CHUNK  # the two chunks copied before the failure
+        out = [torch.zeros_like(t) for t in kv.layers]
+        assert eng.load(res, copier(out)).loaded_tokens == 2 * CHUNK
+        assert all(torch.equal(o[:, :, :2 * CHUNK], k[:, :, :2 * CHUNK]) for o, k in zip(out, kv.layers))
+        eng.flush()
+        assert eng.core.memory.total_pins() == 0
+
+
 def test_close_is_idempotent_and_releases_reservations():
     """close may be called twice; it ends live reservations, empties memory and frees the arena at once."""
     layout = make_layout()
