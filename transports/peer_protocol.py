@@ -31,8 +31,9 @@ Decoding never trusts the sender: :func:`decode_header`,
 op, counts, every length against :class:`Limits` and against the bytes that
 actually arrive (in order, no gaps, no overlap), and raise
 :class:`ProtocolError` (carrying the :class:`Status` to answer with).
-:func:`record_matches` is the cheap check a client runs before returning
-bytes: the record's header is intact and names exactly the requested key.
+:func:`record_matches` is the cheap check a server runs before serving or
+storing a record: its header is intact and names exactly the key asked for
+(one hash of the header; clients check whole records, payload included).
 """
 
 from __future__ import annotations
