@@ -5,7 +5,9 @@ Every instance publishes its chunks entering and leaving tiers (``events`` in it
 wire format, see docs/kv_events.md). The router subscribes to each instance's stream and keeps which
 instance holds which chunk hash, on which media. For a prompt it computes the chunk hashes each instance
 would use (``prefix_hashes`` with that instance's namespace digest and chunk size) and ranks the
-instances by the longest prefix they hold. Batches missed (ZeroMQ drops what is published before a
+instances by the longest prefix they hold; for an instance whose binding stores tails (``tail_step``,
+the vLLM connector's default), that prefix may end in a chunk's leading whole steps
+(``tail_hashes``: the key the engine gives such a tail). Batches missed (ZeroMQ drops what is published before a
 subscription arrives) are fetched from the instance's replay endpoint: a gap in the sequence numbers,
 or :meth:`KVRouter.catch_up`, asks for them.
 
@@ -22,7 +24,7 @@ import torch
 import zmq
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
-from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.hashing import prefix_hashes, tail_hashes
 from kvengine.events import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, decode_batch
 
 
@@ -35,6 +37,7 @@ class Instance:
     digest: bytes  # its model binding's namespace digest (ModelBinding.digest), the seed of its hashes
     chunk_size: int
     replay_endpoint: str | None = None
+    tail_step: int = 0  # its binding's tail_step (ModelBinding.tail_step): hits may end at a whole step of it
 
 
 class KVRouter:
@@ -121,12 +124,20 @@ class KVRouter:
         """Tokens of the longest prefix of ``tokens`` instance ``name`` holds (on any medium)."""
         instance = self.instances[name]
         held = self.held[name]
+        hashes = prefix_hashes(tokens, instance.chunk_size, instance.digest)
         matched = 0
-        for h in prefix_hashes(tokens, instance.chunk_size, instance.digest):
+        for h in hashes:
             if h not in held:
                 break
             matched += 1
-        return matched * instance.chunk_size
+        start, step = matched * instance.chunk_size, instance.tail_step
+        ends = list(range(start + step, min(start + instance.chunk_size, len(tokens) + 1), step)) if step else []
+        if ends:  # the chunk the chain broke at: its longest tail held (hashed after the chunk before it)
+            parent = hashes[matched - 1] if matched else instance.digest
+            for end, h in zip(reversed(ends), reversed(tail_hashes(tokens, parent, start, ends))):
+                if h in held:
+                    return end
+        return start
 
     def rank(self, tokens: Sequence[int]) -> list[tuple[str, int]]:
         """Instances by cached prefix of ``tokens``, longest first (ties by name)."""
@@ -139,6 +150,7 @@ class KVRouter:
 
 # -- the demo -----------------------------------------------------------------------------------------
 CHUNK = 16
+STEP = 4  # tails: hits end at a whole step of 4 tokens past the last whole chunk
 
 
 def _layout() -> ChunkLayout:
@@ -163,15 +175,16 @@ def main() -> None:
     namespace = Namespace(model="demo-model", model_fingerprint="demo-weights")
     engines = {"instance-a": _engine(), "instance-b": _engine()}
     try:
-        bindings = {name: engine.bind(namespace, _layout()) for name, engine in engines.items()}
+        bindings = {name: engine.bind(namespace, _layout(), tail_step=STEP) for name, engine in engines.items()}
         router = KVRouter([
             Instance(name, engine.core.events.endpoint, bindings[name].digest, CHUNK,
-                     engine.core.events.replay_endpoint)
+                     engine.core.events.replay_endpoint, STEP)
             for name, engine in engines.items()])
         document = list(range(1000, 1000 + 4 * CHUNK))  # a shared document, 4 chunks
         question = list(range(5000, 5000 + 2 * CHUNK))
         _store(engines["instance-a"], bindings["instance-a"], document + question)  # 6 chunks
-        _store(engines["instance-b"], bindings["instance-b"], document[: 2 * CHUNK])  # 2 chunks
+        # 2 chunks and a tail: 42 tokens store down to a whole step, the third chunk's first 8 tokens
+        _store(engines["instance-b"], bindings["instance-b"], document[: 2 * CHUNK + 10])
         router.poll(0.5)
         router.catch_up()  # what was published before the subscriptions arrived
         prompts = {

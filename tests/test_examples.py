@@ -117,12 +117,14 @@ def test_missing_dependency_exits_2_with_install_hint(tmp_path: Path, example: s
 
 def test_kv_router_example():
     """examples/kv_router.py: two real engines publish KV events; the router ranks them by the prefix each
-    holds, and forgets an instance that closed (AllBlocksCleared)."""
+    holds, a tail included (instance-b's 40 = two chunks and the third's first 8 tokens; the other prompt
+    branches inside that tail, so it gets the chunks only), and forgets an instance that closed
+    (AllBlocksCleared)."""
     proc = run_example("kv_router.py", timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "document + question + more (100 tokens): cached tokens by instance: instance-a 80, instance-b 32" in lines
+    assert "document + question + more (100 tokens): cached tokens by instance: instance-a 80, instance-b 40" in lines
     assert "document's first half + other (72 tokens): cached tokens by instance: instance-a 32, instance-b 32" \
         in lines
     assert "unrelated (48 tokens): cached tokens by instance: instance-a 0, instance-b 0" in lines
-    assert "after instance-a closed: cached tokens by instance: instance-b 32, instance-a 0" in lines
+    assert "after instance-a closed: cached tokens by instance: instance-b 40, instance-a 0" in lines
