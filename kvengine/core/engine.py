@@ -347,7 +347,13 @@ class CacheEngine:
 
     async def _promote_tail(self, binding: ModelBinding, chunk: int, candidates: list[tuple[int, ChunkKey]],
                             sources: dict[str, int]) -> _Tail | None:
-        """The longest of chunk ``chunk``'s ``candidates`` lower tiers hold, read into memory and pinned."""
+        """The longest of chunk ``chunk``'s ``candidates`` lower tiers hold, read into memory and pinned.
+
+        This engine's tiers are asked which candidates they hold all at once (a chunk has up to
+        ``chunk_size / tail_step - 1`` of them: 15 with 16-token blocks), then only those are read."""
+        if self.transports:
+            held = await self.promoter.held_below([key for _, key in candidates])
+            candidates = [c for c, ok in zip(candidates, held) if ok]
         for end, key in candidates:
             got = await self._promote(binding, [key], chunk, end, sources)
             if got:

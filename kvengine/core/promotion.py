@@ -151,6 +151,20 @@ class Promoter:
                 break
         return promoted
 
+    async def held_below(self, keys: list[ChunkKey]) -> list[bool]:
+        """Per key, whether a lower tier says it holds it (probably: a True may still miss on ``get``); one
+        ``exists`` per tier for all of them, each asked only for what the tiers above it lack."""
+        held = [False] * len(keys)
+        for transport in self.tiers.transports:
+            rest = [i for i, h in enumerate(held) if not h]
+            if not rest:
+                break
+            present = await self.tiers.guarded(transport, "exists", transport.exists([keys[i] for i in rest]),
+                                               [False] * len(rest))
+            for i, ok in zip(rest, present):
+                held[i] = bool(ok)
+        return held
+
     async def _promote_from(self, binding: ModelBinding, transport: ChunkTransport, want: list[ChunkKey],
                             first_chunk: int, total_tokens: int, promoted: list[MemoryEntry]) -> bool:
         """Append to ``promoted`` the longest prefix of ``want`` that ``transport`` holds (pinned); whether the

@@ -163,6 +163,41 @@ async def test_a_tail_memory_lacks_is_read_from_below(layout):
     await eng.close()
 
 
+async def test_a_tail_below_is_found_with_one_exists_for_all_candidates(layout):
+    """A lookup whose chain breaks mid-chunk asks the lower tier about every tail candidate of that chunk at
+    once (3 here, 15 with 16-token blocks), not once per candidate, and reads only the longest it holds."""
+
+    class Counting(DictTransport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[int] = []
+
+        async def exists(self, keys):
+            self.asked.append(len(keys))
+            return await super().exists(keys)
+
+    t = Counting()
+    eng = await make_engine(t, memory={"capacity_bytes": 8 * layout.nbytes()})
+    b = eng.bind(Namespace(model="m"), layout, tail_step=STEP)
+    toks = list(range(CHUNK + 6))  # a chunk and a tail of one step (4 tokens)
+    await eng.store(b, toks, FakeKV(len(toks)).source)
+    await eng.flush()
+    assert eng.memory.discard(tail_key(b, toks, CHUNK + STEP))
+    t.asked.clear()
+    prompt = toks + list(range(500, 500 + CHUNK))  # the second chunk's candidates end at 20, 24 and 28
+    res = await eng.lookup(b, "r", prompt)
+    assert res.matched_tokens == CHUNK + STEP
+    assert t.asked == [1, 3, 1]  # the second whole chunk; its three tail candidates at once; the one read
+    await eng.release(res)
+    t.asked.clear()
+    miss = toks[:CHUNK] + [7] * CHUNK  # no tail of it anywhere
+    res = await eng.lookup(b, "miss", miss)
+    assert res.matched_tokens == CHUNK and t.asked == [1, 3]
+    await eng.release(res)
+    assert eng.memory.total_pins() == 0
+    await eng.close()
+
+
 async def test_a_tail_record_at_another_position_is_not_served(layout):
     """A lower tier's record under a tail's key must cover exactly the tail's tokens."""
     from kvengine.chunks.record import descriptors_for, encode_header, unpack_record
