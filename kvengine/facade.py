@@ -173,6 +173,15 @@ class KVEngine:
         return self.core.metrics
 
     @property
+    def tier_codecs(self) -> tuple[Codec, ...]:
+        """The codecs the lower tiers write with (what a load from them decodes with); none without tiers."""
+        return tuple(self.core.tiers.by_codec)
+
+    def pinned_chunks(self) -> int:
+        """Pins on memory-tier chunks now (reservations, loads and queued tier writes hold them)."""
+        return self.core.memory.total_pins()
+
+    @property
     def lossy_codec(self) -> Codec | None:
         """The lossy codec the lower tiers write with (their records decode to other KV than was stored,
         so only namespaces with ``codec_family=codec_family(codec)`` bind); None when they are lossless

@@ -290,7 +290,7 @@ class ReservationDesk:
         return {
             "reservations_held": float(len(self._held)),
             "reservations_active": m.value("kvengine_reservations_active"),
-            "pinned_chunks": float(self.engine.core.memory.total_pins()),
+            "pinned_chunks": float(self.engine.pinned_chunks()),
             "hit_tokens": m.value("kvengine_hit_tokens_total"),
             "loaded_tokens": m.value("kvengine_loaded_tokens_total"),
             "load_failed_tokens": m.value("kvengine_load_failed_tokens_total"),
@@ -370,7 +370,7 @@ class WorkerSide:
         try:
             # the lower tiers' codecs, as the engine built them (what a load from them decodes with)
             check = run_self_check(self.layout, kv_caches, self._copier, forward_order, num_blocks=num_blocks,
-                                   codecs=tuple(self.engine.core.tiers.by_codec))
+                                   codecs=self.engine.tier_codecs)
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
             if self._role is not Role.BOTH:
                 self._tails = PromptTails(self.engine, self.layout, self._copier, options.handoff.fetch_timeout)
@@ -417,7 +417,7 @@ class WorkerSide:
         Gauge("kvengine_vllm_reservations_held", "Reservations the worker holds for the scheduler",
               registry=r).set_function(lambda: len(desk))
         Gauge("kvengine_vllm_pinned_chunks", "Pins on memory-tier chunks (reservations and queued writes)",
-              registry=r).set_function(self.engine.core.memory.total_pins)
+              registry=r).set_function(self.engine.pinned_chunks)
 
     def _step_metrics(self, r: CollectorRegistry) -> None:
         """The per-step counters, in the engine's registry (or, on a rank without one, a registry of their own)."""
