@@ -37,7 +37,7 @@ measured no faster with O_DIRECT and 2x slower streamed, so each record is
 written, synced and renamed by one thread, the records of a put in parallel.)
 
 Reads are buffered (kernel readahead measured faster than O_DIRECT reads
-there) into recycled buffers (:mod:`kvengine.core.buffers`) or straight into a
+there) into recycled buffers (:mod:`kvengine.buffers`) or straight into a
 caller's buffer (:meth:`RecordFiles.read_into`, whose destination may be
 chosen from the verified header), and large files are dropped from the page
 cache afterwards: the memory tier is the cache. Other processes can write the
@@ -65,6 +65,7 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
+from kvengine.buffers import BufferPool
 from kvengine.chunks.keys import ChunkKey, NamespaceDigest
 from kvengine.chunks.record import (
     RecordHeader,
@@ -73,7 +74,6 @@ from kvengine.chunks.record import (
     sealed_by_another_version,
     verify_payload,
 )
-from kvengine.core.buffers import BufferPool
 from kvengine.errors import IntegrityError, InvalidRequestError
 from kvengine.untrusted_files import UnsafeFileError, open_regular
 

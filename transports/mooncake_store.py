@@ -44,6 +44,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from kvengine.addresses import is_loopback
+from kvengine.buffers import BufferPool
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import decode_header, seal_record, verify_seal
 from kvengine.config import MooncakeConfig
@@ -51,8 +52,6 @@ from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError
 from kvengine.threads import executor, start_thread
 from kvengine.transport import Buffer, read_deadline
 from kvengine.trust.secrets import read_secret_file
-
-from .peer_buffers import BufferPool
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -162,7 +161,7 @@ class MooncakeStoreTransport:
         self._factory = client_factory or _mooncake_client
         self._client: StoreClient | None = None
         self._pool = executor(_THREADS, "kvengine-mooncake")
-        self._buffers = BufferPool(capacity_bytes=256 << 20)
+        self._buffers = BufferPool(256 << 20)
         self._lock = threading.Lock()
         self._stuck = 0  # calls past their deadline, still running on a thread
         self._size_hint = 0  # the largest record seen: receive buffers start at this size
@@ -346,13 +345,13 @@ class MooncakeStoreTransport:
         store = self._store()
         names = [_object_name(k) for k in keys]
         size = self._size_hint or 1 << 20
-        buffers = [self._buffers.take(size) for _ in keys]
+        buffers = [self._buffers.take_array(size) for _ in keys]
         codes = list(store.batch_get_into(names, [b.ctypes.data for b in buffers], [size] * len(keys)))
         for i, code in enumerate(codes):
             if code == BUFFER_TOO_SMALL:  # a record larger than any seen so far: ask its size, read again
                 need = store.get_size(names[i])
                 if need > 0:
-                    buffers[i] = self._buffers.take(need)
+                    buffers[i] = self._buffers.take_array(need)
                     codes[i] = store.get_into(names[i], buffers[i].ctypes.data, need)
                     with self._lock:
                         self._size_hint = max(self._size_hint, need)

@@ -43,12 +43,11 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvengine.buffers import BufferPool
 from kvengine.chunks.keys import ChunkHash, ChunkKey, NamespaceDigest
 from kvengine.chunks.record import peek_identity
 from kvengine.errors import IntegrityError, IntegrityReason, TransportError
 from kvengine.transport import Buffer
-
-from .peer_buffers import RECEIVE_BUFFERS
 
 MAGIC = b"KVPP"
 VERSION = 1
@@ -57,6 +56,9 @@ _HEAD = struct.Struct("<4sBBBxQI")
 _REQ_ITEM = struct.Struct("<16s16sQ")
 _REP_ITEM = struct.Struct("<BQ")
 _TAG = struct.Struct("<4sQQ")
+#: The pool the peer wires receive records into (one per process, like an allocator): up to 256 MiB of idle
+#: buffers are kept warm, each reused once nothing refers to the record read into it.
+RECEIVE_BUFFERS = BufferPool(256 << 20)
 TAG_MAGIC = b"KVPD"
 
 
@@ -280,7 +282,7 @@ class RecordAssembler:
             if n == self.lengths[self._index]:  # the whole record in one frame: keep it, no copy
                 self._records[self._index] = memoryview(frame).toreadonly()
             else:
-                self._buf = RECEIVE_BUFFERS.take(self.lengths[self._index]).data
+                self._buf = RECEIVE_BUFFERS.take(self.lengths[self._index])
         if self._buf is not None:
             self._buf[self._filled : self._filled + n] = frame
         self._filled += n

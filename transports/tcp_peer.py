@@ -61,9 +61,9 @@ from kvengine.transport import Buffer
 
 from .byte_budget import Grant, SharedByteBudget
 from .connection_pool import ConnectionPool
-from .peer_buffers import RECEIVE_BUFFERS
 from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .peer_protocol import (
+    RECEIVE_BUFFERS,
     Limits,
     Message,
     Op,
@@ -355,7 +355,7 @@ class _Framed(asyncio.BufferedProtocol):
         while len(self._records) < len(self._msg.lengths) and self._msg.lengths[len(self._records)] == 0:
             self._records.append(b"")
         n = self._pending.pop(0)
-        self._stage, self._target, self._filled = "record", RECEIVE_BUFFERS.take(n).data.cast("B"), 0
+        self._stage, self._target, self._filled = "record", RECEIVE_BUFFERS.take(n), 0
 
     def _expect(self, stage: str, n: int) -> None:
         self._stage, self._target, self._filled = stage, memoryview(bytearray(n)), 0

@@ -58,9 +58,8 @@ from kvengine.threads import start_thread
 from kvengine.transport import Buffer
 
 from .connection_pool import ConnectionPool
-from .peer_buffers import RECEIVE_BUFFERS
 from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
-from .peer_protocol import Limits, Op, ProtocolError, Status, decode_header, encode_request
+from .peer_protocol import RECEIVE_BUFFERS, Limits, Op, ProtocolError, Status, decode_header, encode_request
 from .peer_service import PeerService, ServerOptions
 from .peer_store import RecordStore
 from .placement import Peer, format_address, split_host_port
@@ -199,7 +198,7 @@ async def _recv_records(ep: Any, tag: int, header: bytes, pre: np.ndarray, lengt
         if n == 0:
             out.append(b"")
             continue
-        buf = RECEIVE_BUFFERS.take(n)
+        buf = RECEIVE_BUFFERS.take_array(n)
         await ep.recv(buf, tag=tag, force_tag=True)
         out.append(buf.data.toreadonly())
     return out

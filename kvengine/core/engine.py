@@ -42,6 +42,7 @@ from functools import partial
 
 import torch
 
+from kvengine.buffers import BufferPool
 from kvengine.chunks.codecs import CodecRegistry
 from kvengine.chunks.hashing import TokenInput, check_max_tokens, check_token_count, prefix_hashes, token_bytes
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
@@ -50,7 +51,6 @@ from kvengine.compression import default_codecs
 from kvengine.config import EngineConfig, MemoryConfig
 from kvengine.core import tails
 from kvengine.core.allocator import SlabAllocator
-from kvengine.core.buffers import BufferPool
 from kvengine.core.copies import copy_all
 from kvengine.core.eviction import make_policy
 from kvengine.core.memory_tier import HostMemory, MemoryEntry, MemoryTier

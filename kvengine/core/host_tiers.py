@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from kvengine.buffers import BufferPool
 from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.compression import default_codecs
 from kvengine.config import EngineConfig
-from kvengine.core.buffers import BufferPool
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier
 from kvengine.core.promotion import Promoter
 from kvengine.core.tier_set import TierSet

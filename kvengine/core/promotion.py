@@ -34,10 +34,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvengine.buffers import BufferPool
 from kvengine.chunks.codecs import CodecRegistry, RawCodec
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import RecordFlag, RecordHeader, TensorDescriptor, descriptors_for, unpack_record
-from kvengine.core.buffers import BufferPool
 from kvengine.core.memory_tier import HostMemory, MemoryEntry, Prepared
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import IntegrityError

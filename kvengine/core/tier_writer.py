@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal, TypeVar, cast
 
+from kvengine.buffers import BufferPool
 from kvengine.chunks.codecs import Codec, RawCodec
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import RecordFlag, descriptors_for, encode_header
-from kvengine.core.buffers import BufferPool
 from kvengine.core.memory_tier import HostMemory, MemoryEntry
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import InvalidRequestError

@@ -7,7 +7,6 @@ are in test_peer_e2e.py; here client and servers share one event loop.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import re
 import signal
@@ -18,7 +17,6 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -28,7 +26,6 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import unpack_record
 from kvengine.errors import ConfigError
 from kvengine.transport import ChunkTransport
-from kvengine.transports.peer_buffers import BufferPool
 from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
 from kvengine.transports.peer_protocol import (
     Limits,
@@ -140,27 +137,6 @@ def test_record_matches_only_its_own_key(make_record: Any) -> None:
     assert record_matches(key, foreign) == "other_namespace"
     assert record_matches(key, record[:-1]) == "wrong_length"
     assert record_matches(key, b"garbage" * 20) == "bad_magic"
-
-
-def test_receive_buffers_are_reused_only_once_nothing_refers_to_them() -> None:
-    """Regression guard for buffer recycling: a record still referenced (even through a view) is never reused."""
-    pool = BufferPool(capacity_bytes=8 * MiB, min_bytes=MiB)
-    first = pool.take(3 * MiB)
-    first[:4] = [1, 2, 3, 4]
-    record = first.data.toreadonly()  # what a transport hands out
-    del first
-    view = np.frombuffer(record, dtype=np.uint8)[:4]
-    del record
-    second = pool.take(3 * MiB)  # the first buffer is still referenced by `view`
-    second[:4] = 0
-    assert list(view) == [1, 2, 3, 4]
-    base = view.base
-    del view, base, second
-    gc.collect()
-    assert pool.idle_bytes == 8 * MiB  # both came back (4 MiB size class each)
-    held = pool.take(3 * MiB)
-    assert pool.idle_bytes == 4 * MiB and held.nbytes == 3 * MiB  # one idle buffer reused, not allocated
-    assert type(pool.take(100)) is np.ndarray  # small: not pooled
 
 
 # -- the service, without sockets ---------------------------------------------------------------------
@@ -466,13 +442,25 @@ async def test_writes_in_flight_are_bounded_and_excess_is_dropped(make_record: A
     items = [make_record(100_000) for _ in range(6)]
     options = PeerClientOptions(replicas=1, request_timeout=5.0, write_timeout=0.6, max_inflight_write_bytes=250_000)
     transport = client([server.address], options)
+    budget, most = transport._budget, [0]
+    give = budget.give
+
+    def give_recording(nbytes: int) -> None:  # the bytes in flight just before any are given back
+        most[0] = max(most[0], budget.limit - budget.free)
+        give(nbytes)
+
+    budget.give = give_recording  # type: ignore[method-assign]
     t0 = time.monotonic()
     results = await asyncio.gather(*(transport.put([item]) for item in items))
     assert time.monotonic() - t0 < options.write_timeout + 0.5
     assert results == [[False]] * 6
-    assert transport.counts["writes_dropped_backpressure"] == 4  # never got budget: never sent
+    assert most[0] == 2 * len(items[0][1]) <= options.max_inflight_write_bytes  # two fit at once, never more
+    # Never sent: the four that waited past their deadline, or three when the first two, timed out, gave their
+    # bytes back a moment before the deadline of a waiter that started a moment later (each put has its own).
+    dropped = transport.counts["writes_dropped_backpressure"]
+    assert dropped in (3, 4)
     await asyncio.sleep(0.3)  # let the server take in whatever was sent
-    assert server.counts["op_put"] == 2  # two records fit the budget at once
+    assert server.counts["op_put"] == 6 - dropped
     await transport.close()
     await server.close()
 

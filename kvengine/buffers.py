@@ -1,4 +1,4 @@
-"""Recycled buffers for large reads.
+"""Recycled buffers for large reads: the one pool every tier and wire reads records into.
 
 Touching freshly allocated memory costs a page fault per 4 KiB page; on small
 VMs that is ~1 GB/s, as slow as the disk itself, so a read into a new 32 MiB
@@ -7,7 +7,8 @@ hands out views of already-faulted anonymous mappings and takes a mapping
 back automatically once the caller has dropped every view derived from it
 (the view's exporter is a numpy array with a ``weakref.finalize``; views,
 slices, numpy arrays and ``torch.frombuffer`` tensors all keep it alive).
-The caller never returns anything explicitly.
+The caller never returns anything explicitly: a buffer is reused only once
+nothing refers to it, so a record still held is never overwritten.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ class BufferPool:
 
     def take(self, size: int) -> memoryview:
         """A writable view of exactly ``size`` bytes (contents undefined)."""
+        return self.take_array(size).data
+
+    def take_array(self, size: int) -> np.ndarray:
+        """:meth:`take` as a writable uint8 array (for callers that need its address or an array type)."""
         if size < POOL_MIN_BYTES or self.max_idle_bytes <= 0:
-            return memoryview(bytearray(size))
+            return np.empty(size, dtype=np.uint8)
         capacity = -(-size // _GRAIN) * _GRAIN
         with self._lock:
             free = self._idle.get(capacity)
@@ -52,7 +57,7 @@ class BufferPool:
             mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE)  # copy-on-write across fork
         exporter = np.frombuffer(mapping, dtype=np.uint8)
         weakref.finalize(exporter, self._give_back, mapping, capacity).atexit = False
-        return exporter.data[:size]  # a view whose exporter is ``exporter``
+        return exporter[:size]  # a view of ``exporter``: it lives as long as any view made from this one
 
     def _give_back(self, mapping: mmap.mmap, capacity: int) -> None:
         with self._lock:
