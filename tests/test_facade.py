@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,16 +47,21 @@ def test_many_threads_share_one_engine():
         assert eng.metrics.value("kvengine_loaded_tokens_total") > 0
 
 
+def _engine(layout, disk: Path | None) -> KVEngine:
+    """An engine of 16 chunks of memory, with a disk tier below it at ``disk`` if given."""
+    config: dict = {"chunk_size": CHUNK, "memory": {"capacity_bytes": 16 * layout.nbytes()}}
+    if disk is not None:
+        config["disk"] = {"path": str(disk)}
+    return KVEngine(config)
+
+
 @pytest.mark.parametrize("lower_tier", [False, True])
 def test_a_lookup_memory_alone_answers_runs_in_the_callers_thread(tmp_path, lower_tier):
     """A memory-only engine answers a lookup in the calling thread (no hop to its loop: the control path of
     a scheduler's lookup); with a lower tier to ask, the lookup runs on the engine's loop. Both answer the
     same reservation, idempotent per request."""
     layout = make_layout()
-    config: dict = {"chunk_size": CHUNK, "memory": {"capacity_bytes": 16 * layout.nbytes()}}
-    if lower_tier:
-        config["disk"] = {"path": str(tmp_path / "disk")}
-    with KVEngine(config) as eng:
+    with _engine(layout, tmp_path / "disk" if lower_tier else None) as eng:
         binding = eng.bind(Namespace(model="threads"), layout)
         tokens = list(range(2 * CHUNK))
         eng.store(binding, tokens, FakeKV(len(tokens)).source)
@@ -83,10 +89,7 @@ def test_a_store_with_no_lower_tier_runs_in_the_callers_thread(tmp_path, lower_t
     worker thread); with a lower tier to hand chunks on to, the store runs on the engine's threads. Either
     way the chunks are stored and read back exact, and a source that raises still commits what it copied."""
     layout = make_layout()
-    config: dict = {"chunk_size": CHUNK, "memory": {"capacity_bytes": 16 * layout.nbytes()}}
-    if lower_tier:
-        config["disk"] = {"path": str(tmp_path / "disk")}
-    with KVEngine(config) as eng:
+    with _engine(layout, tmp_path / "disk" if lower_tier else None) as eng:
         binding = eng.bind(Namespace(model="store-threads"), layout)
         tokens = list(range(3 * CHUNK))
         kv = FakeKV(len(tokens))
