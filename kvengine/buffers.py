@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-#: Reads below this size use a plain bytearray (faults are cheap there).
+#: Reads below this size get a fresh array, not a pooled mapping (faults are cheap there).
 POOL_MIN_BYTES = 1 << 20
 _GRAIN = 1 << 20
 
