@@ -212,14 +212,7 @@ def verify_record(buf: bytes | memoryview, *, expect_key: ChunkKey) -> None:
     named = peek_identity(buf)
     if named.key.namespace != expect_key.namespace:
         raise IntegrityError("other_namespace", "record belongs to another namespace")
-    if named.key != expect_key:
-        raise IntegrityError("other_key", "record holds a different chunk")
-    if len(buf) != named.record_length:
-        raise IntegrityError("truncated_payload" if len(buf) < named.record_length else "trailing_bytes",
-                             f"record {len(buf)} bytes, header says {named.record_length}")
-    payload = memoryview(buf)[named.header_length : named.header_length + named.payload_length]
-    if xxhash.xxh3_64_intdigest(payload) != named.payload_checksum:
-        raise IntegrityError("payload_checksum", "payload bytes do not match their checksum")
+    _checked_payload(buf, named, expect_key)
 
 
 def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest | None = None) -> RecordHeader:
@@ -263,7 +256,7 @@ def decode_header(buf: bytes | memoryview, *, expect_namespace: NamespaceDigest 
     )
 
 
-def verify_payload(header: RecordHeader, payload: bytes | memoryview) -> None:
+def verify_payload(header: RecordHeader | RecordIdentity, payload: bytes | memoryview) -> None:
     if len(payload) != header.payload_length:
         raise IntegrityError("truncated_payload", f"{len(payload)} of {header.payload_length} bytes")
     if xxhash.xxh3_64_intdigest(payload) != header.payload_checksum:
@@ -275,6 +268,13 @@ def unpack_record(
 ) -> tuple[RecordHeader, memoryview]:
     """Verify a whole record and return its header and (still encoded) payload."""
     header = decode_header(buf, expect_namespace=expect_key.namespace if expect_key else None)
+    return header, _checked_payload(buf, header, expect_key)
+
+
+def _checked_payload(buf: bytes | memoryview, header: RecordHeader | RecordIdentity,
+                     expect_key: ChunkKey | None) -> memoryview:
+    """The payload of ``buf``, a whole record whose checked header says ``header``: of ``expect_key`` (if
+    given), exactly its length, its payload matching its checksum."""
     if expect_key is not None and header.key != expect_key:
         raise IntegrityError("other_key", "record holds a different chunk")
     if len(buf) != header.record_length:
@@ -282,7 +282,7 @@ def unpack_record(
                              f"record {len(buf)} bytes, header says {header.record_length}")
     payload = memoryview(buf)[header.header_length : header.header_length + header.payload_length]
     verify_payload(header, payload)
-    return header, payload
+    return payload
 
 
 def _mac(secret: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
