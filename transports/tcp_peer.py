@@ -206,7 +206,6 @@ class _Framed(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self._ahead = bytearray(_READ_AHEAD)
-        self._reading_ahead = False  # get_buffer handed out (part of) the read-ahead buffer
         self._kept = (0, 0)  # bytes of the read-ahead buffer read while stalled, not parsed yet
         self._stalled = False  # not parsing: a request being served, or waiting for receive budget
         self._paused = False  # reading paused (stalled with a full read-ahead buffer)
@@ -227,18 +226,22 @@ class _Framed(asyncio.BufferedProtocol):
         self.transport = transport
         transport.set_write_buffer_limits(_WRITE_HIGH, _WRITE_LOW)
 
+    @property
+    def _between_messages(self) -> bool:
+        return self._filled == 0 and self._stage == "length"
+
+    # The transport calls get_buffer, reads into it, then buffer_updated, with no callback between: both see
+    # the same state, so which buffer was handed out need not be remembered.
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._stalled:  # kept for unstall: never full here (reading pauses when it fills)
-            self._reading_ahead = True
             return memoryview(self._ahead)[self._kept[1]:]
-        self._reading_ahead = self._filled == 0 and self._stage == "length"
-        return memoryview(self._ahead) if self._reading_ahead else self._target[self._filled:]
+        return memoryview(self._ahead) if self._between_messages else self._target[self._filled:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._reading_ahead and self._stalled:
+        if self._stalled:
             self._keep(self._kept[0], self._kept[1] + nbytes)
             return
-        if self._reading_ahead:
+        if self._between_messages:
             self._feed(0, nbytes)
             return
         self._filled += nbytes
@@ -249,7 +252,7 @@ class _Framed(asyncio.BufferedProtocol):
     @property
     def mid_message(self) -> bool:
         """Part of a message has been read, not all of it."""
-        return self._filled > 0 or self._stage != "length" or self._kept[1] > self._kept[0]
+        return not self._between_messages or self._kept[1] > self._kept[0]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -283,7 +286,7 @@ class _Framed(asyncio.BufferedProtocol):
         until they are used up or the stream stalls (the rest is kept for :meth:`unstall`)."""
         data = memoryview(self._ahead)
         while start < end and not self.closed and not self._stalled:
-            if self._filled == 0 and self._stage == "length":
+            if self._between_messages:
                 self.on_message_start()
             take = min(end - start, len(self._target) - self._filled)
             self._target[self._filled:self._filled + take] = data[start:start + take]
@@ -604,11 +607,11 @@ class _ServerConnection(_Framed):
             self._give_back()  # its payload was held from its header until it was served
         if self.closed:
             return
+        small = reply.payload_bytes <= _ONE_WRITE
         try:  # a client that stops reading loses its connection, not a slot for good
-            if not (reply.payload_bytes <= _ONE_WRITE and self.write_at_once(reply.header, reply.records)):
+            if not (small and self.write_at_once(reply.header, reply.records)):  # taken at once: no timer
                 async with asyncio.timeout(server.service.options.reply_timeout):
-                    await (self.write(reply.header, reply.records) if reply.payload_bytes > _ONE_WRITE
-                           else self.drained())
+                    await (self.drained() if small else self.write(reply.header, reply.records))
         except TimeoutError:
             server.counts["reply_abandoned_slow_client"] += 1
             self.abort()
