@@ -7,7 +7,7 @@ instance holds which chunk hash, on which media. For a prompt it computes the ch
 would use (``prefix_hashes`` with that instance's namespace digest and chunk size) and ranks the
 instances by the longest prefix they hold; for an instance whose binding stores tails (``tail_step``,
 the vLLM connector's default), that prefix may end in a chunk's leading whole steps
-(``tail_hashes``: the key the engine gives such a tail). Batches missed (ZeroMQ drops what is published before a
+(``chunk_tails``: the keys the engine gives such tails). Batches missed (ZeroMQ drops what is published before a
 subscription arrives) are fetched from the instance's replay endpoint: a gap in the sequence numbers,
 or :meth:`KVRouter.catch_up`, asks for them.
 
@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
-from kvengine.chunks.hashing import prefix_hashes, tail_hashes
+from kvengine.chunks.hashing import chunk_tails, prefix_hashes
 from kvengine.events import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, decode_batch
 
 
@@ -130,14 +130,12 @@ class KVRouter:
             if h not in held:
                 break
             matched += 1
-        start, step = matched * instance.chunk_size, instance.tail_step
-        ends = list(range(start + step, min(start + instance.chunk_size, len(tokens) + 1), step)) if step else []
-        if ends:  # the chunk the chain broke at: its longest tail held (hashed after the chunk before it)
-            parent = hashes[matched - 1] if matched else instance.digest
-            for end, h in zip(reversed(ends), reversed(tail_hashes(tokens, parent, start, ends))):
-                if h in held:
-                    return end
-        return start
+        # the chunk the chain broke at: its longest tail held
+        for end, h in chunk_tails(tokens, hashes, instance.digest, instance.chunk_size, instance.tail_step, matched,
+                                  len(tokens)):
+            if h in held:
+                return end
+        return matched * instance.chunk_size
 
     def rank(self, tokens: Sequence[int]) -> list[tuple[str, int]]:
         """Instances by cached prefix of ``tokens``, longest first (ties by name)."""

@@ -144,6 +144,20 @@ def prefix_hashes(
     return cast(list[ChunkHash], out)  # ChunkHash is bytes at run time: no call per chunk
 
 
+def chunk_tails(tokens: TokenInput, hashes: Sequence[ChunkHash], seed: bytes, chunk_size: int, step: int,
+                chunk: int, asked: int) -> list[tuple[int, ChunkHash]]:
+    """The tails of chunk number ``chunk`` (its leading whole ``step``\ s, shorter than the chunk and within
+    the ``asked`` tokens) a hit may end with, longest first, as ``(end, chain hash)``: the keys a store with
+    that step gives them. ``hashes``: the whole chunks' chain hashes (at least the ``chunk`` before it);
+    ``seed``: the namespace digest. None without a step."""
+    start = chunk * chunk_size
+    ends = list(range(start + step, min(start + chunk_size, asked + 1), step)) if step else []
+    if not ends:
+        return []
+    found = tail_hashes(tokens, hashes[chunk - 1] if chunk else seed, start, ends)
+    return list(zip(reversed(ends), reversed(found)))
+
+
 def tail_hashes(tokens: TokenInput, parent: bytes, start: int, ends: Sequence[int]) -> list[ChunkHash]:
     """Hashes of the partial chunks ``tokens[start:end]`` after ``parent`` (the chain hash of the chunk
     before ``start``, or the seed), one per ``end`` in ascending order: each equals the last of

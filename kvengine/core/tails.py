@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvengine.chunks.hashing import TokenInput, prefix_hashes, tail_hashes, token_bytes
+from kvengine.chunks.hashing import TokenInput, chunk_tails, prefix_hashes, tail_hashes, token_bytes
 from kvengine.chunks.keys import ChunkHash, ChunkKey
 from kvengine.types import ChunkView, ModelBinding
 
@@ -62,16 +62,8 @@ def candidates(binding: ModelBinding, tokens: TokenInput, hashes: Sequence[Chunk
     """The tails of chunk number ``chunk`` a lookup of ``asked`` tokens may use, longest first: (end, key).
 
     ``hashes``: the prompt's whole chunks' chain hashes (at least the ``chunk`` before it)."""
-    step, size = binding.tail_step, binding.chunk_size
-    if not step:
-        return []
-    start = chunk * size
-    ends = list(range(start + step, min(start + size, asked + 1), step))
-    if not ends:
-        return []
-    parent = hashes[chunk - 1] if chunk else binding.digest
-    found = tail_hashes(tokens, parent, start, ends)
-    return [(end, ChunkKey(binding.digest, h)) for end, h in zip(reversed(ends), reversed(found))]
+    return [(end, ChunkKey(binding.digest, h)) for end, h in
+            chunk_tails(tokens, hashes, binding.digest, binding.chunk_size, binding.tail_step, chunk, asked)]
 
 
 def superseded(binding: ModelBinding, tokens: TokenInput, hashes: Sequence[ChunkHash],

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.hashing import chunk_tails, prefix_hashes
 from kvengine.chunks.keys import Namespace
 from kvengine.errors import InvalidRequestError
 
@@ -101,3 +101,17 @@ def test_bad_tokens_raise_clear_error(bad):
     """Empty, negative, non-integer, over-32-bit, string, 2-D or float token ids raise InvalidRequestError."""
     with pytest.raises(InvalidRequestError):
         prefix_hashes(bad, 256, SEED)
+
+
+def test_chunk_tails_are_the_partial_chains_of_the_broken_chunk_longest_first():
+    """A chunk's tail candidates: its leading whole steps, shorter than the chunk and within the tokens asked,
+    each hashed as a partial last chunk would be, longest first; none without a step or room for one."""
+    seed = SEED
+    tokens = list(range(100, 150))  # 3 whole chunks of 16, then 2 tokens
+    hashes = prefix_hashes(tokens, 16, seed)
+    got = chunk_tails(tokens, hashes, seed, 16, 4, 1, 30)  # chunk 1 (tokens 16..31), 30 tokens asked
+    assert [end for end, _ in got] == [28, 24, 20]
+    assert all(h == prefix_hashes(tokens[:end], 16, seed, partial=True)[-1] for end, h in got)
+    assert [end for end, _ in chunk_tails(tokens, hashes, seed, 16, 4, 0, 50)] == [12, 8, 4]
+    assert chunk_tails(tokens, hashes, seed, 16, 0, 1, 50) == []
+    assert chunk_tails(tokens, hashes, seed, 16, 4, 3, 50) == []  # 48..50: no whole step
