@@ -200,3 +200,21 @@ def test_keyboard_interrupt_in_a_sink_or_source_reaches_the_caller_and_the_engin
         out = [torch.zeros_like(t) for t in kv.layers]
         assert eng.load(again, copier(out)).loaded_tokens == 3 * CHUNK
         assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
+
+
+@pytest.mark.parametrize("lower_tier", [False, True])
+def test_pinned_chunks_and_tier_codecs_say_what_the_engine_holds(tmp_path, lower_tier):
+    """``pinned_chunks()`` counts the pins a reservation holds and is 0 once it is released; ``tier_codecs``
+    names the lower tiers' codecs (none for a memory-only engine), what a load from them decodes with."""
+    layout = make_layout()
+    with _engine(layout, tmp_path / "disk" if lower_tier else None) as eng:
+        assert [c.name for c in eng.tier_codecs] == (["raw"] if lower_tier else [])
+        binding = eng.bind(Namespace(model="pins"), layout)
+        tokens = list(range(2 * CHUNK))
+        eng.store(binding, tokens, FakeKV(len(tokens)).source)
+        eng.flush()
+        assert eng.pinned_chunks() == 0
+        res = eng.lookup(binding, "r", tokens)
+        assert eng.pinned_chunks() == 2
+        eng.release(res)
+        assert eng.pinned_chunks() == 0

@@ -594,11 +594,8 @@ class CacheEngine:
         caller once the copied chunks are handed on).
         """
         self.check_open()
-        started = time.perf_counter()
-        try:
+        with self.metrics.store_seconds.labels(model=binding.namespace.model).time():
             return await self._store(binding, tokens, source)
-        finally:
-            self.metrics.store_seconds.labels(model=binding.namespace.model).observe(time.perf_counter() - started)
 
     def store_resident(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult | None:
         """:meth:`store` where no chunk goes on to a lower tier of this engine (memory is its only tier, or the
@@ -612,12 +609,9 @@ class CacheEngine:
         if self.stager.hands_on:
             return None
         self.check_open()
-        started = time.perf_counter()
-        try:
+        with self.metrics.store_seconds.labels(model=binding.namespace.model).time():
             hashes, total, events = self._store_plan(binding, tokens)
             result, _, error = self._copy_in(binding, tokens, hashes, total, source, None, events)
-        finally:
-            self.metrics.store_seconds.labels(model=binding.namespace.model).observe(time.perf_counter() - started)
         if error is not None:
             raise error
         return result
