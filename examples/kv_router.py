@@ -39,12 +39,32 @@ class Instance:
     replay_endpoint: str | None = None
     tail_step: int = 0  # its binding's tail_step (ModelBinding.tail_step): hits may end at a whole step of it
 
+    @classmethod
+    def from_metrics(cls, name: str, metrics_url: str, endpoint: str, replay_endpoint: str | None = None) -> Instance:
+        """A vLLM instance with the kvengine connector, as its worker reports itself on its metrics endpoint
+        (``metrics_port``): namespace digest, chunk size and tail step."""
+        from kvengine.metrics import parse_key, scrape_url
+
+        samples = scrape_url(metrics_url)
+        digests = [parse_key(k)[1]["digest"] for k in samples if k.startswith("kvengine_vllm_namespace_info{")]
+        if len(digests) != 1:
+            raise ValueError(f"{metrics_url} reports no kvengine_vllm_namespace_info (not a vLLM worker with the "
+                             "kvengine connector?)")
+        return cls(name, endpoint, bytes.fromhex(digests[0]), int(samples["kvengine_vllm_chunk_tokens"]),
+                   replay_endpoint, int(samples.get("kvengine_vllm_tail_step_tokens", 0)))
+
 
 class KVRouter:
-    """An index of chunk hash -> media per instance, fed by the instances' KV events."""
+    """An index of chunk hash -> media per instance, fed by the instances' KV events.
 
-    def __init__(self, instances: Sequence[Instance]) -> None:
+    ``shared_media``: media every instance reads (a Mooncake Store, ``"MOONCAKE"``): a chunk one instance put
+    there is cached for all of them.
+    """
+
+    def __init__(self, instances: Sequence[Instance], shared_media: frozenset[str] = frozenset()) -> None:
         self.instances = {i.name: i for i in instances}
+        self.shared_media = shared_media
+        self._shared: dict[BlockHash, int] = {}  # chunk -> how many (instance, shared medium) pairs hold it
         self._ctx = zmq.Context()
         self._subs: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
@@ -108,39 +128,60 @@ class KVRouter:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 for h in event.block_hashes:
-                    held.setdefault(h, set()).add(event.medium)
+                    media = held.setdefault(h, set())
+                    if event.medium in self.shared_media and event.medium not in media:
+                        self._shared[h] = self._shared.get(h, 0) + 1
+                    media.add(event.medium)
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
                     media = held.get(h)
-                    if media is not None:
+                    if media is not None and event.medium in media:
+                        self._unshare(h, event.medium)
                         media.discard(event.medium)
                         if not media:
                             del held[h]
             elif isinstance(event, AllBlocksCleared):
+                for h, media in held.items():
+                    for medium in media:
+                        self._unshare(h, medium)
                 held.clear()
 
+    def _unshare(self, h: BlockHash, medium: str) -> None:
+        if medium in self.shared_media:
+            left = self._shared[h] - 1
+            if left:
+                self._shared[h] = left
+            else:
+                del self._shared[h]
+
     # -- routing ---------------------------------------------------------------------------------------
-    def cached_tokens(self, name: str, tokens: Sequence[int]) -> int:
-        """Tokens of the longest prefix of ``tokens`` instance ``name`` holds (on any medium)."""
+    def cached_tokens(self, name: str, tokens: Sequence[int], *, local: bool = False) -> int:
+        """Tokens of the longest prefix of ``tokens`` instance ``name`` can load: on any of its media, or on a
+        shared medium any instance put it on; ``local``: on its own media only."""
         instance = self.instances[name]
         held = self.held[name]
+
+        def has(h: BlockHash) -> bool:
+            return h in held or (not local and h in self._shared)
+
         hashes = prefix_hashes(tokens, instance.chunk_size, instance.digest)
         matched = 0
         for h in hashes:
-            if h not in held:
+            if not has(h):
                 break
             matched += 1
         # the chunk the chain broke at: its longest tail held
         for end, h in chunk_tails(tokens, hashes, instance.digest, instance.chunk_size, instance.tail_step, matched,
                                   len(tokens)):
-            if h in held:
+            if has(h):
                 return end
         return matched * instance.chunk_size
 
     def rank(self, tokens: Sequence[int]) -> list[tuple[str, int]]:
-        """Instances by cached prefix of ``tokens``, longest first (ties by name)."""
+        """Instances by cached prefix of ``tokens``, longest first; of equal prefixes, the one holding more of
+        it on its own media (a shared medium's chunks cross the network); then by name."""
         return sorted(((name, self.cached_tokens(name, tokens)) for name in self.instances),
-                      key=lambda item: (-item[1], item[0]))
+                      key=lambda item: (-item[1], -self.cached_tokens(item[0], tokens, local=True), item[0]))
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)

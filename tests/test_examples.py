@@ -128,3 +128,32 @@ def test_kv_router_example():
         in lines
     assert "unrelated (48 tokens): cached tokens by instance: instance-a 0, instance-b 0" in lines
     assert "after instance-a closed: cached tokens by instance: instance-b 40, instance-a 0" in lines
+
+
+def test_kv_router_counts_a_shared_medium_for_every_instance(monkeypatch):
+    """A chunk one instance put on a shared medium (Mooncake) is cached for every instance, ranked below an
+    instance holding it on its own media, and forgotten for all when its writer removes it or clears."""
+    from kvengine.chunks.hashing import prefix_hashes
+    from kvengine.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+    spec = importlib.util.spec_from_file_location("kv_router", ROOT / "examples" / "kv_router.py")
+    assert spec is not None and spec.loader is not None
+    kv_router = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kv_router", kv_router)  # its dataclasses look their module up
+    spec.loader.exec_module(kv_router)
+    digest, chunk = b"\x01" * 16, 4
+    router = kv_router.KVRouter([kv_router.Instance(n, "tcp://127.0.0.1:1", digest, chunk) for n in ("a", "b")],
+                                shared_media=frozenset({"MOONCAKE"}))
+    try:
+        prompt = list(range(100, 113))  # 3 whole chunks and one token
+        hashes = prefix_hashes(prompt, chunk, digest)
+        router._apply("a", EventBatch(0.0, (BlockStored(tuple(hashes[:3]), None, b"", chunk, "CPU"),
+                                            BlockStored(tuple(hashes[:2]), None, b"", chunk, "MOONCAKE"))))
+        assert router.rank(prompt) == [("a", 12), ("b", 8)]
+        router._apply("b", EventBatch(0.0, (BlockStored(tuple(hashes[:2]), None, b"", chunk, "MOONCAKE"),)))
+        router._apply("a", EventBatch(0.0, (BlockRemoved(tuple(hashes[:2]), "MOONCAKE"),)))
+        assert router.cached_tokens("a", prompt) == 12 and router.cached_tokens("b", prompt) == 8  # b's copy
+        router._apply("b", EventBatch(0.0, (AllBlocksCleared(),)))
+        assert router.cached_tokens("b", prompt) == 0 and router.cached_tokens("a", prompt, local=True) == 12
+    finally:
+        router.close()

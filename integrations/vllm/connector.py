@@ -54,7 +54,7 @@ from .handoff import Role
 from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunk_size, shares_one_copy, tail_step
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
-from .scheduler import SchedulerSide
+from .scheduler import LOOKUP_DEADLINE_MARGIN_S, SchedulerSide
 from .stats import KVEnginePromMetrics, KVEngineStats, SchedulerStatsSource, WorkerStatsSource
 from .worker import WorkerSide
 
@@ -213,6 +213,7 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, tail_step=step,
                                             asynchronous=asynchronous,
                                             lookup_wait_s=options.lookup_wait_s,
+                                            lookup_deadline_s=options.handoff.fetch_timeout + LOOKUP_DEADLINE_MARGIN_S,
                                             has_state=any(p.kind is GroupKind.STATE for p in plans), role=kv_role,
                                             producers=frozenset(options.engine.peers.peers),
                                             fail_short_handoffs=vllm_config.kv_transfer_config.kv_load_failure_policy

@@ -45,6 +45,7 @@ import enum
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,7 @@ from .channel import ChannelClosed
 from .copy_specs import HandoffSpec, LoadSpec, SaveSpec
 from .handoff import HandoffParams, Role
 from .metadata import StepMetadata
+from .options import DEFAULT_FETCH_TIMEOUT_S
 from .ranks import RankedLookup
 
 if TYPE_CHECKING:
@@ -65,6 +67,10 @@ if TYPE_CHECKING:
     from .metadata import ChannelAddress
 
 logger = logging.getLogger("vllm.kvengine")
+
+#: how long the scheduler waits for a lookup at most, beyond the longest read the worker's configuration
+#: allows (a consumer's ``handoff.fetch_timeout``), before it gives the lookup up as a miss
+LOOKUP_DEADLINE_MARGIN_S = 10.0
 
 
 def token_bytes(tokens: Any) -> bytes:
@@ -91,6 +97,8 @@ class _RequestState:
     pending_seq: int = 0  # lookup in flight (0: none)
     pending_len: int = 0
     pending_from: int = 0  # the in-flight lookup's computed tokens (vLLM's own prefix cache hit)
+    pending_since: float = 0.0  # when the in-flight lookup was sent (time.monotonic)
+    gave_up: bool = False  # a lookup past its deadline: the answer given then (``matched``) stands
     matched: int = 0
     plan: LoadSpec | None = None
     stored_until: int = 0
@@ -110,6 +118,7 @@ class SchedulerStats:
     lookups: int = 0
     lookups_in_flight: int = 0  # answers not back within lookup_wait_ms
     lookup_errors: int = 0
+    lookup_timeouts: int = 0  # lookups unanswered past the deadline: the request read nothing (a miss)
     hit_requests: int = 0
     offered_tokens: int = 0  # external tokens offered to vLLM (repeats included)
     committed_loads: int = 0
@@ -128,12 +137,16 @@ class SchedulerStats:
 class SchedulerSide:
     def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float, has_state: bool = False,
                  role: Role = Role.BOTH, producers: frozenset[str] = frozenset(),
-                 fail_short_handoffs: bool = False, tail_step: int = 0) -> None:
+                 fail_short_handoffs: bool = False, tail_step: int = 0,
+                 lookup_deadline_s: float = DEFAULT_FETCH_TIMEOUT_S + LOOKUP_DEADLINE_MARGIN_S) -> None:
         #: the unit of stores and hits: a block with tails (:mod:`kvengine.core.tails`), else a chunk
         self._step = tail_step or chunk_size
         self._async = asynchronous
         self._has_state = has_state
         self._wait = lookup_wait_s
+        #: a lookup the worker has not answered by then is given up: the request reads nothing and runs
+        #: (the worker's reads have deadlines of their own, shorter; this one holds if one of them does not)
+        self._deadline = lookup_deadline_s
         self._role = role
         #: a consumer's trusted producers (its ``peers``)
         self._producers = producers
@@ -168,6 +181,9 @@ class SchedulerSide:
         limit = request.num_tokens - 1  # vLLM computes at least the last token
         if not st.can_read or self._client is None or limit < (1 if st.handed_in_by else self._step):
             return 0, False
+        if st.gave_up:
+            external = st.matched - num_computed_tokens
+            return (external, self._async) if external > 0 else (0, False)
         try:
             wait = 0.0  # asked again: the answer is there or still pending, never waited for twice
             if st.pending_seq == 0 or (st.pending_len, st.pending_from) != (limit, num_computed_tokens):
@@ -177,6 +193,7 @@ class SchedulerSide:
                                                      token_bytes(request.all_token_ids[:limit]), limit,
                                                      producer=st.handed_in_by, computed=num_computed_tokens)
                 st.pending_len, st.pending_from = limit, num_computed_tokens
+                st.pending_since = time.monotonic()
                 self.stats.lookups += 1
                 wait = self._wait
             reply = self._client.result(st.pending_seq, wait, until_pending=True)
@@ -184,15 +201,20 @@ class SchedulerSide:
             self._count_error(f"channel: {exc}")
             return 0, False
         if reply is None:
-            self.stats.lookups_in_flight += 1
-            return None, False
-        st.pending_seq = 0
-        if reply.error:
-            self._count_error(reply.error)
-        if reply.shadow_tokens and not st.shadow_until:
-            st.shadow_until = reply.shadow_tokens  # nothing reserved: vLLM computes it, the worker compares
-            self.stats.shadow_checks += 1
-        st.matched = reply.matched_tokens
+            waited = time.monotonic() - st.pending_since
+            if waited <= self._deadline:
+                self.stats.lookups_in_flight += 1
+                return None, False
+            self._give_up(st, waited)
+            st.matched = 0
+        else:
+            st.pending_seq = 0
+            if reply.error:
+                self._count_error(reply.error)
+            if reply.shadow_tokens and not st.shadow_until:
+                st.shadow_until = reply.shadow_tokens  # nothing reserved: vLLM computes it, the worker compares
+                self.stats.shadow_checks += 1
+            st.matched = reply.matched_tokens
         if st.handed_in_by and self._fail_short and st.matched < limit:
             self.stats.failed_handoffs += 1
             logger.error("kvengine: handed-off prompt %s: %d of its %d tokens could be loaded from the producer "
@@ -384,6 +406,19 @@ class SchedulerSide:
                 self._client.release(st.request.request_id)
             except ChannelClosed:
                 pass  # the worker is gone; so is its engine
+
+    def _give_up(self, st: _RequestState, waited: float) -> None:
+        """Stop waiting for the in-flight lookup: what it reserves, once done, is released, and the answer
+        given now stands when vLLM asks again (a new lookup could wait as long again)."""
+        assert self._client is not None
+        self._client.forget(st.pending_seq)
+        st.pending_seq = 0
+        st.phase = _Phase.RESERVED  # the lookup may reserve: release after it (the worker keeps their order)
+        self._release(st)
+        st.gave_up = True
+        self.stats.lookup_timeouts += 1
+        logger.error("kvengine: the worker has not answered the lookup of request %s in %.1f s; it reads nothing "
+                     "from the cache (a miss)", st.request.request_id, waited)
 
     def _count_error(self, error: str) -> None:
         self.stats.lookup_errors += 1

@@ -44,6 +44,8 @@ COUNTERS: dict[str, tuple[str, str | None, str]] = {
     "lookups_in_flight": ("", None, "Lookups whose answer was not back within lookup_wait_ms "
                                     "(vLLM was told 'not known yet' and asked again)"),
     "offered_tokens": ("", None, "External tokens the scheduler half offered vLLM (repeats included)"),
+    "lookup_timeouts": ("", None, "Lookups the worker left unanswered past their deadline (the request read "
+                                  "nothing from the cache)"),
     "refused_handoffs": ("", "reason", "Handed-off prompts a decode instance refused and computed itself, "
                                        "per reason"),
 }
@@ -150,7 +152,8 @@ class SchedulerStatsSource:
 
     def take(self) -> KVEngineStats | None:
         counters = {}
-        values = {name: float(getattr(self._stats, name)) for name in ("lookups_in_flight", "offered_tokens")}
+        names = ("lookups_in_flight", "offered_tokens", "lookup_timeouts")
+        values = {name: float(getattr(self._stats, name)) for name in names}
         values.update({f"refused_handoffs:{reason}": float(n) for reason, n in self._stats.refused_handoffs.items()})
         for name, value in values.items():
             increase = value - self._last.get(name, 0.0)

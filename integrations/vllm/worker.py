@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
 from kvengine import Reservation
 from kvengine.chunks.keys import Namespace
@@ -410,6 +410,10 @@ class WorkerSide:
               registry=r).set(self.layout.chunk.chunk_size)
         Gauge("kvengine_vllm_tail_step_tokens", "Hits end at a whole multiple of this many tokens past the last "
               "whole chunk (tails; 0: whole chunks only)", registry=r).set(self._tail_step)
+        # A KV-aware router hashes prompts as this instance does (docs/kv_events.md): the seed of the chain.
+        Info("kvengine_vllm_namespace", "The namespace digest this instance's chunk hashes start from (the "
+             "same for every instance of one model, dtype, layout and tensor split)",
+             registry=r).info({"digest": desk.binding("").digest.hex()})
         blocks = Gauge("kvengine_vllm_block_tokens", "Block size vLLM chose per KV cache group", ["group", "kind"],
                        registry=r)
         for plan in self.layout.groups:

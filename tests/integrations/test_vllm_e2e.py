@@ -105,6 +105,15 @@ def records_stored(requests: list[tuple[list[int], dict[str, Any]]], metrics: di
     return count
 
 
+def digest_of(metrics: dict[str, float]) -> bytes:
+    """The namespace digest the connector's worker reports (``kvengine_vllm_namespace_info``)."""
+    from kvengine.metrics import parse_key
+
+    found = [parse_key(k)[1]["digest"] for k in metrics if k.startswith("kvengine_vllm_namespace_info{")]
+    assert len(found) == 1, found
+    return bytes.fromhex(found[0])
+
+
 def tail_step_of(metrics: dict[str, float]) -> int:
     """Tokens per tail step the connector chose (0: hits end at whole chunks)."""
     return int(metrics["kvengine_vllm_tail_step_tokens"])
@@ -268,6 +277,8 @@ def test_second_engine_process_gets_hits_from_the_disk_tier(first, second):
     s, _ = second
     prompts = f["base"] + f["shared"]
     assert chunk_of(s["cross_metrics"]) == chunk_of(f["metrics_warm"])
+    # what a KV-aware router seeds its hashes with: one digest for both processes of one model
+    assert digest_of(s["cross_metrics"]) == digest_of(f["metrics_warm"])
     earlier = list(zip(prompts, f["cold"] + f["shared_out"]))
     assert [o["cached"] for o in s["cross"]] == hits_after(prompts, earlier, s["cross_metrics"], below=True)
     assert tokens(s["cross"]) == f["ref_base"] + f["ref_shared"]

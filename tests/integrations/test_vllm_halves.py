@@ -745,3 +745,77 @@ def test_hybrid_hit_without_any_stored_state_is_a_miss(state_desk):
     h = state_desk
     assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 0
     assert h.engine.core.memory.total_pins() == 0 and h.desk.take("r") is None
+
+
+class _HungWorker:
+    """A worker whose lookups do not return until :attr:`go` is set (a read stuck past its own deadline)."""
+
+    def __init__(self, matched: int) -> None:
+        import threading
+
+        self.go = threading.Event()
+        self.matched = matched
+        self.released: list[str] = []
+
+    def lookup(self, request_id, salt, tokens, max_tokens, producer=None, computed=0):
+        from kvengine.integrations.vllm.channel import Answer
+
+        self.go.wait(30)
+        return Answer(matched_tokens=self.matched)
+
+    def lookup_now(self, *args, **kwargs):
+        return None
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+    def stats(self):
+        return {}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_lookup_the_worker_never_answers_becomes_a_miss_at_its_deadline(policy):
+    """Scenario: the worker's lookup hangs (a fetch stuck past its own timeout). The scheduler says 'not yet'
+    until its deadline, then gives it up: a miss the request computes (recompute policy; a handed-off prompt
+    under 'fail' is offered whole so its load fails and vLLM fails it), counted, the same answer when vLLM asks
+    again; and what the late lookup reserves is released after it (the worker runs a request's calls in order)."""
+    from kvengine.integrations.vllm.channel import LookupService
+    from kvengine.integrations.vllm.handoff import HandoffParams, Role
+    from kvengine.integrations.vllm.metadata import ChannelAddress
+    from kvengine.integrations.vllm.scheduler import SchedulerSide
+    from kvengine.integrations.vllm.stats import SchedulerStatsSource
+
+    worker = _HungWorker(matched=2 * CHUNK)
+    service = LookupService(worker)
+    path, key = service.start()
+    producer = "127.0.0.1:7000"
+    sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=0.01, lookup_deadline_s=0.5,
+                          role=Role.CONSUMER, producers=frozenset({producer}), fail_short_handoffs=policy == "fail")
+    try:
+        sched.connect([ChannelAddress(path, key, 0, namespace="ns")])
+        tokens = list(range(10, 10 + 3 * CHUNK))
+        req = request("a", tokens)
+        req.kv_transfer_params = HandoffParams(producer, len(tokens) - 1, "ns").to_transfer_params()
+        t0 = time.monotonic()
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        while (answer := sched.get_num_new_matched_tokens(req, 0)) == (None, False):
+            assert time.monotonic() - t0 < 5, "the scheduler kept waiting past its deadline"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 >= 0.5
+        assert sched.stats.lookup_timeouts == 1 and sched.stats.lookups == 1
+        assert SchedulerStatsSource(sched.stats).take().data["counters"]["lookup_timeouts"] == 1  # vLLM's metrics
+        if policy == "recompute":
+            assert answer == (0, False)
+        else:  # the whole prompt less its last token, which the worker holds no reservation for: the load fails
+            assert answer == (len(tokens) - 1, False) and sched.stats.failed_handoffs == 1
+        assert sched.get_num_new_matched_tokens(req, 0) == answer  # the same answer, never waited for again
+        assert sched.stats.lookups == 1
+        worker.go.set()
+        deadline = time.monotonic() + 5
+        while "a" not in worker.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.released == ["a"]  # after the late lookup, once
+    finally:
+        worker.go.set()
+        sched.shutdown()
+        service.close()
