@@ -19,6 +19,11 @@ token. Per prompt length (distinct prompts, ``--repeats`` each):
 * ``raw wire`` -- the same bytes over a plain loopback TCP socket in this run
   (``sendall``/``recv_into``), the floor any transfer over it pays.
 
+Then the decode instance's inter-token latency: a 96-token reply of a handed-off 1,024-token prompt, with
+nothing else running, with two long prompts (the largest size) started at its 4th token on the decoding
+instance itself (colocated serving), and with the same prompts run by the producer at the same time
+(disaggregated); p50, p95 and the worst gap between its tokens.
+
 Figures are medians; ``transfer / handoff`` is the share of the decode
 instance's TTFT the handoff costs, and ``raw / transfer`` what the peer wire
 achieves of the raw socket. Both instances share this machine's cores, so the
@@ -33,6 +38,7 @@ Results: ``benchmarks/results/disagg.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import socket
@@ -41,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +130,72 @@ def _raw_wire_s(nbytes: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def _decode_gaps(engine: Any, tokens: list[int], params: dict[str, Any], n: int,
+                 concurrent: Callable[[], None] | None, start_at: int = 4) -> list[float]:
+    """Seconds between the tokens of one greedy ``n``-token request on ``engine`` (a handed-off prompt), from
+    its ``start_at``-th token on; ``concurrent`` starts other work when that token arrives. Other requests
+    of ``engine`` are run to the end before returning."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _decode_gaps.n = getattr(_decode_gaps, "n", 0) + 1  # type: ignore[attr-defined]
+    rid = f"itl{_decode_gaps.n}"  # type: ignore[attr-defined]
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), SamplingParams(
+        max_tokens=n, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": params}))
+    stamps: list[float] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            now = time.perf_counter()
+            stamps += [now] * (len(out.outputs[0].token_ids) - len(stamps))
+            if concurrent is not None and len(stamps) >= start_at:
+                concurrent()
+                concurrent = None
+    return [b - a for a, b in zip(stamps[start_at - 1:], stamps[start_at:])]
+
+
+def _start_prefills(engine: Any, longs: list[list[int]], tag: str, threads: list[threading.Thread] | None) -> None:
+    """Long prompts (one output token each): added to ``engine``'s own queue (``threads`` None: it is the engine
+    stepping already), or run on it by a thread of their own (appended to ``threads``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if threads is None:
+        for k, ids in enumerate(longs):
+            engine.add_request(f"{tag}-{k}", TokensPrompt(prompt_token_ids=ids),
+                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        return
+    threads.append(threading.Thread(target=lambda: [_ttft(engine, ids) for ids in longs]))
+    threads[-1].start()
+
+
+def _itl(producer: Any, consumer: Any, long_tokens: int, repeats: int) -> dict[str, dict[str, float]]:
+    """The decode instance's inter-token latency with nothing else running, with long prefills run by the
+    decoding instance itself (colocated serving), and with the same prefills run by the producer at the same
+    time (disaggregated; on this machine the producer shares the cores)."""
+    out: dict[str, dict[str, float]] = {}
+    for arm in ("alone", "colocated", "disaggregated"):
+        p50, p95, worst = [], [], []
+        for r in range(repeats):
+            prompt = _prompt(7000 + r, 1024)
+            params = _ttft(producer, prompt)[1].kv_transfer_params
+            longs = [_prompt(8000 + 10 * r + k, long_tokens) for k in range(2)]
+            threads: list[threading.Thread] = []
+            start = None if arm == "alone" else functools.partial(
+                _start_prefills, *((consumer, longs, f"long-{r}", None) if arm == "colocated" else
+                                   (producer, longs, f"long-{r}", threads)))
+            gaps = _decode_gaps(consumer, prompt, params, 96, start)
+            for thread in threads:
+                thread.join()
+            p50.append(statistics.median(gaps))
+            p95.append(sorted(gaps)[int(0.95 * (len(gaps) - 1))])
+            worst.append(max(gaps))
+        out[arm] = {"p50_ms": 1e3 * statistics.median(p50), "p95_ms": 1e3 * statistics.median(p95),
+                    "max_ms": 1e3 * statistics.median(worst)}
+    return out
+
+
 def _read_seconds(metrics: dict[str, float]) -> float:
     return metrics.get('kvengine_tier_read_seconds_sum{tier="peers_tcp"}', 0.0)
 
@@ -180,14 +253,21 @@ def main() -> None:
                          f"{med['local'] * 1e3:.0f}", f"{result['local_over_handoff']:.1f}",
                          f"{result['transfer_gb_s'] or 0:.2f}", f"{result['raw_wire_gb_s']:.2f}",
                          min(cached) == max(cached) == n - 1])
+        itl = _itl(producer, consumer, max(args.sizes), args.repeats)
     finally:
         for engine in (consumer, producer):
             engine.engine_core.shutdown()
     print_table("prefill/decode handoff (medians; ms unless said)",
                 ["tokens", "KV MiB", "prefill TTFT", "handoff TTFT", "transfer", "transfer/TTFT", "local TTFT",
                  "local/handoff", "transfer GB/s", "raw wire GB/s", "all but last loaded"], rows)
+    print_table(f"decode instance's inter-token latency, 96-token reply of a handed-off 1,024-token prompt; two "
+                f"{max(args.sizes)}-token prefills start at its 4th token (medians of {args.repeats}; ms)",
+                ["prefills run", "ITL p50", "ITL p95", "ITL max"],
+                [[{"alone": "none", "colocated": "by the decoding instance (colocated)",
+                   "disaggregated": "by the producer (disaggregated, same cores)"}[arm],
+                  f"{v['p50_ms']:.1f}", f"{v['p95_ms']:.1f}", f"{v['max_ms']:.0f}"] for arm, v in itl.items()])
     path = write_json("disagg.json", {"machine": machine_info().as_dict(), "model": MODEL, "dtype": "float32",
-                                      "repeats": args.repeats, "results": results})
+                                      "repeats": args.repeats, "results": results, "itl": itl})
     print(f"results: {path}")
 
 
