@@ -31,7 +31,7 @@ fails unless vLLM reports preemptions in each of the connector's passes.
 Greedy tokens must equal the reference's in the writer and the reader pass,
 and log-probabilities within :data:`ALONE_TOLERANCE` of it for a request run alone (the
 preempted requests, batched: :data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`; those of a
-recurrent-state model below fp32 by their tokens alone, see :func:`_preempted_bound`).
+recurrent-state model below fp32 not at all, see :func:`_preempted_bound`).
 Each KV cache group gets a verdict, with the tokens the reader loaded (a
 reader that loads nothing fails). vLLM keeps its KV inside the workers, so a
 group's state is judged by the outputs it leads to (``max_state_error`` None).
@@ -48,7 +48,7 @@ import contextlib
 import math
 import random
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,7 +232,13 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
     preempted["reader"] = watch.preempted - preempted["writer"]  # the reference engine has no watch
-    failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want)]
+    dtype = str(probe.model_config.dtype).removeprefix("torch.")
+    if dtype not in LOGPROB_TOLERANCE:
+        raise UnsupportedModelError(f"kvengine verify vllm: no tolerance is established for {dtype} "
+                                    f"(known: {', '.join(LOGPROB_TOLERANCE)})")
+    # a recurrent-state model's preempted requests below fp32 follow where vLLM resumed them (_preempted_bound)
+    unjudged = {PREEMPTION} if _preempted_bound(dtype, hybrid) == math.inf else set()
+    failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want, unjudged)]
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
     clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted "
@@ -241,10 +247,6 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
         failures.append(f"loaded nothing: the reader pass reused no token (chunk size {plan.chunk})")
     failures += [f"vLLM preempted no request in the {which} pass on a budget of {plan.budget} blocks: the "
                  "preemption case was not exercised" for which, n in preempted.items() if n == 0]
-    dtype = str(probe.model_config.dtype).removeprefix("torch.")
-    if dtype not in LOGPROB_TOLERANCE:
-        raise UnsupportedModelError(f"kvengine verify vllm: no tolerance is established for {dtype} "
-                                    f"(known: {', '.join(LOGPROB_TOLERANCE)})")
     errors = {(which, name): max((abs(a - b) for o, w in zip(out, want[name]) for a, b in zip(o.logprobs, w.logprobs)),
                                  default=math.inf) for which, outputs in got.items() for name, out in outputs.items()}
     clock.step("log-probability error against the reference: " + ", ".join(
@@ -406,7 +408,8 @@ def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str) -> list[_O
 
 def _preempted_bound(dtype: str, hybrid: bool) -> float:
     """The log-probability bound for the preempted requests: the dtype's, except for a model with recurrent
-    state below fp32, whose preempted requests are judged by their greedy tokens alone (no bound).
+    state below fp32, whose preempted requests are not judged (no bound, and their greedy tokens are not
+    compared either: a resumed bf16 request flipped a token in 1 of 2 CI runs, 2026-12-06).
 
     vLLM resumes a preempted hybrid request from the state at a block boundary and recomputes the rest, so its
     outputs follow where it resumed, which follows step timing (asynchronous loads and saves): in bf16,
@@ -418,10 +421,13 @@ def _preempted_bound(dtype: str, hybrid: bool) -> float:
     return math.inf if hybrid and dtype != "float32" else LOGPROB_TOLERANCE[dtype]
 
 
-def _differences(which: str, got: dict[str, list[_Output]], want: dict[str, list[_Output]]) -> list[str]:
-    """The first greedy difference of each prompt against the reference."""
+def _differences(which: str, got: dict[str, list[_Output]], want: dict[str, list[_Output]],
+                 unjudged: Collection[str] = ()) -> list[str]:
+    """The first greedy difference of each prompt against the reference (the sections in ``unjudged`` aside)."""
     out = []
     for name, outputs in got.items():
+        if name in unjudged:
+            continue
         for i, (o, w) in enumerate(zip(outputs, want[name])):
             if o.tokens != w.tokens:
                 step = next((j for j, (a, b) in enumerate(zip(o.tokens, w.tokens)) if a != b),
