@@ -319,10 +319,9 @@ class SchedulerSide:
         if st is None:
             return False, None
         if st.pending_seq and self._client is not None:
-            self._client.forget(st.pending_seq)
-            st.pending_seq = 0
-            st.phase = _Phase.RESERVED  # the in-flight lookup may have reserved: release after it
-        self._release(st)
+            self._abandon_lookup(st)
+        else:
+            self._release(st)
         if not st.handed_out:
             return False, None
         return False, HandoffParams(self._handoff, st.handed_out, self._namespace).to_transfer_params()
@@ -407,14 +406,19 @@ class SchedulerSide:
             except ChannelClosed:
                 pass  # the worker is gone; so is its engine
 
-    def _give_up(self, st: _RequestState, waited: float) -> None:
-        """Stop waiting for the in-flight lookup: what it reserves, once done, is released, and the answer
-        given now stands when vLLM asks again (a new lookup could wait as long again)."""
+    def _abandon_lookup(self, st: _RequestState) -> None:
+        """Drop the in-flight lookup's answer and release what it may reserve, after it (the worker runs one
+        request's calls in order)."""
         assert self._client is not None
         self._client.forget(st.pending_seq)
         st.pending_seq = 0
-        st.phase = _Phase.RESERVED  # the lookup may reserve: release after it (the worker keeps their order)
+        st.phase = _Phase.RESERVED
         self._release(st)
+
+    def _give_up(self, st: _RequestState, waited: float) -> None:
+        """Stop waiting for the in-flight lookup: what it reserves, once done, is released, and the answer
+        given now stands when vLLM asks again (a new lookup could wait as long again)."""
+        self._abandon_lookup(st)
         st.gave_up = True
         self.stats.lookup_timeouts += 1
         logger.error("kvengine: the worker has not answered the lookup of request %s in %.1f s; it reads nothing "
