@@ -72,6 +72,7 @@ from bench_serving import (
     model_dir,
     pct,
     quiet_gate,
+    run_requests,
 )
 
 PNG = REPO / "docs" / "benchmarks_cluster.png"
@@ -136,7 +137,6 @@ def serve_instance(spec: dict[str, Any], conn: Any) -> None:
 
 def _serve(spec: dict[str, Any], conn: Any) -> None:
     from vllm import EngineArgs, SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -155,31 +155,15 @@ def _serve(spec: dict[str, Any], conn: Any) -> None:
             "kv_capacity_tokens": int(cache.block_size) * int(cache.num_gpu_blocks or 0)}
     sp = SamplingParams(max_tokens=spec["reply"], temperature=0.0, ignore_eos=True)
 
-    def run(requests: list[tuple[str, list[int]]]) -> dict[str, dict[str, Any]]:
-        t = time.perf_counter()
-        for rid, p in requests:
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
-        first: dict[str, float] = {}
-        done: dict[str, dict[str, Any]] = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                now = time.perf_counter() - t
-                if o.request_id not in first and o.outputs[0].token_ids:
-                    first[o.request_id] = now
-                if o.finished:
-                    done[o.request_id] = {"tokens": [int(x) for x in o.outputs[0].token_ids], "e2e_s": now,
-                                          "cached_tokens": int(o.num_cached_tokens or 0)}
-        return {rid: dict(done[rid], ttft_s=first[rid]) for rid, _ in requests}
-
     rng = random.Random(7 + spec["core"])  # warm-up, not measured: two unrelated prompts decoded together
-    run([(f"warm{n}", [rng.randrange(1000, 40000) for _ in range(n)]) for n in (512, 384)])
+    run_requests(engine, [(f"warm{n}", [rng.randrange(1000, 40000) for _ in range(n)]) for n in (512, 384)], sp)
     stats0, port = dict(_Capture.totals), spec.get("metrics_port")
     m0 = scrape(port) if port else {}
     conn.send(("ready", info))
     while True:
         message = conn.recv()
         if message[0] == "round":
-            conn.send(("done", run(message[1])))
+            conn.send(("done", run_requests(engine, message[1], sp)))
         elif message[0] == "stats":
             stats1 = dict(_Capture.totals)
             out: dict[str, Any] = {"vllm_stats": {k: stats1.get(k, 0) - stats0.get(k, 0) for k in stats1}}
@@ -335,8 +319,7 @@ def run_arm(arm: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
         for r, order in enumerate(spec["schedule"]):
             if router is not None:
                 router.poll(0.05)
-                cached = {u: [(router.cached_tokens(str(i), convo[u]), router.cached_tokens(str(i), convo[u], local=True))
-                              for i in range(n)] for u in order}
+                cached = {u: [router.cached(str(i), convo[u]) for i in range(n)] for u in order}
                 placed = place_by_cache(order, cached, n)
             elif arm.startswith("router-"):
                 placed = place_by_cache(order, {u: [(0, 0)] * n for u in order}, n)

@@ -248,9 +248,30 @@ def _settle(port: int, timeout_s: float = 30.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def run_requests(engine: Any, requests: list[tuple[str, list[int]]], params: Any) -> dict[str, dict[str, Any]]:
+    """Add ``(request id, prompt tokens)`` to a vLLM ``LLMEngine`` and step it until nothing is unfinished: per
+    request its tokens, and its TTFT, end-to-end time (both from this call) and cached tokens."""
+    from vllm.inputs import TokensPrompt
+
+    t = time.perf_counter()
+    for rid, p in requests:
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    first: dict[str, float] = {}
+    done: dict[str, dict[str, Any]] = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter() - t
+        for o in outs:
+            if o.request_id not in first and len(o.outputs[0].token_ids) > 0:
+                first[o.request_id] = now
+            if o.finished:
+                done[o.request_id] = {"tokens": [int(x) for x in o.outputs[0].token_ids], "e2e_s": now,
+                                      "cached_tokens": int(o.num_cached_tokens or 0)}
+    return {rid: dict(done[rid], ttft_s=first[rid]) for rid, _ in requests}
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import EngineArgs, SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -279,21 +300,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         counter[0] += 1
         ids = [f"r{counter[0]}-u{u}" for u in range(len(prompts))]
         t = time.perf_counter()
-        for rid, p in zip(ids, prompts):
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
-        first: dict[str, float] = {}
-        done: dict[str, dict[str, Any]] = {}
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            now = time.perf_counter() - t
-            for o in outs:
-                if o.request_id not in first and len(o.outputs[0].token_ids) > 0:
-                    first[o.request_id] = now
-                if o.finished:
-                    done[o.request_id] = {"tokens": [int(x) for x in o.outputs[0].token_ids], "e2e_s": now,
-                                          "cached_tokens": int(o.num_cached_tokens or 0)}
+        done = run_requests(engine, list(zip(ids, prompts)), params)
         wall = time.perf_counter() - t
-        return wall, [dict(done[rid], ttft_s=first[rid]) for rid in ids]
+        return wall, [done[rid] for rid in ids]
 
     # warm-up, not measured: two unrelated prompts decoded together (prefill and batched decode kernels, the
     # allocator, the connector's first stores)

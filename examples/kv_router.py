@@ -17,7 +17,7 @@ and ranks both for a few prompts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -158,13 +158,20 @@ class KVRouter:
     def cached_tokens(self, name: str, tokens: Sequence[int], *, local: bool = False) -> int:
         """Tokens of the longest prefix of ``tokens`` instance ``name`` can load: on any of its media, or on a
         shared medium any instance put it on; ``local``: on its own media only."""
+        return self.cached(name, tokens)[1 if local else 0]
+
+    def cached(self, name: str, tokens: Sequence[int]) -> tuple[int, int]:
+        """:meth:`cached_tokens` of ``tokens`` on instance ``name``, and of them on its own media (the prompt
+        hashed once for both)."""
         instance = self.instances[name]
         held = self.held[name]
-
-        def has(h: BlockHash) -> bool:
-            return h in held or (not local and h in self._shared)
-
         hashes = prefix_hashes(tokens, instance.chunk_size, instance.digest)
+        return (self._held_prefix(instance, tokens, hashes, lambda h: h in held or h in self._shared),
+                self._held_prefix(instance, tokens, hashes, held.__contains__))
+
+    @staticmethod
+    def _held_prefix(instance: Instance, tokens: Sequence[int], hashes: Sequence[BlockHash],
+                     has: Callable[[BlockHash], bool]) -> int:
         matched = 0
         for h in hashes:
             if not has(h):
@@ -180,8 +187,8 @@ class KVRouter:
     def rank(self, tokens: Sequence[int]) -> list[tuple[str, int]]:
         """Instances by cached prefix of ``tokens``, longest first; of equal prefixes, the one holding more of
         it on its own media (a shared medium's chunks cross the network); then by name."""
-        return sorted(((name, self.cached_tokens(name, tokens)) for name in self.instances),
-                      key=lambda item: (-item[1], -self.cached_tokens(item[0], tokens, local=True), item[0]))
+        found = {name: self.cached(name, tokens) for name in self.instances}
+        return [(name, found[name][0]) for name in sorted(found, key=lambda n: (-found[n][0], -found[n][1], n))]
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
