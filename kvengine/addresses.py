@@ -28,6 +28,19 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def offset_port(address: str, offset: int) -> str:
+    """``address`` with its port moved up by ``offset`` (a server per tensor-parallel rank: port + rank).
+
+    :raises ConfigError: not ``host:port``, or the port moved out of range.
+    """
+    if offset == 0:
+        return address
+    host, port = split_host_port(address)
+    if not 0 < port + offset <= 65535:
+        raise ConfigError(f"port {port} of {address!r} + {offset} is not a port")
+    return format_address(host, port + offset)
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is provably this machine (a loopback address, or ``localhost``): where a peer, server
     or master may go without a secret or an encrypted wire."""

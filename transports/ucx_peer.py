@@ -76,6 +76,8 @@ _TAGS = itertools.count(1)
 
 
 def _ucxx() -> ModuleType:
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default (an engine's output)
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
     try:
         import ucxx
     except ImportError as exc:

@@ -48,9 +48,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvengine.addresses import split_host_port
 from kvengine.errors import ConfigError, UnsupportedModelError
 
-from .handoff import Role
+from .handoff import Role, handoff_sources
 from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunk_size, shares_one_copy, tail_step
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
@@ -99,9 +100,6 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     if kt.kv_role not in {r.value for r in Role}:
         raise ConfigError(f"kvengine vLLM connector: kv_role must be one of {[r.value for r in Role]} (a local "
                           f"cache; prefill or decode instance of a disaggregated deployment), got {kt.kv_role!r}")
-    if kt.kv_role != Role.BOTH.value and pc.tensor_parallel_size != 1:
-        raise UnsupportedModelError(f"kvengine vLLM connector: kv_role {kt.kv_role!r} with tensor_parallel_size="
-                                    f"{pc.tensor_parallel_size} has not been validated (handoffs run at one rank)")
     if kt.kv_load_failure_policy != "recompute" and not (kt.kv_load_failure_policy == "fail" and
                                                          kt.kv_role == Role.CONSUMER.value):
         raise ConfigError(
@@ -136,14 +134,28 @@ def check_tensor_parallel(plans: tuple[GroupPlan, ...], options: ConnectorOption
                                     "are not supported (each rank would sample its own hits)")
 
 
-def check_roles(plans: tuple[GroupPlan, ...], options: ConnectorOptions, role: Role) -> None:
+def check_roles(plans: tuple[GroupPlan, ...], options: ConnectorOptions, role: Role, world_size: int = 1) -> None:
     """Refuse what a prefill/decode handoff (:mod:`.handoff`) cannot serve exactly, or lacks to run."""
-    if role is Role.PRODUCER and options.handoff.listen is None:
+    mooncake = options.engine.mooncake.master is not None
+    if role is Role.PRODUCER and options.handoff.listen is None and not mooncake:
         raise ConfigError("kvengine vLLM connector: kv_role 'kv_producer' needs kv_connector_extra_config "
-                          "handoff.listen: 'host:port' where decode instances fetch the prompts' KV")
-    if role is Role.CONSUMER and not options.engine.peers.peers:
+                          "handoff.listen: 'host:port' where decode instances fetch the prompts' KV (or a "
+                          "kvengine.mooncake tier the decode instances share)")
+    if role is Role.CONSUMER and not options.engine.peers.peers and not mooncake:
         raise ConfigError("kvengine vLLM connector: kv_role 'kv_consumer' needs kvengine.peers.peers: the prefill "
-                          "instances' handoff addresses (handoff.advertise), the only producers it loads from")
+                          "instances' handoff addresses (handoff.advertise), the only producers it loads from (or "
+                          "a kvengine.mooncake tier the prefill instances share)")
+    if role is not Role.BOTH and world_size > 1:
+        # rank r of a consumer reads from rank r of its producer: its server at the producer's port + r
+        if shares_one_copy(plans, world_size):
+            raise UnsupportedModelError(f"kvengine vLLM connector: kv_role {role.value!r} with MLA at "
+                                        f"tensor_parallel_size={world_size} is not supported (rank 0 holds the "
+                                        "one copy of the latents and shares it with the other ranks)")
+        listen = options.handoff.listen
+        if role is Role.PRODUCER and listen is not None and split_host_port(listen)[1] == 0:
+            raise ConfigError(f"kvengine vLLM connector: handoff.listen {listen}: at tensor_parallel_size="
+                              f"{world_size} give a port: rank r serves on that port + r, where consumers' rank r "
+                              "reads")
     state = [p.group_id for p in plans if p.kind is GroupKind.STATE]
     if role is not Role.BOTH and state:
         raise UnsupportedModelError(
@@ -190,7 +202,7 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         plans = plan_groups(kv_cache_config)
         check_tensor_parallel(plans, options, vllm_config.parallel_config.tensor_parallel_size)
         kv_role = Role(vllm_config.kv_transfer_config.kv_role)
-        check_roles(plans, options, kv_role)
+        check_roles(plans, options, kv_role, vllm_config.parallel_config.tensor_parallel_size)
         self._plans = plans
         requested = options.chunk_size
         options = options.with_chunk_size(resolve_chunk_size(plans, requested))
@@ -215,7 +227,7 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
                                             lookup_wait_s=options.lookup_wait_s,
                                             lookup_deadline_s=options.handoff.fetch_timeout + LOOKUP_DEADLINE_MARGIN_S,
                                             has_state=any(p.kind is GroupKind.STATE for p in plans), role=kv_role,
-                                            producers=frozenset(options.engine.peers.peers),
+                                            producers=handoff_sources(options.engine),
                                             fail_short_handoffs=vllm_config.kv_transfer_config.kv_load_failure_policy
                                             == "fail")
         else:

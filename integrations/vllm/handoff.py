@@ -19,8 +19,15 @@ Roles (vLLM's ``kv_role``):
   producer gone, the lease expired, a record that does not verify) is a
   shorter hit or a miss: vLLM computes the rest, exactly.
 
-A consumer accepts params only from a producer in its ``peers`` list and in
-its own namespace (the same model, weights, dtype, KV layout and tensor
+Through a Mooncake Store instead (a producer with no ``handoff.listen``, both
+instances with a ``kvengine.mooncake`` tier): the producer's records reach the
+store as its other chunks do, no hold and no server; the params name
+:data:`VIA_MOONCAKE`, and the consumer asks its tiers for the prompt until all
+of it is there (the writes may still be under way) or ``handoff.fetch_timeout``
+ends.
+
+A consumer accepts params only from a producer in its ``peers`` list (or
+naming Mooncake, where it has that tier) and in its own namespace (the same model, weights, dtype, KV layout and tensor
 split): others are refused with the reason, counted, and computed locally.
 """
 
@@ -38,10 +45,10 @@ import numpy as np
 import torch
 
 from kvengine import Reservation
-from kvengine.addresses import split_host_port
+from kvengine.addresses import is_loopback, offset_port, split_host_port
 from kvengine.chunks.hashing import prefix_hashes
 from kvengine.chunks.keys import ChunkKey
-from kvengine.config import MIN_MEMORY_BYTES
+from kvengine.config import MIN_MEMORY_BYTES, EngineConfig
 from kvengine.errors import ConfigError, InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore, keyed_chunk_key, keyed_namespace
@@ -53,7 +60,8 @@ from .options import HandoffOptions
 from .paging import PagedCopier
 
 if TYPE_CHECKING:
-    from kvengine.transports.peer_service import ServerThread
+    from kvengine.config import PeersConfig
+    from kvengine.transports.peer_service import PeerServer, ServerOptions, ServerThread
     from kvengine.transports.peer_store import EngineStore
 
 logger = logging.getLogger("vllm.kvengine")
@@ -70,13 +78,17 @@ class Role(enum.Enum):
 TAIL_SCHEME = "vllm-prompt-tail"
 #: The entry of vLLM's ``kv_transfer_params`` that carries :class:`HandoffParams`.
 PARAMS_KEY = "kvengine_handoff"
+#: :attr:`HandoffParams.producer` of a prompt handed off through the Mooncake Store both instances use
+#: (a producer with no ``handoff.listen``): no server to dial; the consumer waits for the records there.
+VIA_MOONCAKE = "mooncake"
 
 
 @dataclass(frozen=True, slots=True)
 class HandoffParams:
     """What a consumer needs to load a prompt a producer computed (in ``kv_transfer_params``)."""
 
-    #: ``host:port`` of the producer's handoff server (one of the consumer's ``peers``)
+    #: ``host:port`` of the producer's handoff server (one of the consumer's ``peers``), or
+    #: :data:`VIA_MOONCAKE`
     producer: str
     #: tokens whose KV the producer stored: the prompt less its last token
     tokens: int
@@ -101,16 +113,23 @@ class HandoffParams:
         try:
             if not isinstance(producer, str):
                 raise ConfigError(f"got {producer!r}")
-            split_host_port(producer, any_port=False)  # the address a consumer dials
+            if producer != VIA_MOONCAKE:
+                split_host_port(producer, any_port=False)  # the address a consumer dials
         except ConfigError as exc:
-            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].producer must be 'host:port': {exc}") \
-                from None
+            raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].producer must be 'host:port' or "
+                                      f"{VIA_MOONCAKE!r}: {exc}") from None
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].tokens must be a count, got {tokens!r}")
         if not isinstance(namespace, str) or not namespace:
             raise InvalidRequestError(f"kv_transfer_params[{PARAMS_KEY!r}].namespace must be a digest, "
                                       f"got {namespace!r}")
         return cls(producer, tokens, namespace)
+
+
+def handoff_sources(config: EngineConfig) -> frozenset[str]:
+    """Where a consumer with this engine configuration may load handed-off prompts from: its ``peers``, and
+    :data:`VIA_MOONCAKE` where it has a Mooncake tier."""
+    return frozenset(config.peers.peers) | (frozenset({VIA_MOONCAKE}) if config.mooncake.master else frozenset())
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +144,13 @@ class PromptTail:
 class PromptTails:
     """Store and find prompt tails (see the module docs), keyed by the chained hash of all ``end`` tokens."""
 
-    def __init__(self, engine: KVEngine, layout: PagedLayout, copier: PagedCopier, fetch_timeout: float) -> None:
+    def __init__(self, engine: KVEngine, layout: PagedLayout, copier: PagedCopier, fetch_timeout: float,
+                 rank: int = 0) -> None:
         self.engine = engine
         #: seconds a consumer's reads of a handed-off prompt's chunks, then of its tail, may take
         self.fetch_timeout = fetch_timeout
+        #: this tensor-parallel rank: it reads its shard from the producer's rank ``rank`` (its port + rank)
+        self._rank = rank
         self._layout = layout.chunk
         self._chunk = layout.chunk.chunk_size
         self._copier = copier
@@ -170,19 +192,21 @@ class PromptTails:
             self._copier.gather_into(i, start, block_ids, null, out, end=end)
         return self._store(binding).put([self.key(binding, tokens, end)], lambda _i: tensors)[0].ok
 
-    def reads(self, producer: str) -> ReadScope:
-        """How a handed-off prompt is read: from ``producer`` first, within ``fetch_timeout``."""
-        return ReadScope(budget=self.fetch_timeout, source=producer)
+    def reads(self, producer: str, budget: float | None = None) -> ReadScope:
+        """How a handed-off prompt is read: from ``producer`` first (through the tiers where it is
+        :data:`VIA_MOONCAKE`), within ``budget`` (default ``fetch_timeout``)."""
+        return ReadScope(budget=self.fetch_timeout if budget is None else budget,
+                         source=None if producer == VIA_MOONCAKE else offset_port(producer, self._rank))
 
-    def find(self, binding: ModelBinding, tokens: np.ndarray, end: int, producer: str) -> PromptTail | None:
-        """A copy of the tail of ``tokens[:end]`` (None: not stored here nor in a tier below), read from
-        ``producer`` first."""
+    def find(self, binding: ModelBinding, tokens: np.ndarray, end: int, reads: ReadScope | None) -> PromptTail | None:
+        """A copy of the tail of ``tokens[:end]`` (None: not stored here nor in a tier below), read as
+        ``reads`` says (:meth:`reads`)."""
         got: list[tuple[torch.Tensor, ...]] = []
 
         def keep(_i: int, tensors: Sequence[torch.Tensor]) -> None:
             got.append(tuple(t.clone() for t in tensors))
 
-        if not self._store(binding).get([self.key(binding, tokens, end)], keep, reads=self.reads(producer))[0].ok:
+        if not self._store(binding).get([self.key(binding, tokens, end)], keep, reads=reads)[0].ok:
             return None
         return PromptTail(end // self._chunk * self._chunk, end, got[0])
 
@@ -269,8 +293,9 @@ class HandoffStore:
 
 
 class HandoffServer:
-    """A producer's server for consumers: its memory tier over the peer wire (tcp; TLS with
-    ``handoff.tls_cert``), records sealed with ``peers.secret_file``, reads ending holds."""
+    """A producer's server for consumers: its memory tier over the peer wire its ``peers.transport`` names
+    (the consumers' wire: tcp, TLS with ``handoff.tls_cert``; zmq, CURVE with ``handoff.curve_allow``; ucx),
+    records sealed with ``peers.secret_file``, reads ending holds."""
 
     def __init__(self, thread: ServerThread, store: EngineStore, holds: HandoffHolds, address: str) -> None:
         self._thread = thread
@@ -283,29 +308,25 @@ class HandoffServer:
     def start(cls, engine: KVEngine, options: HandoffOptions, events: Any) -> HandoffServer:
         """Serve on ``options.listen``; ``events``: a Prometheus counter labelled ``event``.
 
-        :raises ConfigError: no ``listen`` address, off loopback without a secret or TLS, or a bad TLS file.
+        :raises ConfigError: no ``listen`` address, off loopback without protection, another wire's options,
+            or a bad TLS file or CURVE key (each named by its setting).
         """
-        from kvengine.transports.peer_client import require_protection
         from kvengine.transports.peer_service import ServerOptions, ServerThread
         from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
-        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
         from kvengine.trust.secrets import read_secret_file
 
         if options.listen is None:
             raise ConfigError("kvengine vLLM connector: kv_role 'kv_producer' needs kv_connector_extra_config "
                               "handoff.listen ('host:port' where decode instances fetch the prompts' KV)")
         secret = read_secret_file(engine.config.peers.secret_file, "peers.secret_file")
-        tls = TlsConfig(cert=options.tls_cert, key=options.tls_key) if options.tls_cert is not None else None
-        require_protection([options.listen], secret=secret, encrypted=tls is not None, what="handoff.listen")
         holds = HandoffHolds(engine, float(engine.config.lease_seconds),
                              lambda event: events.labels(event=event).inc())
         # the backing store holds nothing: a producer takes no records from peers (HandoffStore refuses puts)
         store = EngineStore(engine.core, MemoryRecordStore(MIN_MEMORY_BYTES), secret=secret)
-        server = TcpPeerServer(HandoffStore(store, holds), options.listen, ServerOptions(secret=secret),
-                               TcpServerOptions(tls=tls))
+        server = _wire_server(HandoffStore(store, holds), options, engine.config.peers, ServerOptions(secret=secret))
         thread = ServerThread(server)
         bound = thread.start()
-        logger.info("kvengine: handoff server for decode instances on %s", bound)
+        logger.info("kvengine: handoff server for decode instances on %s (%s)", bound, engine.config.peers.transport)
         return cls(thread, store, holds, options.advertise or bound)
 
     def share(self, *bindings: ModelBinding) -> None:
@@ -316,3 +337,44 @@ class HandoffServer:
     def stop(self) -> None:
         self._thread.stop()
         self.holds.release_all()
+
+
+def _wire_server(store: HandoffStore, options: HandoffOptions, peers: PeersConfig, served: ServerOptions) -> PeerServer:
+    """The producer's server on ``peers.transport``, refusing another wire's options and an unprotected
+    listen address off loopback. :raises ConfigError: naming the setting."""
+    from kvengine.transports.peer_client import require_protection
+
+    wire = peers.transport
+    assert options.listen is not None
+    if wire != "tcp" and (options.tls_cert or options.tls_key):
+        raise ConfigError(f"handoff.tls_cert/tls_key are options of the tcp wire; this producer's "
+                          f"peers.transport is {wire!r}")
+    if wire != "zmq" and options.curve_allow:
+        raise ConfigError(f"handoff.curve_allow is an option of the zmq wire; this producer's peers.transport "
+                          f"is {wire!r}")
+    if wire == "tcp":
+        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
+
+        tls = TlsConfig(cert=options.tls_cert, key=options.tls_key) if options.tls_cert is not None else None
+        require_protection([options.listen], secret=served.secret, encrypted=tls is not None, what="handoff.listen")
+        return TcpPeerServer(store, options.listen, served, TcpServerOptions(tls=tls))
+    if wire == "ucx":
+        from kvengine.transports.ucx_peer import UcxPeerServer
+
+        require_protection([options.listen], secret=served.secret, encrypted=False, what="handoff.listen")
+        return UcxPeerServer(store, options.listen, served)
+    from kvengine.transports.zmq_peer import CurveConfig, ZmqOptions, ZmqPeerServer
+
+    curve = None
+    if options.curve_allow:
+        if not (peers.curve_public_key and peers.curve_secret_key):
+            raise ConfigError("handoff.curve_allow needs this producer's CURVE keys: peers.curve_public_key and "
+                              "peers.curve_secret_key (consumers set its public key as peers.curve_server_key)")
+        curve = CurveConfig(public_key=peers.curve_public_key.encode(), secret_key=peers.curve_secret_key.encode(),
+                            allowed_clients=frozenset(k.encode() for k in options.curve_allow))
+    elif not is_loopback(split_host_port(options.listen)[0]):
+        # libzmq buffers a message whole before kvengine sees it: only listed clients may connect
+        raise ConfigError(f"handoff.listen {options.listen} is off loopback: on the zmq wire a producer admits "
+                          "only listed consumers (handoff.curve_allow: their CURVE public keys, with "
+                          "peers.curve_public_key / curve_secret_key), or use the tcp wire")
+    return ZmqPeerServer(store, options.listen, served, ZmqOptions(curve=curve))

@@ -40,12 +40,12 @@ binds its namespace).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvengine.addresses import split_host_port
+from kvengine.addresses import offset_port, split_host_port
 from kvengine.config import EngineConfig, load_config_auto_chunk
 from kvengine.errors import ConfigError
 from kvengine.trust.verification import DEFAULT_RECORDS_DIR
@@ -53,7 +53,7 @@ from kvengine.trust.verification import DEFAULT_RECORDS_DIR
 _KEYS = ("handoff", "kvengine", "lookup_wait_ms", "model_fingerprint", "verification")
 #: a consumer's default handoff.fetch_timeout (seconds)
 DEFAULT_FETCH_TIMEOUT_S = 30.0
-_HANDOFF_KEYS = ("advertise", "fetch_timeout", "listen", "tls_cert", "tls_key")
+_HANDOFF_KEYS = ("advertise", "curve_allow", "fetch_timeout", "listen", "tls_cert", "tls_key")
 _VERIFICATION_KEYS = ("records", "secret_file", "serve_unverified_backend_risking_wrong_outputs")
 
 
@@ -108,8 +108,12 @@ class HandoffOptions:
     listen: str | None = None
     #: the address consumers dial (None: ``listen``)
     advertise: str | None = None
+    #: TLS of a producer's server on the tcp wire (consumers set ``peers.tls_ca``)
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: CURVE public keys (Z85) of the consumers a producer's server admits on the zmq wire (its own keys:
+    #: ``peers.curve_public_key`` / ``curve_secret_key``); required there off loopback
+    curve_allow: tuple[str, ...] = ()
     #: a consumer's seconds to read a handed-off prompt's chunks, then its tail, in place of the peers'
     #: ``read_deadline`` and ``request_timeout`` (tuned for a cache's reads, whose miss costs little): a
     #: handed-off prompt is read whole or prefilled again, whatever its size. Past it: a failed load.
@@ -138,8 +142,13 @@ class HandoffOptions:
         timeout = raw.get("fetch_timeout", DEFAULT_FETCH_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise ConfigError(f"handoff.fetch_timeout must be a number of seconds, got {timeout!r}")
+        allow = raw.get("curve_allow", ())
+        if isinstance(allow, str) or not isinstance(allow, Sequence) or \
+                not all(isinstance(k, str) and len(k) == 40 for k in allow):
+            raise ConfigError(f"handoff.curve_allow must be a list of CURVE public keys (40-character Z85 strings, "
+                              f"zmq.curve_keypair()), got {allow!r}")
         return cls(listen=raw.get("listen"), advertise=raw.get("advertise"), fetch_timeout=float(timeout),
-                   **_paths(raw, "handoff", ("tls_cert", "tls_key")))
+                   curve_allow=tuple(allow), **_paths(raw, "handoff", ("tls_cert", "tls_key")))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,13 +193,21 @@ class ConnectorOptions:
         return cls(engine=engine, chunk_size=chunk_size, lookup_wait_s=wait_s, model_fingerprint=fingerprint,
                    verification=verification, handoff=handoff)
 
-    def for_rank(self, rank: int, world_size: int) -> ConnectorOptions:
+    def for_rank(self, rank: int, world_size: int, *, handoff: bool = False) -> ConnectorOptions:
         """These options for tensor-parallel rank ``rank`` of ``world_size`` (>1): each rank's engine gets
         its own disk directory under ``disk.path`` (one writer per directory) and metrics port
-        (``metrics_port + rank``); only rank 0 publishes KV events."""
+        (``metrics_port + rank``); only rank 0 publishes KV events. ``handoff`` (a producer or consumer):
+        rank r of a producer serves on ``handoff.listen`` / ``advertise`` port + r, and rank r of a consumer
+        reads from its ``peers``' port + r, the producers' rank r (the same shard)."""
         if world_size == 1:
             return self
         engine = self.engine.model_dump()
+        handoff_options = self.handoff
+        if handoff and rank:
+            engine["peers"]["peers"] = [offset_port(a, rank) for a in self.engine.peers.peers]
+            listen, advertise = self.handoff.listen, self.handoff.advertise
+            handoff_options = replace(self.handoff, listen=listen and offset_port(listen, rank),
+                                      advertise=advertise and offset_port(advertise, rank))
         if self.engine.disk.path is not None:
             base = self.engine.disk.path
             if base.parent.is_dir():  # a missing parent (mount) is refused by the disk tier, as for one rank
@@ -200,7 +217,7 @@ class ConnectorOptions:
             engine["metrics_port"] = self.engine.metrics_port + rank
         if rank > 0:  # every rank stores the same prompts' chunks: rank 0's KV events tell a router all of it
             engine["events"]["endpoint"] = engine["events"]["replay_endpoint"] = None
-        return replace(self, engine=EngineConfig.model_validate(engine))
+        return replace(self, engine=EngineConfig.model_validate(engine), handoff=handoff_options)
 
     def with_chunk_size(self, chunk_size: int) -> ConnectorOptions:
         """These options with the chunk size resolved against vLLM's block sizes."""

@@ -148,7 +148,7 @@ class SchedulerSide:
         #: (the worker's reads have deadlines of their own, shorter; this one holds if one of them does not)
         self._deadline = lookup_deadline_s
         self._role = role
-        #: a consumer's trusted producers (its ``peers``)
+        #: a consumer's trusted producers (its ``peers``; :data:`.handoff.VIA_MOONCAKE` with a Mooncake tier)
         self._producers = producers
         #: a consumer under kv_load_failure_policy 'fail': a handed-off prompt it cannot load whole is offered
         #: whole anyway, so that its load fails and vLLM fails the request (else vLLM computes the rest)
@@ -372,7 +372,7 @@ class SchedulerSide:
             return None
         if params.producer not in self._producers:
             self._refuse_handoff("untrusted_producer", f"producer {params.producer} is not one of this "
-                                 f"instance's kvengine.peers ({sorted(self._producers)})")
+                                 f"instance's kvengine.peers, nor its Mooncake tier ({sorted(self._producers)})")
             return None
         if params.namespace != self._namespace:
             self._refuse_handoff("namespace_mismatch", f"producer {params.producer} computed KV in namespace "

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ from kvengine.types import ModelBinding
 from .acceptance import accept_backends, publish_platform, vllm_platform
 from .channel import Answer, LookupService
 from .copy_specs import HandoffSpec, SaveSpec
-from .handoff import HandoffServer, PromptTail, PromptTails, Role
+from .handoff import VIA_MOONCAKE, HandoffServer, PromptTail, PromptTails, Role
 from .layout import GroupKind, GroupPlan, PagedLayout, shares_one_copy
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
@@ -68,6 +69,9 @@ from .self_check import run_self_check
 from .state import BoundaryState, BoundaryStates, state_block
 
 logger = logging.getLogger("vllm.kvengine")
+
+#: seconds between a consumer's asks for a prompt handed off through Mooncake that is not all there yet
+STORE_POLL_S = 0.05
 
 
 def build_engine(options: ConnectorOptions) -> KVEngine:
@@ -152,18 +156,31 @@ class ReservationDesk:
             return Answer(shadow_tokens=shadowed)
         ids = np.frombuffer(tokens, dtype="<u4")
         binding = self.binding(salt)
-        reads = self.tails.reads(producer) if producer is not None and self.tails is not None else None
+        tails = self.tails if producer is not None else None
         start = self._from_token(producer, computed)
-        found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads, from_token=start)
-        res: Reservation | None = found
-        state = None
-        if self.states is not None and found.matched_tokens:
-            res, state = self._resumable(binding, request_id, ids, found, start)
         chunk = self._layout.chunk_size
-        held_tail = None
-        if producer is not None and self.tails is not None and max_tokens % chunk and \
-                (res.matched_tokens if res is not None else 0) == max_tokens // chunk * chunk:
-            held_tail = self.tails.find(binding, ids, max_tokens, producer)  # the chunks before it are all held
+        # A prompt handed off through Mooncake may still be on its way there (the producer's writes follow its
+        # step): asked again until all of it is there or fetch_timeout ends. A producer serving its own memory
+        # stored the prompt before vLLM finished it: its answer stands at once.
+        until = time.monotonic() + tails.fetch_timeout if tails is not None and producer == VIA_MOONCAKE else None
+        while True:
+            reads = None if tails is None or producer is None else \
+                tails.reads(producer, None if until is None else max(until - time.monotonic(), STORE_POLL_S))
+            found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads, from_token=start)
+            res: Reservation | None = found
+            state = None
+            if self.states is not None and found.matched_tokens:
+                res, state = self._resumable(binding, request_id, ids, found, start)
+            matched = res.matched_tokens if res is not None else 0
+            held_tail = None
+            if tails is not None and max_tokens % chunk and matched == max_tokens // chunk * chunk:
+                held_tail = tails.find(binding, ids, max_tokens, reads)  # the chunks before it are all held
+            if until is None or (held_tail.end if held_tail is not None else matched) == max_tokens or \
+                    time.monotonic() + STORE_POLL_S >= until:
+                break
+            if res is not None:
+                self.engine.release(res)
+            time.sleep(STORE_POLL_S)
         return self._answer(binding, request_id, res, None if state is None else _HeldState(state, binding, ids),
                             held_tail)
 
@@ -354,7 +371,7 @@ class WorkerSide:
             broadcast = LatentBroadcast.create(namespace.rank, self.layout.chunk)
             self._follower = not broadcast.is_source
         self._pipeline = LayerPipeline(self._copier, forward_order, broadcast)
-        options = self._options.for_rank(namespace.rank, namespace.world_size)
+        options = self._options.for_rank(namespace.rank, namespace.world_size, handoff=self._role is not Role.BOTH)
         num_blocks = self._kv_cache_config.num_blocks  # type: ignore[attr-defined]
         if self._follower:  # its own tensors and local copy path (no tier codecs: it stores nothing)
             check = run_self_check(self.layout, kv_caches, self._copier, forward_order, num_blocks=num_blocks)
@@ -373,13 +390,14 @@ class WorkerSide:
                                    codecs=self.engine.tier_codecs)
             states = BoundaryStates(self.engine, self.layout, kv_caches) if self.layout.states else None
             if self._role is not Role.BOTH:
-                self._tails = PromptTails(self.engine, self.layout, self._copier, options.handoff.fetch_timeout)
+                self._tails = PromptTails(self.engine, self.layout, self._copier, options.handoff.fetch_timeout,
+                                          rank=namespace.rank)
             self.desk = ReservationDesk(self.engine, namespace, self.layout.chunk, states, broadcast, self._tails,
                                         self._tail_step)
             self._metrics()
             publish_platform(self.engine.metrics.registry, platform, namespace, acceptance)
             self._step_metrics(self.engine.metrics.registry)
-            if self._role is Role.PRODUCER:
+            if self._role is Role.PRODUCER and options.handoff.listen is not None:  # else through Mooncake
                 self._handoff = HandoffServer.start(self.engine, options.handoff, self._m_handoffs)
             publish_self_check(check, self.engine.metrics.registry)
             self._service = LookupService(self.desk)
@@ -399,7 +417,13 @@ class WorkerSide:
         assert self.desk is not None
         return ChannelAddress(self._service.path, self._service.authkey, os.getpid(),
                               namespace=self.desk.binding("").digest.hex(),
-                              handoff=self._handoff.address if self._handoff is not None else "")
+                              handoff=self._handoff_address())
+
+    def _handoff_address(self) -> str:
+        """Where consumers load this producer's prompts from ("" where this is no producer)."""
+        if self._handoff is not None:
+            return self._handoff.address
+        return VIA_MOONCAKE if self._role is Role.PRODUCER else ""
 
     def _metrics(self) -> None:
         assert self.engine is not None and self.desk is not None
@@ -502,20 +526,21 @@ class WorkerSide:
     def _hand_off(self, spec: HandoffSpec, null: int) -> None:
         """A producer computed a prompt: store its tail, hold its chunks for the consumer (:mod:`.handoff`)."""
         assert self.desk is not None
-        if self._handoff is None or self._tails is None:
+        if self._tails is None:
             return
         ids = np.frombuffer(spec.tokens, dtype="<u4")
         binding = self.desk.binding(spec.salt)
         try:
-            self._handoff.share(binding, self._tails.binding(binding))
-            last = self._tails.last_key(binding, ids, len(ids))
+            if self._handoff is not None:
+                self._handoff.share(binding, self._tails.binding(binding))
             if len(ids) % self._tails.chunk_size:
                 if not self._tails.save(binding, ids, len(ids), spec.block_ids, null):
                     self._m_store_skips.labels(reason="handoff_tail").inc()
                     return
                 self._m_handoffs.labels(event="tail_stored").inc()
-            self._handoff.holds.hold(last, binding, spec.request_id, ids, len(ids) // self._tails.chunk_size *
-                                     self._tails.chunk_size)
+            if self._handoff is not None:  # through Mooncake, its master keeps the records (no hold here)
+                self._handoff.holds.hold(self._tails.last_key(binding, ids, len(ids)), binding, spec.request_id,
+                                         ids, len(ids) // self._tails.chunk_size * self._tails.chunk_size)
         except Exception as exc:  # the consumer then computes what it cannot load
             logger.warning("kvengine: handoff of %s not stored: %s: %s", spec.request_id, type(exc).__name__, exc)
             self._m_store_skips.labels(reason="handoff_tail").inc()

@@ -132,8 +132,6 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
                 raise FileOptionError(f"--tls-cert/--tls-key/--tls-ca: {one_line(exc)}") from None
         return TcpPeerServer(store, args.bind, options, TcpServerOptions(tls=tls, message_timeout=args.message_timeout))
     if args.transport == "ucx":
-        os.environ.setdefault("UCX_LOG_FILE", "stderr")  # UCX logs to stdout by default
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unknown to UCX 1.21
         from kvengine.transports.ucx_peer import UcxPeerServer
 
         return UcxPeerServer(store, args.bind, options)

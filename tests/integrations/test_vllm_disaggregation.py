@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation through kvengine, on real vLLM CPU engines (``vllm_scenarios.py disagg``,
-``disagg_swa``).
+``disagg_swa_*``).
 
 A producer instance (``kv_role: kv_producer``) and a consumer instance (``kv_consumer``) alive at once,
 each in vLLM's default topology: the consumer loads every prompt token but the last from the producer's
@@ -31,9 +31,12 @@ def disagg(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return report
 
 
-@pytest.fixture(scope="module")
-def disagg_swa(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    report, _log = _run("disagg_swa", tmp_path_factory.mktemp("disagg_swa"))
+@pytest.fixture(scope="module", params=["zmq", "ucx"])
+def disagg_swa(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The Gemma2 handoff over the zmq and ucx wires (the tcp wire: ``disagg``)."""
+    if request.param == "ucx" and importlib.util.find_spec("ucxx") is None:
+        pytest.skip("the 'ucx' extra (ucxx-cu12) is not installed")
+    report, _log = _run(f"disagg_swa_{request.param}", tmp_path_factory.mktemp("disagg_swa"))
     return report
 
 
@@ -107,9 +110,59 @@ def test_under_the_fail_policy_a_prompt_the_producer_cannot_supply_fails_the_req
 
 
 def test_a_sliding_window_model_is_handed_off_exactly(disagg_swa: dict[str, Any]) -> None:
-    """Gemma2: a sliding-window group next to full attention (asynchronous loads; the tail's pages out of
-    the window are zeros, never read): exact, every prompt token but the last loaded, both tails."""
+    """Gemma2 over the zmq and ucx wires: a sliding-window group next to full attention (asynchronous loads; the tail's
+    pages out of the window are zeros, never read): exact, every prompt token but the last loaded, both tails."""
     for p, got, want in zip(disagg_swa["prompts"], disagg_swa["decode"], disagg_swa["ref"]):
         _exact(got, want)
         assert got["cached"] == len(p) - 1
     assert _handoffs(disagg_swa["consumer"], "tail_loaded") == len(disagg_swa["prompts"])
+
+
+@pytest.fixture(scope="module")
+def disagg_mooncake(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    report, _log = _run("disagg_mooncake", tmp_path_factory.mktemp("disagg_mooncake"))
+    return report
+
+
+def test_a_prompt_handed_off_through_mooncake_is_decoded_exactly(disagg_mooncake: dict[str, Any]) -> None:
+    """No handoff server and no peers: the producer's params name Mooncake, the consumer reads the prompt from
+    the store (waiting for what is still on its way there) and computes only its last token."""
+    run = disagg_mooncake
+    for out in run["prefill"]:
+        assert out["transfer"]["kvengine_handoff"]["producer"] == "mooncake"
+    for p, got, want in zip(run["prompts"], run["decode"], run["ref"]):
+        _exact(got, want)
+        assert got["cached"] == len(p) - 1
+    tails = sum((len(p) - 1) % run["chunk"] != 0 for p in run["prompts"])
+    assert _handoffs(run["producer"], "tail_stored") == tails == _handoffs(run["consumer"], "tail_loaded")
+    assert run["producer"].get('kvengine_stored_chunks_total{tier="mooncake"}', 0) > 0
+
+
+def test_a_prompt_not_in_mooncake_is_computed_after_the_fetch_timeout(disagg_mooncake: dict[str, Any]) -> None:
+    """Params naming Mooncake for a prompt nobody stored: the consumer waits its handoff.fetch_timeout (3 s),
+    no longer, then computes the prompt exactly."""
+    (got,), (want,) = disagg_mooncake["never_out"], disagg_mooncake["ref_never"]
+    _exact(got, want)
+    assert got["cached"] == 0
+    assert 3.0 <= disagg_mooncake["never_wall_s"] < 20
+
+
+@pytest.fixture(scope="module")
+def disagg_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    report, _log = _run("disagg_tp", tmp_path_factory.mktemp("disagg_tp"))
+    return report
+
+
+def test_each_rank_hands_its_shard_to_the_same_rank_at_two_ranks(disagg_tp: dict[str, Any]) -> None:
+    """tensor_parallel_size=2 on both sides: equal to vLLM at TP=2, every prompt token but the last loaded; on
+    each rank a tail stored and loaded per prompt with one, and each hold ended by that rank's consumer."""
+    run = disagg_tp
+    for p, got, want in zip(run["prompts"], run["decode"], run["ref"]):
+        _exact(got, want)
+        assert got["cached"] == len(p) - 1
+    tails = sum((len(p) - 1) % run["chunk"] != 0 for p in run["prompts"])
+    held = sum(len(p) - 1 >= run["chunk"] for p in run["prompts"])
+    for producer, consumer in zip(run["producer_ranks"], run["consumer_ranks"]):
+        assert _handoffs(producer, "tail_stored") == tails == _handoffs(consumer, "tail_loaded")
+        assert _handoffs(producer, "hold_confirmed") == held and _handoffs(producer, "hold_expired") == 0
+        assert producer["kvengine_vllm_pinned_chunks"] == 0

@@ -320,17 +320,15 @@ def vllm_config(**over):
 @pytest.mark.parametrize("over, error, match", [
     ({"kv_transfer_config.kv_load_failure_policy": "fail"}, "ConfigError", "kv_load_failure_policy='recompute'"),
     ({"kv_transfer_config.kv_role": "kv_mirror"}, "ConfigError", "kv_role must be one of"),
-    ({"kv_transfer_config.kv_role": "kv_consumer", "parallel_config.tensor_parallel_size": 2},
-     "UnsupportedModelError", "kv_role 'kv_consumer' with tensor_parallel_size=2"),
     ({"parallel_config.pipeline_parallel_size": 2}, "UnsupportedModelError", "pipeline_parallel_size=2"),
     ({"cache_config.cache_dtype": "fp8"}, "UnsupportedModelError", "kv_cache_dtype"),
     ({"speculative_config": object()}, "UnsupportedModelError", "speculative"),
     ({"model_config.enable_sleep_mode": True}, "UnsupportedModelError", "enable_sleep_mode is not supported"),
 ])
 def test_vllm_settings_the_connector_refuses(over, error, match):
-    """The default settings pass; a non-recompute failure policy, an unknown role, a handoff role under tensor
-    parallelism, pipeline parallelism, an fp8 KV cache, speculative decoding or sleep mode (weights reloaded
-    after wake-up are not the ones fingerprinted) are refused by name."""
+    """The default settings pass; a non-recompute failure policy, an unknown role, pipeline parallelism, an
+    fp8 KV cache, speculative decoding or sleep mode (weights reloaded after wake-up are not the ones
+    fingerprinted) are refused by name."""
     import kvengine.errors as errors
     from kvengine.integrations.vllm.connector import check_vllm_config
 
@@ -353,7 +351,8 @@ def test_only_a_consumer_may_fail_requests_it_cannot_load():
 
 
 @pytest.mark.parametrize("role, extra, kinds, error, match", [
-    ("kv_producer", {}, ("full_attention",), "ConfigError", "needs kv_connector_extra_config handoff.listen"),
+    ("kv_producer", {}, ("full_attention",), "ConfigError", "needs kv_connector_extra_config handoff.listen.*or a "
+                                                            "kvengine.mooncake tier"),
     ("kv_consumer", {}, ("full_attention",), "ConfigError", "needs kvengine.peers.peers"),
     ("kv_producer", {"handoff": {"listen": "127.0.0.1:0"}}, ("recurrent_state", "full_attention"),
      "UnsupportedModelError", "recurrent-state KV cache groups \\[0\\] is not supported"),
@@ -373,6 +372,25 @@ def test_handoff_roles_refuse_what_they_lack_or_cannot_serve(role, extra, kinds,
     check_roles(plans, options, Role.BOTH)  # a local cache needs neither
     with pytest.raises(getattr(errors, error), match=match):
         check_roles(plans, options, Role(role))
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_a_mooncake_tier_is_enough_for_either_handoff_role(role):
+    """A producer with no handoff server and a consumer with no peers hand off through the Mooncake Store they
+    share; the consumer then trusts params naming it (and its peers, where it has some)."""
+    from kvengine.integrations.vllm.connector import check_roles
+    from kvengine.integrations.vllm.handoff import VIA_MOONCAKE, Role, handoff_sources
+    from kvengine.integrations.vllm.layout import GroupKind, GroupPlan
+    from kvengine.integrations.vllm.options import ConnectorOptions
+
+    plans = (GroupPlan(group_id=0, kind=GroupKind.FULL, block_size=BS, layer_names=("l0",)),)
+    options = ConnectorOptions.from_extra_config({"kvengine": {"mooncake": {"master": "127.0.0.1:50051"}}})
+    check_roles(plans, options, Role(role))
+    assert handoff_sources(options.engine) == {VIA_MOONCAKE}
+    both = ConnectorOptions.from_extra_config({"kvengine": {"mooncake": {"master": "127.0.0.1:50051"},
+                                                            "peers": {"peers": ["127.0.0.1:7601"]}}})
+    assert handoff_sources(both.engine) == {VIA_MOONCAKE, "127.0.0.1:7601"}
+    assert handoff_sources(ConnectorOptions.from_extra_config({}).engine) == frozenset()
 
 
 # ------------------------------------------------------------------ scheduler half --
@@ -537,6 +555,43 @@ def test_each_rank_gets_its_own_disk_directory_and_metrics_port(tmp_path):
     rank0, rank1 = options.for_rank(0, 2).engine, options.for_rank(1, 2).engine
     assert rank1.disk.path == tmp_path / "kv" / "tp1-of-2" and rank1.metrics_port == 9401
     assert (rank0.events.endpoint, rank1.events.endpoint) == ("tcp://127.0.0.1:5557", None)
+
+
+def test_a_handoff_rank_serves_and_reads_at_its_ports_plus_its_rank():
+    """Handoff roles under tensor parallelism: rank r of a producer serves on handoff.listen / advertise + r,
+    rank r of a consumer reads from each peer's port + r (the producers' rank r, the same shard); a cache
+    (kv_both) keeps its peers as given."""
+    from kvengine.integrations.vllm.options import ConnectorOptions
+
+    options = ConnectorOptions.from_extra_config({
+        "kvengine": {"peers": {"peers": ["10.0.0.1:7601", "10.0.0.2:7601"]}},
+        "handoff": {"listen": "0.0.0.0:7601", "advertise": "10.0.0.3:7701"}})
+    rank1 = options.for_rank(1, 2, handoff=True)
+    assert rank1.engine.peers.peers == ("10.0.0.1:7602", "10.0.0.2:7602")
+    assert (rank1.handoff.listen, rank1.handoff.advertise) == ("0.0.0.0:7602", "10.0.0.3:7702")
+    assert options.for_rank(0, 2, handoff=True).handoff == options.handoff
+    assert options.for_rank(1, 2).engine.peers.peers == options.engine.peers.peers
+
+
+def test_handoff_roles_at_two_ranks_refuse_mla_and_an_unfixed_port():
+    """Rank r finds its counterpart at a port + r: a producer's port must be given; MLA at TP > 1 keeps one
+    copy on rank 0, which handoffs do not cover."""
+    from kvengine.errors import ConfigError, UnsupportedModelError
+    from kvengine.integrations.vllm.connector import check_roles
+    from kvengine.integrations.vllm.handoff import Role
+    from kvengine.integrations.vllm.layout import GroupKind, GroupPlan
+    from kvengine.integrations.vllm.options import ConnectorOptions
+
+    full = (GroupPlan(group_id=0, kind=GroupKind.FULL, block_size=BS, layer_names=("l0",)),)
+    mla = (GroupPlan(group_id=0, kind=GroupKind.MLA, block_size=BS, layer_names=("l0",)),)
+    fixed = ConnectorOptions.from_extra_config({"handoff": {"listen": "127.0.0.1:7601"}})
+    check_roles(full, fixed, Role.PRODUCER, 2)
+    with pytest.raises(UnsupportedModelError, match="'kv_producer' with MLA at tensor_parallel_size=2"):
+        check_roles(mla, fixed, Role.PRODUCER, 2)
+    any_port = ConnectorOptions.from_extra_config({"handoff": {"listen": "127.0.0.1:0"}})
+    check_roles(full, any_port, Role.PRODUCER, 1)
+    with pytest.raises(ConfigError, match="handoff.listen 127.0.0.1:0: at tensor_parallel_size=2 give a port"):
+        check_roles(full, any_port, Role.PRODUCER, 2)
 
 
 def _pins_settle(ranks, expected):

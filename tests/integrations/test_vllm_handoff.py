@@ -7,6 +7,8 @@ The two-instance path on real vLLM engines is in test_vllm_disaggregation.py.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,8 +17,8 @@ import torch
 from kvengine import KVEngine, Namespace
 from kvengine.errors import ConfigError, InvalidRequestError
 from kvengine.integrations.vllm.copy_specs import LoadSpec
-from kvengine.integrations.vllm.handoff import PARAMS_KEY, HandoffHolds, HandoffParams, PromptTails
-from kvengine.integrations.vllm.options import ConnectorOptions
+from kvengine.integrations.vllm.handoff import PARAMS_KEY, HandoffHolds, HandoffParams, HandoffServer, PromptTails
+from kvengine.integrations.vllm.options import ConnectorOptions, HandoffOptions
 from kvengine.integrations.vllm.paging import PagedCopier
 from kvengine.integrations.vllm.pipeline import LayerPipeline, LoadJob
 
@@ -35,6 +37,8 @@ def test_params_round_trip_through_kv_transfer_params():
     assert HandoffParams.from_transfer_params(params.to_transfer_params()) == params
     assert HandoffParams.from_transfer_params(None) is None
     assert HandoffParams.from_transfer_params({"do_remote_prefill": True}) is None  # another connector's
+    through_store = HandoffParams("mooncake", 40, "ab" * 16)  # no server to dial: the shared store
+    assert HandoffParams.from_transfer_params(through_store.to_transfer_params()) == through_store
 
 
 @pytest.mark.parametrize("raw, field", [
@@ -93,7 +97,7 @@ def test_a_tail_holds_the_pages_before_its_end_and_zeros_after(setup):
     tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
     end = CHUNK + BS + 1  # the partial chunk: one whole block, then one token of the next
     assert tails.save(binding, TOKENS, end, SRC, 0)
-    tail = tails.find(binding, TOKENS, end, PRODUCER)
+    tail = tails.find(binding, TOKENS, end, tails.reads(PRODUCER))
     assert tail is not None and (tail.start, tail.end) == (CHUNK, end)
     kernel = BS // RATIO
     used = -(-(end - CHUNK) // kernel)  # kernel pages holding tokens of the tail: 3 of 4
@@ -103,8 +107,8 @@ def test_a_tail_holds_the_pages_before_its_end_and_zeros_after(setup):
     # a tail is keyed by every token before its end: another prompt, or another length, finds nothing
     other = TOKENS.copy()
     other[0] += 1
-    assert tails.find(binding, other, end, PRODUCER) is None
-    assert tails.find(binding, TOKENS, end - 1, PRODUCER) is None
+    assert tails.find(binding, other, end, tails.reads(PRODUCER)) is None
+    assert tails.find(binding, TOKENS, end - 1, tails.reads(PRODUCER)) is None
 
 
 def test_a_tail_loads_after_the_chunks_and_only_up_to_its_end(setup):
@@ -117,7 +121,7 @@ def test_a_tail_loads_after_the_chunks_and_only_up_to_its_end(setup):
     res = eng.lookup(binding, "consumer", TOKENS[:end], max_tokens=end)
     assert res.matched_tokens == CHUNK
     spec = LoadSpec(request_id="consumer", salt="", start=0, end=end, block_ids=DST, asynchronous=False)
-    job = LoadJob(spec, res, eng.begin_load(res), 0, tail=tails.find(binding, TOKENS, end, PRODUCER))
+    job = LoadJob(spec, res, eng.begin_load(res), 0, tail=tails.find(binding, TOKENS, end, tails.reads(PRODUCER)))
     pipe = LayerPipeline(copier, (0, 1))
     try:
         pipe.begin_loads([job])
@@ -209,3 +213,113 @@ def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(se
     desk.release("gone")
     desk.release("plain")
     assert eng.core.memory.total_pins() == 0 and len(desk) == 0
+
+
+def test_the_desk_waits_for_a_prompt_handed_off_through_mooncake_until_the_fetch_timeout(setup):
+    """A prompt handed off through Mooncake may still be on its way to the store: the consumer's lookup asks
+    again until all of it is there (here: its tail lands 0.3 s late), or ``fetch_timeout`` ends (a tail never
+    stored: the chunks alone, after the timeout and no later)."""
+    pytest.importorskip("vllm")
+    import threading
+
+    from kvengine.integrations.vllm.handoff import VIA_MOONCAKE
+    from kvengine.integrations.vllm.scheduler import token_bytes
+    from kvengine.integrations.vllm.worker import ReservationDesk
+
+    layout, backing, copier, eng, _ = setup
+    tails = PromptTails(eng, layout, copier, fetch_timeout=1.5)
+    desk = ReservationDesk(eng, Namespace(model="handoff-mooncake"), layout.chunk, tails=tails)
+    binding = desk.binding("")
+    _store_first_chunk(eng, binding, copier)
+    end = CHUNK + BS + 1
+    late = threading.Timer(0.3, lambda: tails.save(binding, TOKENS, end, SRC, 0))
+    late.start()
+    t = time.monotonic()
+    assert desk.lookup("late", "", token_bytes(TOKENS[:end]), end, producer=VIA_MOONCAKE).matched_tokens == end
+    assert 0.3 <= time.monotonic() - t < 1.5
+    late.join()
+    desk.release("late")
+    t = time.monotonic()
+    missing = desk.lookup("never", "", token_bytes(TOKENS[:end + 1]), end + 1, producer=VIA_MOONCAKE)
+    assert missing.matched_tokens == CHUNK  # what is there, once the wait ends
+    assert 1.4 <= time.monotonic() - t < 3.0
+    desk.release("never")
+    assert eng.core.memory.total_pins() == 0 and len(desk) == 0
+
+# ------------------------------------------------------------------ wires --
+class _Events:
+    """The handoff server's Prometheus counter, reduced to what it counts (unit-level isolation)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def labels(self, event: str) -> Any:
+        return SimpleNamespace(inc=lambda: self.seen.append(event))
+
+
+@pytest.mark.parametrize("wire", ["tcp", "zmq", "ucx"])
+def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tmp_path):
+    """A producer's handoff server speaks its ``peers.transport``; a consumer on that wire (real sockets, a real
+    engine each side) reads the prompt's chunk and tail from it, bytes intact, and the read ends the hold."""
+    if wire == "ucx":
+        pytest.importorskip("ucxx", reason="the 'ucx' extra (ucxx-cu12) is not installed")
+
+    layout, caches = make_layout()
+    fill(caches["full"])
+    copier = PagedCopier(layout, caches)
+    secret = tmp_path / "group.key"
+    secret.write_bytes(b"s" * 32)
+    peers = {"transport": wire, "secret_file": str(secret)}
+    end = CHUNK + BS + 1
+    namespace = Namespace(model="handoff-wire")
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}, "peers": peers},
+                  transports=[]) as producer:
+        binding = producer.bind(namespace, layout.chunk)
+        events = _Events()
+        server = HandoffServer.start(producer, HandoffOptions(listen="127.0.0.1:0"), events)
+        try:
+            tails = PromptTails(producer, layout, copier, fetch_timeout=5.0)
+            _store_first_chunk(producer, binding, copier)
+            assert tails.save(binding, TOKENS, end, SRC, 0)
+            server.share(binding, tails.binding(binding))
+            server.holds.hold(tails.last_key(binding, TOKENS, end), binding, "r", TOKENS, CHUNK)
+            assert producer.core.memory.total_pins() == 1
+            with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"},
+                           "peers": {**peers, "peers": [server.address], "replicas": 1}}) as consumer:
+                theirs = consumer.bind(namespace, layout.chunk)
+                assert theirs.digest == binding.digest
+                consumed = PromptTails(consumer, layout, copier, fetch_timeout=5.0)
+                res = consumer.lookup(theirs, "c", TOKENS[:end], max_tokens=end,
+                                      reads=consumed.reads(server.address))
+                assert res.matched_tokens == CHUNK
+                consumer.release(res)
+                tail = consumed.find(theirs, TOKENS, end, consumed.reads(server.address))
+                assert tail is not None and (tail.start, tail.end) == (CHUNK, end)
+                want = tails.find(binding, TOKENS, end, None)
+                assert want is not None
+                assert all(torch.equal(a, b) for a, b in zip(tail.tensors, want.tensors))
+            assert events.seen == ["hold_confirmed"] and producer.core.memory.total_pins() == 0
+        finally:
+            server.stop()
+
+
+@pytest.mark.parametrize("wire, handoff, message", [
+    ("zmq", {"tls_cert": "/x.pem"}, "handoff.tls_cert/tls_key are options of the tcp wire; this producer's "
+                                    "peers.transport is 'zmq'"),
+    ("tcp", {"curve_allow": ["k" * 40]}, "handoff.curve_allow is an option of the zmq wire"),
+    ("zmq", {"curve_allow": ["k" * 40]}, "handoff.curve_allow needs this producer's CURVE keys"),
+    ("zmq", {"listen": "10.1.2.3:0"}, "handoff.listen 10.1.2.3:0 is off loopback: on the zmq wire"),
+    ("ucx", {"listen": "10.1.2.3:0"}, "handoff.listen 10.1.2.3:0 is not on loopback"),
+])
+def test_a_handoff_server_refuses_another_wires_options_and_an_unprotected_address(wire, handoff, message):
+
+    options = HandoffOptions.from_extra({"listen": "127.0.0.1:0", **handoff})
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}, "peers": {"transport": wire}},
+                  transports=[]) as eng:
+        with pytest.raises(ConfigError, match=message):
+            HandoffServer.start(eng, options, _Events())
+
+
+def test_curve_allow_must_be_a_list_of_keys():
+    with pytest.raises(ConfigError, match="handoff.curve_allow must be a list of CURVE public keys"):
+        HandoffOptions.from_extra({"curve_allow": "k" * 40})

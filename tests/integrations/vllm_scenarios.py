@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import multiprocessing
@@ -908,24 +909,27 @@ class _HandoffPair:
     default topology, started one after the other and alive at once. The consumer has a second producer in
     its peers, a handoff-wire server holding nothing, and one owner a key: placement picks the idle one for
     about half the keys, so every key the consumer loads proves it asked the producer its params name (a
-    directed fetch)."""
+    directed fetch). ``wire``: both sides' ``peers.transport``."""
 
-    def __init__(self, model: str, dtype: str = "float32") -> None:
+    def __init__(self, model: str, dtype: str = "float32", wire: str = "tcp") -> None:
         from kvengine.transports.peer_service import ServerThread
         from kvengine.transports.peer_store import MemoryRecordStore
         from kvengine.transports.tcp_peer import TcpPeerServer
+        from kvengine.transports.zmq_peer import ZmqPeerServer
 
         set_topology(in_process=False)
         handoff = free_port()
-        self.idle_producer = ServerThread(TcpPeerServer(MemoryRecordStore(1 << 20), "127.0.0.1:0"))
+        from kvengine.transports.ucx_peer import UcxPeerServer
+        server = {"tcp": TcpPeerServer, "zmq": ZmqPeerServer, "ucx": UcxPeerServer}[wire]
+        self.idle_producer = ServerThread(server(MemoryRecordStore(1 << 20), "127.0.0.1:0"))
         idle = self.idle_producer.start()
         self.producer_port, self.consumer_port = free_port(), free_port()
         self.consumer_extra = {"kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.consumer_port,
                                             "peers": {"peers": [idle, f"127.0.0.1:{handoff}"], "replicas": 1,
-                                                      "request_timeout": 2.0}}}
+                                                      "request_timeout": 2.0, "transport": wire}}}
         self.producer = start(engine_args(model, dtype=dtype, connector={
             "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.producer_port,
-                         "lease_seconds": LEASE_S},
+                         "lease_seconds": LEASE_S, "peers": {"transport": wire}},
             "handoff": {"listen": f"127.0.0.1:{handoff}"}}, kv_transfer_config_role="kv_producer"))
         try:
             self.consumer = start(engine_args(model, dtype=dtype, connector=self.consumer_extra,
@@ -1002,9 +1006,10 @@ def scenario_disagg(work: Path) -> dict[str, Any]:
     return report
 
 
-def scenario_disagg_swa(work: Path) -> dict[str, Any]:
+def scenario_disagg_swa(work: Path, wire: str) -> dict[str, Any]:
     """The handoff for Gemma2 (a sliding-window group next to full attention, so asynchronous loads, and
-    tails whose out-of-window pages are zeros): a prompt ending mid-chunk and one shorter than a chunk."""
+    tails whose out-of-window pages are zeros): a prompt ending mid-chunk and one shorter than a chunk; over
+    ``wire`` (the producer's handoff server speaks its ``peers.transport``)."""
     from vllm import EngineArgs
 
     from kvengine.integrations.vllm.tiny_models import build_model_dir
@@ -1015,7 +1020,7 @@ def scenario_disagg_swa(work: Path) -> dict[str, Any]:
     prompts = [prompt(501, 2 * chunk + chunk // 3), prompt(502, chunk // 2)]
     report: dict[str, Any] = {"prompts": prompts, "chunk": chunk}
     (report["ref"],) = _references_with_logprobs(model, prompts)
-    pair = _HandoffPair(model)
+    pair = _HandoffPair(model, wire=wire)
     try:
         params = [o["transfer"] for o in run(pair.producer, prompts, 1)]  # type: ignore[index]
         report["decode"] = run(pair.consumer, prompts, 16, logprobs=True, transfer=params)
@@ -1023,6 +1028,104 @@ def scenario_disagg_swa(work: Path) -> dict[str, Any]:
     finally:
         shutdown(pair.consumer)
         shutdown(pair.producer)
+    return report
+
+
+def scenario_disagg_tp(work: Path) -> dict[str, Any]:
+    """The handoff at tensor_parallel_size=2 on both sides (Llama, one KV head per rank), alive at once: the
+    producer's rank r serves its shard on ``handoff.listen``'s port + r, the consumer's rank r reads from
+    there. Reference: vLLM at TP=2 without the connector."""
+    from vllm import EngineArgs
+
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    bind_two_workers()
+    model = str(build_model_dir(work / "llama", "llama"))
+    block = int(EngineArgs(**engine_args(model)).create_engine_config().cache_config.block_size)
+    chunk = block * -(-256 // block)
+    prompts = [prompt(701, 2 * chunk + chunk // 3), prompt(702, chunk // 2)]
+    report: dict[str, Any] = {"prompts": prompts, "chunk": chunk}
+    set_topology(in_process=False)
+    engine = start(engine_args(model, tensor_parallel_size=2))
+    try:
+        report["ref"] = run(engine, prompts, 16, logprobs=True)
+    finally:
+        shutdown(engine)
+    handoff, pport, cport = free_port(2), free_port(2), free_port(2)
+    producer = consumer = None
+    try:
+        producer = start(engine_args(model, tensor_parallel_size=2, kv_transfer_config_role="kv_producer", connector={
+            "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": pport, "lease_seconds": LEASE_S},
+            "handoff": {"listen": f"127.0.0.1:{handoff}"}}))
+        consumer = start(engine_args(model, tensor_parallel_size=2, kv_transfer_config_role="kv_consumer", connector={
+            "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": cport,
+                         "peers": {"peers": [f"127.0.0.1:{handoff}"], "replicas": 1, "request_timeout": 2.0}}}))
+        report["prefill"] = run(producer, prompts, 1)
+        params = [o["transfer"] for o in report["prefill"]]  # type: ignore[index]
+        report["decode"] = run(consumer, prompts, 16, logprobs=True, transfer=params)
+        report["producer_ranks"] = unpinned([pport, pport + 1], timeout_s=10)
+        report["consumer_ranks"] = [scrape(cport), scrape(cport + 1)]
+    finally:
+        for one in (consumer, producer):
+            if one is not None:
+                shutdown(one)
+    return report
+
+
+#: the Mooncake consumer's wait for a handed-off prompt that is not in the store (handoff.fetch_timeout)
+MOONCAKE_FETCH_S = 3.0
+
+
+def scenario_disagg_mooncake(work: Path) -> dict[str, Any]:
+    """The handoff through a real Mooncake Store cluster on loopback (Llama, fp32): a producer with no
+    handoff server (``kv_producer``, a Mooncake client on 127.0.0.2) and a consumer with no peers (a client on
+    127.0.0.3), alive at once, a process holding the cluster's memory segment. The consumer runs each prompt
+    as soon as the producer returns it (its chunks may still be on their way to the store). Then params naming
+    Mooncake for a prompt never handed off: the consumer waits ``handoff.fetch_timeout`` and computes it."""
+    from vllm import EngineArgs
+
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.mooncake_master import Master, SegmentHolder
+
+    model = str(build_model_dir(work / "llama", "llama"))
+    block = int(EngineArgs(**engine_args(model)).create_engine_config().cache_config.block_size)
+    chunk = block * -(-256 // block)
+    prompts = [prompt(601, 2 * chunk + chunk // 3), prompt(602, chunk // 2)]
+    never = [prompt(603, chunk + 9)]
+    report: dict[str, Any] = {"prompts": prompts, "chunk": chunk, "never": never}
+    report["ref"], report["ref_never"] = _references_with_logprobs(model, prompts, never)
+    os.environ.pop("MC_TCP_BIND_ADDRESS", None)  # each worker's tier sets its own address
+    set_topology(in_process=False)
+    producer = consumer = None
+    with Master() as master, SegmentHolder(master.address, host="127.0.0.4", segment_bytes=64 << 20):
+        def tier(host: str, port: int) -> dict[str, Any]:
+            return {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": port, "mooncake": {
+                "master": master.address, "local_hostname": host, "segment_bytes": 0, "timeout": 10.0}}
+        pport, cport = free_port(), free_port()
+        try:
+            producer = start(engine_args(model, connector={"kvengine": tier("127.0.0.2", pport)},
+                                         kv_transfer_config_role="kv_producer"))
+            consumer = start(engine_args(model, connector={"kvengine": tier("127.0.0.3", cport),
+                                                           "handoff": {"fetch_timeout": MOONCAKE_FETCH_S}},
+                                         kv_transfer_config_role="kv_consumer"))
+            report["decode"] = []
+            for p in prompts:
+                (out,) = run(producer, [p], 1)
+                report.setdefault("prefill", []).append(out)
+                report["decode"] += run(consumer, [p], 16, logprobs=True, transfer=[out["transfer"]])  # type: ignore[index]
+            report["producer"], report["consumer"] = scrape(pport), scrape(cport)
+            params = {"kvengine_handoff": {**report["prefill"][0]["transfer"]["kvengine_handoff"],
+                                           "tokens": len(never[0]) - 1}}
+            t = time.perf_counter()
+            report["never_out"] = run(consumer, never, 16, logprobs=True, transfer=[params])
+            report["never_wall_s"] = time.perf_counter() - t
+        finally:
+            for engine in (consumer, producer):
+                if engine is not None:
+                    shutdown(engine)
     return report
 
 
@@ -1117,7 +1220,10 @@ def scenario_verify_fault(work: Path) -> dict[str, Any]:
             "tokens_loaded": result.tokens_loaded}
 
 
-SCENARIOS = {"disagg": scenario_disagg, "disagg_swa": scenario_disagg_swa, "first": scenario_first, "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
+SCENARIOS = {"disagg": scenario_disagg, "disagg_swa_zmq": functools.partial(scenario_disagg_swa, wire="zmq"),
+             "disagg_swa_ucx": functools.partial(scenario_disagg_swa, wire="ucx"),
+             "disagg_mooncake": scenario_disagg_mooncake, "disagg_tp": scenario_disagg_tp, "first": scenario_first,
+             "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
              "hybrid_tp": scenario_hybrid_tp,
