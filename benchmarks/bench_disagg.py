@@ -10,10 +10,11 @@ token. Per prompt length (distinct prompts, ``--repeats`` each):
   and handed off;
 * ``handoff``  -- the consumer's TTFT for that prompt with the producer's
   ``kv_transfer_params``: every token but the last loaded from the producer's
-  memory over the peer wire (tcp, loopback), the last computed;
+  memory over the peer wire (``--wires``: tcp, zmq, ucx; loopback), the last
+  computed;
 * ``transfer`` -- of that, the consumer's promotions from the producer
-  (``kvengine_tier_read_seconds{tier="peers_tcp"}``: reads, verification and
-  copy into its memory tier);
+  (``kvengine_tier_read_seconds{tier="peers_<wire>"}``: reads, verification
+  and copy into its memory tier);
 * ``local``    -- the consumer's TTFT computing a prompt of that length itself
   (what a colocated instance pays);
 * ``raw wire`` -- the same bytes over a plain loopback TCP socket in this run
@@ -30,7 +31,7 @@ achieves of the raw socket. Both instances share this machine's cores, so the
 prefill never overlaps the decode here; the multi-node expectation is a
 calculation from these per-byte costs (``docs/benchmarks.md``).
 
-    .venv-vllm/bin/python benchmarks/bench_disagg.py [--sizes 1024 4096] [--repeats 3]
+    .venv-vllm/bin/python benchmarks/bench_disagg.py [--sizes 1024 4096] [--repeats 3] [--wires tcp zmq ucx]
 
 Results: ``benchmarks/results/disagg.json``.
 """
@@ -196,14 +197,62 @@ def _itl(producer: Any, consumer: Any, long_tokens: int, repeats: int) -> dict[s
     return out
 
 
-def _read_seconds(metrics: dict[str, float]) -> float:
-    return metrics.get('kvengine_tier_read_seconds_sum{tier="peers_tcp"}', 0.0)
+def _read_seconds(metrics: dict[str, float], wire: str) -> float:
+    return metrics.get(f'kvengine_tier_read_seconds_sum{{tier="peers_{wire}"}}', 0.0)
+
+
+def _pair(model: str, wire: str, capacity: str, max_len: int) -> tuple[Any, Any, int]:
+    """A producer and a consumer speaking ``wire``, both warmed up; and the consumer's metrics port."""
+    handoff, pport, cport = _free_port(), _free_port(), _free_port()
+    producer = _engine(model, "kv_producer", {
+        "kvengine": {"memory": {"capacity_bytes": capacity}, "metrics_port": pport, "lease_seconds": 120,
+                     "peers": {"transport": wire}},
+        "handoff": {"listen": f"127.0.0.1:{handoff}"}}, max_len)
+    try:
+        consumer = _engine(model, "kv_consumer", {"kvengine": {
+            "memory": {"capacity_bytes": capacity}, "metrics_port": cport,
+            "peers": {"peers": [f"127.0.0.1:{handoff}"], "request_timeout": 30.0, "read_deadline": 60.0,
+                      "transport": wire}}}, max_len)
+    except BaseException:
+        producer.engine_core.shutdown()
+        raise
+    _ttft(producer, _prompt(1, 64))  # warm-up, both
+    _ttft(consumer, _prompt(2, 64))
+    return producer, consumer, cport
+
+
+def _handoffs(producer: Any, consumer: Any, cport: int, wire: str, n: int, repeats: int) -> dict[str, Any]:
+    """The handoff of ``n``-token prompts over ``wire`` against computing them (medians of ``repeats``)."""
+    sample: dict[str, list[float]] = {"prefill": [], "handoff": [], "transfer": [], "local": []}
+    cached = []
+    for r in range(repeats):
+        tokens = _prompt(1000 * n + r, n)
+        t, out = _ttft(producer, tokens)
+        sample["prefill"].append(t)
+        before = _read_seconds(scrape(cport), wire)
+        t, got = _ttft(consumer, tokens, out.kv_transfer_params)
+        sample["handoff"].append(t)
+        sample["transfer"].append(_read_seconds(scrape(cport), wire) - before)
+        cached.append(int(got.num_cached_tokens or 0))
+        sample["local"].append(_ttft(consumer, _prompt(2000 * n + r, n))[0])
+    med = {k: statistics.median(v) for k, v in sample.items()}
+    nbytes = (n - 1) * KV_BYTES_PER_TOKEN
+    raw = _raw_wire_s(nbytes)
+    return {"wire": wire, "tokens": n, "kv_bytes": nbytes, "cached_tokens": cached,
+            **{f"{k}_s": v for k, v in med.items()},
+            "raw_wire_s": raw, "transfer_share_of_ttft": med["transfer"] / med["handoff"],
+            "raw_over_transfer": raw / med["transfer"] if med["transfer"] else None,
+            "local_over_handoff": med["local"] / med["handoff"],
+            "transfer_gb_s": nbytes / med["transfer"] / 1e9 if med["transfer"] else None,
+            "raw_wire_gb_s": nbytes / raw / 1e9}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--wires", nargs="+", choices=("tcp", "zmq", "ucx"), default=["tcp"],
+                   help="peer wires to hand off over, a pair of engines each (the first also measures ITL)")
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from kvengine.integrations.vllm.tiny_models import build_model_dir
@@ -213,55 +262,28 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
     model = str(build_model_dir(work / "model", "llama", vocab_size=4096, dtype="float32", **MODEL,
                                 max_position_embeddings=max_len))
-    handoff, pport, cport = _free_port(), _free_port(), _free_port()
     capacity = f"{max(256, 4 * max(args.sizes) * args.repeats * KV_BYTES_PER_TOKEN >> 20)}MiB"
-    producer = _engine(model, "kv_producer", {
-        "kvengine": {"memory": {"capacity_bytes": capacity}, "metrics_port": pport, "lease_seconds": 120},
-        "handoff": {"listen": f"127.0.0.1:{handoff}"}}, max_len)
-    consumer = _engine(model, "kv_consumer", {"kvengine": {
-        "memory": {"capacity_bytes": capacity}, "metrics_port": cport,
-        "peers": {"peers": [f"127.0.0.1:{handoff}"], "request_timeout": 30.0, "read_deadline": 60.0}}}, max_len)
-    rows, results = [], []
-    try:
-        _ttft(producer, _prompt(1, 64))  # warm-up, both
-        _ttft(consumer, _prompt(2, 64))
-        for n in args.sizes:
-            sample: dict[str, list[float]] = {"prefill": [], "handoff": [], "transfer": [], "local": []}
-            cached = []
-            for r in range(args.repeats):
-                tokens = _prompt(1000 * n + r, n)
-                t, out = _ttft(producer, tokens)
-                sample["prefill"].append(t)
-                before = _read_seconds(scrape(cport))
-                t, got = _ttft(consumer, tokens, out.kv_transfer_params)
-                sample["handoff"].append(t)
-                sample["transfer"].append(_read_seconds(scrape(cport)) - before)
-                cached.append(int(got.num_cached_tokens or 0))
-                sample["local"].append(_ttft(consumer, _prompt(2000 * n + r, n))[0])
-            med = {k: statistics.median(v) for k, v in sample.items()}
-            nbytes = (n - 1) * KV_BYTES_PER_TOKEN
-            raw = _raw_wire_s(nbytes)
-            result = {"tokens": n, "kv_bytes": nbytes, "cached_tokens": cached, **{f"{k}_s": v for k, v in med.items()},
-                      "raw_wire_s": raw, "transfer_share_of_ttft": med["transfer"] / med["handoff"],
-                      "raw_over_transfer": raw / med["transfer"] if med["transfer"] else None,
-                      "local_over_handoff": med["local"] / med["handoff"],
-                      "transfer_gb_s": nbytes / med["transfer"] / 1e9 if med["transfer"] else None,
-                      "raw_wire_gb_s": nbytes / raw / 1e9}
-            results.append(result)
-            rows.append([n, f"{nbytes / 2**20:.1f}", f"{med['prefill'] * 1e3:.0f}", f"{med['handoff'] * 1e3:.0f}",
-                         f"{med['transfer'] * 1e3:.1f}", f"{result['transfer_share_of_ttft']:.2f}",
-                         f"{med['local'] * 1e3:.0f}", f"{result['local_over_handoff']:.1f}",
-                         f"{result['transfer_gb_s'] or 0:.2f}", f"{result['raw_wire_gb_s']:.2f}",
-                         min(cached) == max(cached) == n - 1])
-        itl = _itl(producer, consumer, max(args.sizes), args.repeats)
-    finally:
-        for engine in (consumer, producer):
-            engine.engine_core.shutdown()
+    results, itl = [], {}
+    for wire in args.wires:
+        producer, consumer, cport = _pair(model, wire, capacity, max_len)
+        try:
+            results += [_handoffs(producer, consumer, cport, wire, n, args.repeats) for n in args.sizes]
+            if wire == args.wires[0]:
+                itl = _itl(producer, consumer, max(args.sizes), args.repeats)
+        finally:
+            for engine in (consumer, producer):
+                engine.engine_core.shutdown()
+    rows = [[r["wire"], r["tokens"], f"{r['kv_bytes'] / 2**20:.1f}", f"{r['prefill_s'] * 1e3:.0f}",
+             f"{r['handoff_s'] * 1e3:.0f}", f"{r['transfer_s'] * 1e3:.1f}", f"{r['transfer_share_of_ttft']:.2f}",
+             f"{r['local_s'] * 1e3:.0f}", f"{r['local_over_handoff']:.1f}", f"{r['transfer_gb_s'] or 0:.2f}",
+             f"{r['raw_wire_gb_s']:.2f}", min(r["cached_tokens"]) == max(r["cached_tokens"]) == r["tokens"] - 1]
+            for r in results]
     print_table("prefill/decode handoff (medians; ms unless said)",
-                ["tokens", "KV MiB", "prefill TTFT", "handoff TTFT", "transfer", "transfer/TTFT", "local TTFT",
-                 "local/handoff", "transfer GB/s", "raw wire GB/s", "all but last loaded"], rows)
-    print_table(f"decode instance's inter-token latency, 96-token reply of a handed-off 1,024-token prompt; two "
-                f"{max(args.sizes)}-token prefills start at its 4th token (medians of {args.repeats}; ms)",
+                ["wire", "tokens", "KV MiB", "prefill TTFT", "handoff TTFT", "transfer", "transfer/TTFT",
+                 "local TTFT", "local/handoff", "transfer GB/s", "raw wire GB/s", "all but last loaded"], rows)
+    print_table(f"decode instance's inter-token latency ({args.wires[0]}), 96-token reply of a handed-off "
+                f"1,024-token prompt; two {max(args.sizes)}-token prefills start at its 4th token (medians of "
+                f"{args.repeats}; ms)",
                 ["prefills run", "ITL p50", "ITL p95", "ITL max"],
                 [[{"alone": "none", "colocated": "by the decoding instance (colocated)",
                    "disaggregated": "by the producer (disaggregated, same cores)"}[arm],

@@ -43,10 +43,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvengine import KVEngine, Namespace
 from kvengine.chunks.codecs import Codec
+from kvengine.chunks.keys import Namespace
 from kvengine.compression import LOSSLESS_FAMILY, codec_family, error_bound
 from kvengine.errors import InvalidRequestError
+from kvengine.facade import KVEngine
 from kvengine.semantics.families import derive_spec
 
 from .generator import AttachedModel

@@ -214,7 +214,8 @@ def run_demo(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from kvengine import KVEngine, load_config
+    from kvengine.config import load_config
+    from kvengine.facade import KVEngine
 
     from .attaching import attach
 

@@ -37,10 +37,12 @@ from typing import Any, NamedTuple
 import torch
 import xxhash
 
-from kvengine import KVEngine, Namespace, Reservation
 from kvengine.chunks.hashing import token_bytes
+from kvengine.chunks.keys import Namespace
 from kvengine.chunks.layout import ChunkLayout
+from kvengine.core.reservations import Reservation
 from kvengine.errors import InvalidRequestError, KVEngineError, ModelChangedError, UnsupportedModelError
+from kvengine.facade import KVEngine
 from kvengine.semantics.canary import CanaryReport
 from kvengine.semantics.families import derive_spec
 from kvengine.semantics.spec import ModelKVSpec

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvengine import Reservation
+from kvengine.core.reservations import Reservation
 from kvengine.trust.provenance import (
     CanaryResult,
     KVComparison,

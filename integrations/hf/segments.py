@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvengine import Namespace
+from kvengine.chunks.keys import Namespace
 from kvengine.errors import AttachError
 
 from .blending import Blend, Blender, RecomputeBudget, Segment, encode_segment

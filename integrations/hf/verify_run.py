@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from kvengine import KVEngine
 from kvengine.errors import UnsupportedModelError
+from kvengine.facade import KVEngine
 from kvengine.trust.proof_run import LOGPROB_TOLERANCE, ProofClock, ProofResult
 from kvengine.trust.verification import GroupVerdict, Outcome, Platform
 

@@ -44,14 +44,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvengine import Reservation
 from kvengine.addresses import is_loopback, offset_port, split_host_port
 from kvengine.chunks.hashing import prefix_hashes
 from kvengine.chunks.keys import ChunkKey
-from kvengine.config import MIN_MEMORY_BYTES, EngineConfig
+from kvengine.config import EngineConfig
+from kvengine.core.reservations import Reservation
 from kvengine.errors import ConfigError, InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore, keyed_chunk_key, keyed_namespace
+from kvengine.sharing import EngineServer, WireOptions
 from kvengine.transport import Buffer, ReadScope
 from kvengine.types import ModelBinding
 
@@ -61,8 +62,7 @@ from .paging import PagedCopier
 
 if TYPE_CHECKING:
     from kvengine.config import PeersConfig
-    from kvengine.transports.peer_service import PeerServer, ServerOptions, ServerThread
-    from kvengine.transports.peer_store import EngineStore
+    from kvengine.transports.peer_store import RecordStore
 
 logger = logging.getLogger("vllm.kvengine")
 
@@ -269,21 +269,20 @@ class HandoffHolds:
 
 
 class HandoffStore:
-    """The producer's memory tier as a peer store (:class:`~kvengine.transports.peer_store.EngineStore`)
-    whose reads end the holds they complete."""
+    """The producer's memory tier as a peer store (:class:`~kvengine.sharing.EngineStore`) whose reads end the
+    holds they complete."""
 
-    def __init__(self, inner: Any, holds: HandoffHolds) -> None:
+    def __init__(self, inner: RecordStore, holds: HandoffHolds) -> None:
         self._inner = inner
         self._holds = holds
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
-        out: list[Buffer | None] = await self._inner.get(keys)
+        out = await self._inner.get(keys)
         self._holds.confirm([k for k, record in zip(keys, out) if record is not None])
         return out
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        result: list[bool] = await self._inner.exists(keys)
-        return result
+        return await self._inner.exists(keys)
 
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
         return [False] * len(items)  # a producer serves what it computed; it takes nothing from peers
@@ -297,9 +296,8 @@ class HandoffServer:
     (the consumers' wire: tcp, TLS with ``handoff.tls_cert``; zmq, CURVE with ``handoff.curve_allow``; ucx),
     records sealed with ``peers.secret_file``, reads ending holds."""
 
-    def __init__(self, thread: ServerThread, store: EngineStore, holds: HandoffHolds, address: str) -> None:
-        self._thread = thread
-        self._store = store
+    def __init__(self, server: EngineServer, holds: HandoffHolds, address: str) -> None:
+        self._server = server
         self.holds = holds
         #: as consumers dial it
         self.address = address
@@ -311,8 +309,6 @@ class HandoffServer:
         :raises ConfigError: no ``listen`` address, off loopback without protection, another wire's options,
             or a bad TLS file or CURVE key (each named by its setting).
         """
-        from kvengine.transports.peer_service import ServerOptions, ServerThread
-        from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
         from kvengine.trust.secrets import read_secret_file
 
         if options.listen is None:
@@ -321,29 +317,25 @@ class HandoffServer:
         secret = read_secret_file(engine.config.peers.secret_file, "peers.secret_file")
         holds = HandoffHolds(engine, float(engine.config.lease_seconds),
                              lambda event: events.labels(event=event).inc())
-        # the backing store holds nothing: a producer takes no records from peers (HandoffStore refuses puts)
-        store = EngineStore(engine.core, MemoryRecordStore(MIN_MEMORY_BYTES), secret=secret)
-        server = _wire_server(HandoffStore(store, holds), options, engine.config.peers, ServerOptions(secret=secret))
-        thread = ServerThread(server)
-        bound = thread.start()
+        server = EngineServer(engine, options.listen, _wire(options, engine.config.peers), secret=secret,
+                              what="handoff.listen", wrap=lambda store: HandoffStore(store, holds))
+        bound = server.start()
         logger.info("kvengine: handoff server for decode instances on %s (%s)", bound, engine.config.peers.transport)
-        return cls(thread, store, holds, options.advertise or bound)
+        return cls(server, holds, options.advertise or bound)
 
     def share(self, *bindings: ModelBinding) -> None:
         """Serve these namespaces' chunks (a binding is shared once it hands off a prompt)."""
-        for binding in bindings:
-            self._store.share(binding)
+        self._server.share(*bindings)
 
     def stop(self) -> None:
-        self._thread.stop()
+        self._server.stop()
         self.holds.release_all()
 
 
-def _wire_server(store: HandoffStore, options: HandoffOptions, peers: PeersConfig, served: ServerOptions) -> PeerServer:
-    """The producer's server on ``peers.transport``, refusing another wire's options and an unprotected
-    listen address off loopback. :raises ConfigError: naming the setting."""
-    from kvengine.transports.peer_client import require_protection
-
+def _wire(options: HandoffOptions, peers: PeersConfig) -> WireOptions:
+    """The producer's wire: its ``peers.transport``, with the handoff settings of that wire (another wire's
+    refused), and a zmq server off loopback only with its consumers listed. :raises ConfigError: naming the
+    setting."""
     wire = peers.transport
     assert options.listen is not None
     if wire != "tcp" and (options.tls_cert or options.tls_key):
@@ -352,29 +344,18 @@ def _wire_server(store: HandoffStore, options: HandoffOptions, peers: PeersConfi
     if wire != "zmq" and options.curve_allow:
         raise ConfigError(f"handoff.curve_allow is an option of the zmq wire; this producer's peers.transport "
                           f"is {wire!r}")
-    if wire == "tcp":
-        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
-
-        tls = TlsConfig(cert=options.tls_cert, key=options.tls_key) if options.tls_cert is not None else None
-        require_protection([options.listen], secret=served.secret, encrypted=tls is not None, what="handoff.listen")
-        return TcpPeerServer(store, options.listen, served, TcpServerOptions(tls=tls))
-    if wire == "ucx":
-        from kvengine.transports.ucx_peer import UcxPeerServer
-
-        require_protection([options.listen], secret=served.secret, encrypted=False, what="handoff.listen")
-        return UcxPeerServer(store, options.listen, served)
-    from kvengine.transports.zmq_peer import CurveConfig, ZmqOptions, ZmqPeerServer
-
-    curve = None
-    if options.curve_allow:
-        if not (peers.curve_public_key and peers.curve_secret_key):
-            raise ConfigError("handoff.curve_allow needs this producer's CURVE keys: peers.curve_public_key and "
-                              "peers.curve_secret_key (consumers set its public key as peers.curve_server_key)")
-        curve = CurveConfig(public_key=peers.curve_public_key.encode(), secret_key=peers.curve_secret_key.encode(),
-                            allowed_clients=frozenset(k.encode() for k in options.curve_allow))
-    elif not is_loopback(split_host_port(options.listen)[0]):
-        # libzmq buffers a message whole before kvengine sees it: only listed clients may connect
-        raise ConfigError(f"handoff.listen {options.listen} is off loopback: on the zmq wire a producer admits "
-                          "only listed consumers (handoff.curve_allow: their CURVE public keys, with "
-                          "peers.curve_public_key / curve_secret_key), or use the tcp wire")
-    return ZmqPeerServer(store, options.listen, served, ZmqOptions(curve=curve))
+    if wire != "zmq":
+        return WireOptions(transport=wire, tls_cert=options.tls_cert, tls_key=options.tls_key)
+    if not options.curve_allow:
+        if not is_loopback(split_host_port(options.listen)[0]):
+            # libzmq buffers a message whole before kvengine sees it: only listed clients may connect
+            raise ConfigError(f"handoff.listen {options.listen} is off loopback: on the zmq wire a producer admits "
+                              "only listed consumers (handoff.curve_allow: their CURVE public keys, with "
+                              "peers.curve_public_key / curve_secret_key), or use the tcp wire")
+        return WireOptions(transport=wire)
+    if not (peers.curve_public_key and peers.curve_secret_key):
+        raise ConfigError("handoff.curve_allow needs this producer's CURVE keys: peers.curve_public_key and "
+                          "peers.curve_secret_key (consumers set its public key as peers.curve_server_key)")
+    return WireOptions(transport=wire, curve_public_key=peers.curve_public_key.encode(),
+                       curve_secret_key=peers.curve_secret_key.encode(),
+                       curve_allow=frozenset(k.encode() for k in options.curve_allow))

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from kvengine import Reservation, StagedStore
+from kvengine.core.reservations import Reservation
+from kvengine.core.staging import StagedStore
 from kvengine.threads import executor
 from kvengine.types import ChunkView
 

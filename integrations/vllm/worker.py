@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
-from kvengine import Reservation
 from kvengine.chunks.keys import Namespace
 from kvengine.chunks.layout import ChunkLayout
+from kvengine.core.reservations import Reservation
 from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.metrics import serve_registry

@@ -16,7 +16,10 @@ def _quickstart(args: argparse.Namespace) -> int:
     """Store a prompt's KV, look it up as a new request, load it back, verify."""
     import torch
 
-    from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec, load_config
+    from kvengine.chunks.keys import Namespace
+    from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
+    from kvengine.config import load_config
+    from kvengine.facade import KVEngine
 
     layers, heads, head_dim, chunk = 4, 2, 64, args.chunk_size
     layout = ChunkLayout(chunk, tuple(

@@ -105,7 +105,9 @@ def _store(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _server(args: argparse.Namespace, store: Any) -> Any:
-    from kvengine.transports.peer_client import require_protection
+    from pathlib import Path
+
+    from kvengine.sharing import WireOptions, peer_server
     from kvengine.transports.peer_service import ServerOptions
     from kvengine.trust.secrets import read_secret_file
 
@@ -113,52 +115,50 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
         secret = read_secret_file(args.secret_file, "peers.secret_file")
     except ConfigError as exc:
         raise FileOptionError(f"--secret-file: {exc}") from None
-    require_protection([args.bind], secret=secret, encrypted=bool(args.curve_cert or args.tls_cert), what="--bind")
     gate = _gatekeeper(args)
     options = ServerOptions(namespaces=frozenset(args.namespace) if args.namespace else None,
                             verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent, secret=secret,
                             tenants=gate)
-    if args.transport == "tcp":
-        from pathlib import Path
+    if args.transport == "zmq":
+        return peer_server(store, args.bind, options, _curve_wire(args, gate), what="--bind")
+    cert, key, ca = (Path(v) if v else None for v in (args.tls_cert, args.tls_key, args.tls_ca))
+    if cert is not None:
+        from kvengine.transports.tcp_peer import TlsConfig
 
-        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
-        tls = None
-        if args.tls_cert:
-            tls = TlsConfig(cert=Path(args.tls_cert), key=Path(args.tls_key) if args.tls_key else None,
-                            ca=Path(args.tls_ca) if args.tls_ca else None)
-            try:  # load the files now, so that a bad one is reported as such before anything starts
-                tls.server_context()
-            except (ConfigError, ssl.SSLError) as exc:
-                raise FileOptionError(f"--tls-cert/--tls-key/--tls-ca: {one_line(exc)}") from None
-        return TcpPeerServer(store, args.bind, options, TcpServerOptions(tls=tls, message_timeout=args.message_timeout))
-    if args.transport == "ucx":
-        from kvengine.transports.ucx_peer import UcxPeerServer
+        try:  # load the files now, so that a bad one is reported as such before anything starts
+            TlsConfig(cert=cert, key=key, ca=ca).server_context()
+        except (ConfigError, ssl.SSLError) as exc:
+            raise FileOptionError(f"--tls-cert/--tls-key/--tls-ca: {one_line(exc)}") from None
+    wire = WireOptions(transport=args.transport, tls_cert=cert, tls_key=key, tls_ca=ca,
+                       message_timeout=args.message_timeout if args.transport == "tcp" else None)
+    return peer_server(store, args.bind, options, wire, what="--bind")
 
-        return UcxPeerServer(store, args.bind, options)
-    from kvengine.transports.zmq_peer import CurveConfig, ZmqOptions, ZmqPeerServer
 
-    curve = None
+def _curve_wire(args: argparse.Namespace, gate: Any) -> Any:
+    """The zmq wire's CURVE settings from ``--curve-cert`` / ``--curve-allow`` / ``--tenants``."""
+    from kvengine.sharing import WireOptions
+
     if (args.curve_allow or args.tenants) and not args.curve_cert:
         raise ConfigError("--curve-allow and --tenants need --curve-cert")
-    if args.curve_cert:
-        import zmq.auth
+    if not args.curve_cert:
+        return WireOptions(transport="zmq")
+    import zmq.auth
 
+    try:
+        public, secret = zmq.auth.load_certificate(args.curve_cert)
+    except (OSError, ValueError, KeyError) as exc:
+        raise FileOptionError(f"--curve-cert {args.curve_cert}: not a readable CURVE certificate ({exc})") \
+            from None
+    if secret is None:
+        raise FileOptionError(f"--curve-cert {args.curve_cert} holds no secret key")
+    allowed = gate.policy.client_keys if gate is not None else None
+    if args.curve_allow:
         try:
-            public, secret = zmq.auth.load_certificate(args.curve_cert)
+            allowed = (allowed or frozenset()) | frozenset(zmq.auth.load_certificates(args.curve_allow))
         except (OSError, ValueError, KeyError) as exc:
-            raise FileOptionError(f"--curve-cert {args.curve_cert}: not a readable CURVE certificate ({exc})") \
-                from None
-        if secret is None:
-            raise FileOptionError(f"--curve-cert {args.curve_cert} holds no secret key")
-        allowed = gate.policy.client_keys if gate is not None else None
-        if args.curve_allow:
-            try:
-                allowed = (allowed or frozenset()) | frozenset(zmq.auth.load_certificates(args.curve_allow))
-            except (OSError, ValueError, KeyError) as exc:
-                raise FileOptionError(f"--curve-allow {args.curve_allow}: cannot load client certificates "
-                                      f"({exc})") from None
-        curve = CurveConfig(public_key=public, secret_key=secret, allowed_clients=allowed)
-    return ZmqPeerServer(store, args.bind, options, ZmqOptions(curve=curve))
+            raise FileOptionError(f"--curve-allow {args.curve_allow}: cannot load client certificates "
+                                  f"({exc})") from None
+    return WireOptions(transport="zmq", curve_public_key=public, curve_secret_key=secret, curve_allow=allowed)
 
 
 def _check_wire_options(args: argparse.Namespace) -> None:

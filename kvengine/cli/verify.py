@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_hf(args: Any) -> ProofResult:
-    from kvengine import KVEngine, load_config
+    from kvengine.config import load_config
+    from kvengine.facade import KVEngine
     from kvengine.integrations.hf.verify_run import ProofSettings, run_proof
 
     if args.tensor_parallel_size != 1 or args.engine_args:

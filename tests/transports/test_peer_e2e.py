@@ -82,9 +82,10 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
     """A node: engine + peer transport + embedded server; one JSON command per stdin line."""
 
     from kvengine import KVEngine, Namespace
+    from kvengine.sharing import EngineStore
     from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
     from kvengine.transports.peer_service import ServerThread
-    from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
+    from kvengine.transports.peer_store import MemoryRecordStore
     from kvengine.transports.placement import Membership
     from tests.conftest import make_config, make_layout
 

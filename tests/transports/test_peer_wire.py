@@ -25,6 +25,7 @@ from kvengine import CacheEngine, Namespace
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import unpack_record
 from kvengine.errors import ConfigError
+from kvengine.sharing import EngineStore
 from kvengine.transport import ChunkTransport
 from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
 from kvengine.transports.peer_protocol import (
@@ -42,7 +43,7 @@ from kvengine.transports.peer_protocol import (
     tagged,
 )
 from kvengine.transports.peer_service import PeerService, ServerOptions
-from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
+from kvengine.transports.peer_store import MemoryRecordStore
 from kvengine.transports.placement import Membership, Peer, rendezvous_owners
 from kvengine.transports.tcp_peer import TcpConnector
 from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport

@@ -7,9 +7,10 @@ import torch
 
 from kvengine import ConfigError, InvalidRequestError, KVEngine, Namespace, load_config
 from kvengine.chunks.record import decode_header
+from kvengine.sharing import EngineStore
 from kvengine.tiers import build_tiers
 from kvengine.transports.peer_service import ServerThread
-from kvengine.transports.peer_store import EngineStore, MemoryRecordStore
+from kvengine.transports.peer_store import MemoryRecordStore
 from kvengine.transports.tcp_peer import TcpPeerServer
 from kvengine.transports.zmq_peer import ZmqPeerServer
 

@@ -1,0 +1,38 @@
+"""scripts/lint_imports.sh fails on a deliberate violation of each kind it guards against (a contract that
+cannot fail guards nothing): transports importing the engine, integrations importing a transport, and an
+import through the package's lazy re-exports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "lint-imports").exists(), reason="import-linter not in .venv")
+@pytest.mark.parametrize("path, line, says", [
+    ("transports/_violation.py", "from kvengine.facade import KVEngine",
+     "transports build on the foundation only: never the engine, the facade or what serves an engine BROKEN"),
+    ("integrations/vllm/_violation.py", "import kvengine.transports.tcp_peer",
+     "integrations reach the transports through the engine and kvengine.sharing, never directly BROKEN"),
+    ("transports/_violation.py", "from kvengine import KVEngine", "import through kvengine's lazy re-exports"),
+    ("kvengine/chunks/_violation.py", "    from kvengine import CacheEngine", "lazy re-exports"),
+])
+def test_a_deliberate_violation_fails_the_import_check(tmp_path, path, line, says):
+    for part in ("kvengine", "transports", "integrations", "scripts"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    check = subprocess.run(["bash", str(tmp_path / "scripts" / "lint_imports.sh")], capture_output=True, text=True,
+                           timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr  # the copy passes as it is
+    indent = "def f():\n" if line.startswith(" ") else ""
+    (tmp_path / path).write_text(f"{indent}{line}\n")
+    check = subprocess.run(["bash", str(tmp_path / "scripts" / "lint_imports.sh")], capture_output=True, text=True,
+                           timeout=120)
+    assert check.returncode != 0
+    assert says in " ".join((check.stdout + check.stderr).split())  # import-linter wraps long names
