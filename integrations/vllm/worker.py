@@ -51,6 +51,7 @@ from kvengine.core.reservations import Reservation
 from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.metrics import serve_registry
+from kvengine.transport import ReadScope
 from kvengine.trust.provenance import ShadowSampler, compare_kv, settle, worst
 from kvengine.types import ModelBinding
 
@@ -164,8 +165,7 @@ class ReservationDesk:
         # stored the prompt before vLLM finished it: its answer stands at once.
         until = time.monotonic() + tails.fetch_timeout if tails is not None and producer == VIA_MOONCAKE else None
         while True:
-            reads = None if tails is None or producer is None else \
-                tails.reads(producer, None if until is None else max(until - time.monotonic(), STORE_POLL_S))
+            reads = self._handoff_reads(producer, until)
             found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads, from_token=start)
             res: Reservation | None = found
             state = None
@@ -183,6 +183,12 @@ class ReservationDesk:
             time.sleep(STORE_POLL_S)
         return self._answer(binding, request_id, res, None if state is None else _HeldState(state, binding, ids),
                             held_tail)
+
+    def _handoff_reads(self, producer: str | None, until: float | None) -> ReadScope | None:
+        """How a handed-off prompt is read (None: not one), within what is left until ``until``."""
+        if producer is None or self.tails is None:
+            return None
+        return self.tails.reads(producer, None if until is None else max(until - time.monotonic(), STORE_POLL_S))
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
                    producer: str | None = None, computed: int = 0) -> Answer | None:

@@ -257,10 +257,18 @@ class _Events:
         return SimpleNamespace(inc=lambda: self.seen.append(event))
 
 
-@pytest.mark.parametrize("wire", ["tcp", "zmq", "ucx"])
+def _curve_keys() -> tuple[str, str]:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+@pytest.mark.parametrize("wire", ["tcp", "zmq", "ucx", "zmq-curve"])
 def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tmp_path):
     """A producer's handoff server speaks its ``peers.transport``; a consumer on that wire (real sockets, a real
-    engine each side) reads the prompt's chunk and tail from it, bytes intact, and the read ends the hold."""
+    engine each side) reads the prompt's chunk and tail from it, bytes intact, and the read ends the hold. With
+    CURVE, the producer admits the consumers ``handoff.curve_allow`` lists: another key reads nothing."""
     if wire == "ucx":
         pytest.importorskip("ucxx", reason="the 'ucx' extra (ucxx-cu12) is not installed")
 
@@ -269,14 +277,20 @@ def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tm
     copier = PagedCopier(layout, caches)
     secret = tmp_path / "group.key"
     secret.write_bytes(b"s" * 32)
-    peers = {"transport": wire, "secret_file": str(secret)}
+    peers: dict[str, Any] = {"transport": wire.split("-")[0], "secret_file": str(secret)}
+    consumer_peers, handoff = dict(peers), HandoffOptions(listen="127.0.0.1:0")
+    if wire == "zmq-curve":
+        (pub, sec), (client_pub, client_sec), (stranger_pub, stranger_sec) = (_curve_keys() for _ in range(3))
+        peers.update(curve_public_key=pub, curve_secret_key=sec)
+        consumer_peers.update(curve_public_key=client_pub, curve_secret_key=client_sec, curve_server_key=pub)
+        handoff = HandoffOptions(listen="127.0.0.1:0", curve_allow=(client_pub,))
     end = CHUNK + BS + 1
     namespace = Namespace(model="handoff-wire")
     with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}, "peers": peers},
                   transports=[]) as producer:
         binding = producer.bind(namespace, layout.chunk)
         events = _Events()
-        server = HandoffServer.start(producer, HandoffOptions(listen="127.0.0.1:0"), events)
+        server = HandoffServer.start(producer, handoff, events)
         try:
             tails = PromptTails(producer, layout, copier, fetch_timeout=5.0)
             _store_first_chunk(producer, binding, copier)
@@ -284,8 +298,16 @@ def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tm
             server.share(binding, tails.binding(binding))
             server.holds.hold(tails.last_key(binding, TOKENS, end), binding, "r", TOKENS, CHUNK)
             assert producer.core.memory.total_pins() == 1
+            if wire == "zmq-curve":  # a key the producer does not list: nothing read, the hold stands
+                stranger = {**consumer_peers, "curve_public_key": stranger_pub, "curve_secret_key": stranger_sec,
+                            "peers": [server.address], "replicas": 1, "request_timeout": 0.3, "read_deadline": 0.5}
+                with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}, "peers": stranger}) as other:
+                    outsider = PromptTails(other, layout, copier, fetch_timeout=1.0)
+                    assert outsider.find(other.bind(namespace, layout.chunk), TOKENS, end,
+                                         outsider.reads(server.address)) is None
+                assert events.seen == [] and producer.core.memory.total_pins() == 1
             with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"},
-                           "peers": {**peers, "peers": [server.address], "replicas": 1}}) as consumer:
+                           "peers": {**consumer_peers, "peers": [server.address], "replicas": 1}}) as consumer:
                 theirs = consumer.bind(namespace, layout.chunk)
                 assert theirs.digest == binding.digest
                 consumed = PromptTails(consumer, layout, copier, fetch_timeout=5.0)
