@@ -21,17 +21,17 @@ no other request's answer). What never waits (a lookup that memory answers,
 a release) is handled by the connection's reader thread itself, without a
 hand-off; so the scheduler waits for one round trip, never for a disk:
 
-* :class:`LookupCall` -> :class:`Reply` (``matched_tokens``, or
-  ``shadow_tokens`` for a hit sampled for a shadow check: nothing is
-  reserved, vLLM computes it all, the worker compares). A lookup that must
-  wait (a promotion from disk or peers, a queued call of its request) is
-  first answered ``pending`` at once, then with its answer. Idempotent per
-  request id: the worker's engine renews the same reservation.
+* :class:`LookupCall` -> :class:`Reply` carrying a :class:`~kvengine.lookups.LookupResult`
+  (a hit's tokens; a miss; or ``SHADOWED`` for a hit sampled for a shadow
+  check: nothing is reserved, vLLM computes it all, the worker compares). A
+  lookup that must wait (a promotion from disk or peers, a queued call of its
+  request) is first answered ``PENDING`` at once, then with its answer.
+  Idempotent per request id: the worker's engine renews the same reservation.
 * :class:`ReleaseCall` -> no reply. Ends the request's reservation, if any.
 * :class:`StatsCall` -> :class:`Reply` (``stats``): counters for tests and debugging.
 
-Faults: a handler error becomes a reply with ``error`` set (the scheduler
-counts it as a miss); a broken connection makes every later call a miss.
+Faults: a handler error becomes a ``FAILED`` answer naming it (the scheduler
+counts it, a miss); a broken connection makes every later call a miss.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Protocol
 
+from kvengine.lookups import MISS, PENDING, LookupOutcome, LookupResult
 from kvengine.threads import executor, start_thread
 
 from .frames import Frames
@@ -88,20 +89,12 @@ class StatsCall:
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
-    """A lookup's answer: tokens reserved for loading, or tokens to recompute and compare (a shadow check)."""
-
-    matched_tokens: int = 0
-    shadow_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Reply:
+    """The worker's answer to call ``seq``: a lookup's (:class:`~kvengine.lookups.LookupResult`, without its
+    reservation; ``PENDING`` first where the answer follows) or the stats."""
+
     seq: int
-    matched_tokens: int = 0
-    shadow_tokens: int = 0
-    pending: bool = False  # not answered at once: the answer follows (nothing to wait for meanwhile)
-    error: str = ""
+    result: LookupResult = MISS
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -109,10 +102,10 @@ class LookupHandler(Protocol):
     """What the worker answers with (its cache engine)."""
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-               producer: str | None = None, computed: int = 0) -> Answer: ...
+               producer: str | None = None, computed: int = 0) -> LookupResult: ...
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-                   producer: str | None = None, computed: int = 0) -> Answer | None:
+                   producer: str | None = None, computed: int = 0) -> LookupResult | None:
         """The answer if it needs no wait (memory holds it), without blocking; None: call ``lookup``."""
         ...
 
@@ -240,7 +233,7 @@ class LookupService:
                         send(reply)
                         continue
             if isinstance(msg, LookupCall):
-                send(Reply(msg.seq, pending=True))  # sent before the answer can be: the order holds
+                send(Reply(msg.seq, PENDING))  # sent before the answer can be: the order holds
             self._calls.submit(key, functools.partial(answer, msg))
 
     def _handle_now(self, msg: LookupCall) -> Reply | None:
@@ -267,7 +260,8 @@ class LookupService:
         except Exception as exc:  # answered as a miss, never kills the service
             seq = getattr(msg, "seq", -1)
             logger.warning("kvengine vLLM channel: %s failed: %s: %s", type(msg).__name__, type(exc).__name__, exc)
-            return Reply(seq, error=f"{type(exc).__name__}: {exc}") if seq >= 0 else None
+            return Reply(seq, LookupResult(LookupOutcome.FAILED, error=f"{type(exc).__name__}: {exc}")) \
+                if seq >= 0 else None
 
     def close(self) -> None:
         self._stop.set()
@@ -282,8 +276,8 @@ class LookupService:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _answered(call: LookupCall, answer: Answer) -> Reply:
-    return Reply(call.seq, matched_tokens=answer.matched_tokens, shadow_tokens=answer.shadow_tokens)
+def _answered(call: LookupCall, answer: LookupResult) -> Reply:
+    return Reply(call.seq, answer.sendable())
 
 
 class ChannelClosed(Exception):
@@ -329,14 +323,19 @@ class LookupClient:
         self._seq += 1
         seq = self._seq
         self._send(StatsCall(seq))
-        reply = self.result(seq, wait_s)
+        reply = self._reply(seq, wait_s)
         return dict(reply.stats) if reply is not None else {}
 
-    def result(self, seq: int, wait_s: float, *, until_pending: bool = False) -> Reply | None:
-        """The reply to call ``seq`` if it arrives within ``wait_s``, else None (ask again later).
+    def result(self, seq: int, wait_s: float, *, until_pending: bool = False) -> LookupResult:
+        """Lookup ``seq``'s answer if it arrives within ``wait_s``, else ``PENDING`` (ask again later).
 
-        ``until_pending``: stop waiting (None) as soon as the worker says the answer is pending.
+        ``until_pending``: stop waiting as soon as the worker says the answer is pending.
         """
+        reply = self._reply(seq, wait_s, until_pending=until_pending)
+        return PENDING if reply is None else reply.result
+
+    def _reply(self, seq: int, wait_s: float, *, until_pending: bool = False) -> Reply | None:
+        """The reply to call ``seq`` if it arrives within ``wait_s``, else None."""
         if seq in self._replies:
             return self._replies.pop(seq)
         if self._conn is None:
@@ -347,7 +346,7 @@ class LookupClient:
                 reply = self._conn.recv()
                 if not isinstance(reply, Reply):
                     raise OSError(f"unexpected message {type(reply).__name__}")
-                if reply.pending:  # the answer follows; nothing to keep
+                if reply.result.outcome is LookupOutcome.PENDING:  # the answer follows; nothing to keep
                     if reply.seq == seq and until_pending:
                         return None
                     continue

@@ -15,17 +15,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .channel import LookupClient, Reply
+from kvengine.lookups import MISS, PENDING, LookupOutcome, LookupResult
+
+from .channel import LookupClient
 from .metadata import ChannelAddress
 
 
 @dataclass(slots=True)
 class _Pending:
-    """A lookup sent to every rank, and the replies already in."""
+    """A lookup sent to every rank, and the answers already in."""
 
     request_id: str
     seqs: tuple[int, ...]
-    replies: dict[int, Reply] = field(default_factory=dict)
+    answers: dict[int, LookupResult] = field(default_factory=dict)
 
 
 class RankedLookup:
@@ -53,36 +55,34 @@ class RankedLookup:
                                                               for c in self._clients))
         return self._seq
 
-    def result(self, seq: int, wait_s: float, *, until_pending: bool = False) -> Reply | None:
-        """Every rank's reply to lookup ``seq`` merged (tokens every rank holds), or None while one is
-        still out: the replies already in are kept for the next call.
+    def result(self, seq: int, wait_s: float, *, until_pending: bool = False) -> LookupResult:
+        """Every rank's answer to lookup ``seq`` merged (a hit as far as every rank holds it), or ``PENDING``
+        while one is still out: the answers already in are kept for the next call.
 
-        The ranks answer in parallel; this waits up to ``wait_s`` for each reply still out, in rank
-        order, and returns None at the first one not in by then.
+        The ranks answer in parallel; this waits up to ``wait_s`` for each answer still out, in rank
+        order, and returns ``PENDING`` at the first one not in by then.
         """
         pending = self._pending[seq]
         for rank, (client, rank_seq) in enumerate(zip(self._clients, pending.seqs)):
-            if rank in pending.replies:
+            if rank in pending.answers:
                 continue
-            reply = client.result(rank_seq, wait_s, until_pending=until_pending)
-            if reply is None:
-                return None
-            pending.replies[rank] = reply
+            answer = client.result(rank_seq, wait_s, until_pending=until_pending)
+            if answer.outcome is LookupOutcome.PENDING:
+                return PENDING
+            pending.answers[rank] = answer
         del self._pending[seq]
-        replies = [pending.replies[r] for r in range(len(self._clients))]
-        matched = min(x.matched_tokens for x in replies)
-        if matched == 0 and any(x.matched_tokens for x in replies):
+        answers = [pending.answers[r] for r in range(len(self._clients))]
+        merged = _merged(answers)
+        if merged.outcome is not LookupOutcome.HIT and any(a.outcome is LookupOutcome.HIT for a in answers):
             self.release(pending.request_id)  # no hit: what some ranks reserved is not going to be loaded
-        errors = "; ".join(f"rank {r}: {x.error}" for r, x in enumerate(replies) if x.error)
-        return Reply(seq, matched_tokens=matched, shadow_tokens=min(x.shadow_tokens for x in replies),
-                     error=errors)
+        return merged
 
     def forget(self, seq: int) -> None:
         pending = self._pending.pop(seq, None)
         if pending is None:
             return
         for rank, (client, rank_seq) in enumerate(zip(self._clients, pending.seqs)):
-            if rank not in pending.replies:
+            if rank not in pending.answers:
                 client.forget(rank_seq)
 
     def release(self, request_id: str) -> None:
@@ -92,3 +92,15 @@ class RankedLookup:
     def close(self) -> None:
         for client in self._clients:
             client.close()
+
+
+def _merged(answers: Sequence[LookupResult]) -> LookupResult:
+    """The ranks' answers as one: a failure on any rank fails it (naming the ranks); a hit reaches as far as
+    every rank's does (a rank's miss makes it a miss); a shadow check recomputes what every rank would."""
+    failed = "; ".join(f"rank {r}: {a.error}" for r, a in enumerate(answers) if a.outcome is LookupOutcome.FAILED)
+    if failed:
+        return LookupResult(LookupOutcome.FAILED, error=failed)
+    if all(a.outcome is LookupOutcome.SHADOWED for a in answers):
+        return LookupResult(LookupOutcome.SHADOWED, min(a.tokens for a in answers))
+    reach = min(a.loadable for a in answers)
+    return LookupResult(LookupOutcome.HIT, reach) if reach else MISS

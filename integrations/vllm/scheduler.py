@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvengine.errors import InvalidRequestError
+from kvengine.lookups import TIMED_OUT, LookupOutcome, LookupResult
 
 from .channel import ChannelClosed
 from .copy_specs import HandoffSpec, LoadSpec, SaveSpec
@@ -196,25 +197,24 @@ class SchedulerSide:
                 st.pending_since = time.monotonic()
                 self.stats.lookups += 1
                 wait = self._wait
-            reply = self._client.result(st.pending_seq, wait, until_pending=True)
+            answer = self._client.result(st.pending_seq, wait, until_pending=True)
         except ChannelClosed as exc:
             self._count_error(f"channel: {exc}")
             return 0, False
-        if reply is None:
+        if answer.outcome is LookupOutcome.PENDING:
             waited = time.monotonic() - st.pending_since
             if waited <= self._deadline:
                 self.stats.lookups_in_flight += 1
                 return None, False
-            self._give_up(st, waited)
-            st.matched = 0
+            answer = self._give_up(st, waited)
         else:
             st.pending_seq = 0
-            if reply.error:
-                self._count_error(reply.error)
-            if reply.shadow_tokens and not st.shadow_until:
-                st.shadow_until = reply.shadow_tokens  # nothing reserved: vLLM computes it, the worker compares
-                self.stats.shadow_checks += 1
-            st.matched = reply.matched_tokens
+        if answer.outcome is LookupOutcome.FAILED:
+            self._count_error(answer.error)
+        if answer.outcome is LookupOutcome.SHADOWED and not st.shadow_until:
+            st.shadow_until = answer.tokens  # nothing reserved: vLLM computes it, the worker compares
+            self.stats.shadow_checks += 1
+        st.matched = answer.loadable
         if st.handed_in_by and self._fail_short and st.matched < limit:
             self.stats.failed_handoffs += 1
             logger.error("kvengine: handed-off prompt %s: %d of its %d tokens could be loaded from the producer "
@@ -415,7 +415,7 @@ class SchedulerSide:
         st.phase = _Phase.RESERVED
         self._release(st)
 
-    def _give_up(self, st: _RequestState, waited: float) -> None:
+    def _give_up(self, st: _RequestState, waited: float) -> LookupResult:
         """Stop waiting for the in-flight lookup: what it reserves, once done, is released, and the answer
         given now stands when vLLM asks again (a new lookup could wait as long again)."""
         self._abandon_lookup(st)
@@ -423,6 +423,7 @@ class SchedulerSide:
         self.stats.lookup_timeouts += 1
         logger.error("kvengine: the worker has not answered the lookup of request %s in %.1f s; it reads nothing "
                      "from the cache (a miss)", st.request.request_id, waited)
+        return TIMED_OUT
 
     def _count_error(self, error: str) -> None:
         self.stats.lookup_errors += 1

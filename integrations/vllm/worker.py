@@ -50,13 +50,14 @@ from kvengine.chunks.layout import ChunkLayout
 from kvengine.core.reservations import Reservation
 from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
+from kvengine.lookups import MISS, LookupOutcome, LookupResult
 from kvengine.metrics import serve_registry
 from kvengine.transport import ReadScope
 from kvengine.trust.provenance import ShadowSampler, compare_kv, settle, worst
 from kvengine.types import ModelBinding
 
 from .acceptance import accept_backends, publish_platform, vllm_platform
-from .channel import Answer, LookupService
+from .channel import LookupService
 from .copy_specs import HandoffSpec, SaveSpec
 from .handoff import VIA_MOONCAKE, HandoffServer, PromptTail, PromptTails, Role
 from .layout import GroupKind, GroupPlan, PagedLayout, shares_one_copy
@@ -147,14 +148,14 @@ class ReservationDesk:
         return binding
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-               producer: str | None = None, computed: int = 0) -> Answer:
+               producer: str | None = None, computed: int = 0) -> LookupResult:
         """``producer``: a handed-off prompt (:mod:`.handoff`), read from the producer that computed it first,
         its partial last chunk too, up to ``max_tokens``. ``computed``: the tokens vLLM holds already (its
         prefix cache): the chunks wholly before them are neither pinned nor read."""
         with self._lock:
             shadowed = self._shadowed.get(request_id)
         if shadowed is not None:
-            return Answer(shadow_tokens=shadowed)
+            return LookupResult(LookupOutcome.SHADOWED, shadowed)
         ids = np.frombuffer(tokens, dtype="<u4")
         binding = self.binding(salt)
         tails = self.tails if producer is not None else None
@@ -191,7 +192,7 @@ class ReservationDesk:
         return self.tails.reads(producer, None if until is None else max(until - time.monotonic(), STORE_POLL_S))
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int,
-                   producer: str | None = None, computed: int = 0) -> Answer | None:
+                   producer: str | None = None, computed: int = 0) -> LookupResult | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread; None: call :meth:`lookup`.
 
         Hybrid models (recurrent state to find), prompt tails and salts not bound yet always take
@@ -201,7 +202,7 @@ class ReservationDesk:
             shadowed = self._shadowed.get(request_id)
             binding = self._bindings.get(salt)
         if shadowed is not None:
-            return Answer(shadow_tokens=shadowed)
+            return LookupResult(LookupOutcome.SHADOWED, shadowed)
         if binding is None or self.states is not None or producer is not None:
             return None
         res = self.engine.lookup_resident(binding, request_id, np.frombuffer(tokens, dtype="<u4"),
@@ -214,7 +215,7 @@ class ReservationDesk:
         return 0 if producer is not None or self._broadcast is not None else computed
 
     def _answer(self, binding: ModelBinding, request_id: str, res: Reservation | None,
-                state: _HeldState | None, tail: PromptTail | None = None) -> Answer:
+                state: _HeldState | None, tail: PromptTail | None = None) -> LookupResult:
         """Hold ``res`` (and a handed-off prompt's ``tail`` after it) for the request's load (or sample it
         for a shadow check) and say what it offers."""
         if res is not None and res.matched_tokens == 0 and tail is not None:
@@ -228,12 +229,12 @@ class ReservationDesk:
                 self._held.pop(request_id, None)
                 self._held_states.pop(request_id, None)
                 self._held_tails.pop(request_id, None)
-            return Answer()
+            return MISS
         if tail is not None:
             with self._lock:
                 self._held[request_id] = res
                 self._held_tails[request_id] = tail
-            return Answer(matched_tokens=tail.end)
+            return LookupResult(LookupOutcome.HIT, tail.end)
         assert res is not None
         with self._lock:
             self._held_tails.pop(request_id, None)
@@ -244,12 +245,12 @@ class ReservationDesk:
                 self._held.pop(request_id, None)
                 self._held_states.pop(request_id, None)
                 self._shadowed[request_id] = res.matched_tokens
-            return Answer(shadow_tokens=res.matched_tokens)
+            return LookupResult(LookupOutcome.SHADOWED, res.matched_tokens)
         with self._lock:
             self._held[request_id] = res  # the same object again when vLLM asks again (idempotent)
             if state is not None:
                 self._held_states[request_id] = state
-        return Answer(matched_tokens=res.matched_tokens)
+        return LookupResult(LookupOutcome.HIT, res.matched_tokens, reservation=res)
 
     def _resumable(self, binding: ModelBinding, request_id: str, ids: np.ndarray, res: Reservation,
                    start: int) -> tuple[Reservation | None, BoundaryState | None]:

@@ -163,3 +163,99 @@ class ReservationMachine(RuleBasedStateMachine):
 
 ReservationMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestReservationProtocol = ReservationMachine.TestCase
+
+
+class FaultyTier:
+    """A lower tier (records by key) whose reads can be made to fail: raise, miss, or return damaged bytes."""
+
+    name = "faulty"
+
+    def __init__(self) -> None:
+        self.records: dict[object, bytes] = {}
+        self.fault: str | None = None
+
+    async def put(self, items):
+        for key, record in items:
+            self.records[key] = bytes(record)
+        return [True] * len(items)
+
+    async def get(self, keys):
+        if self.fault == "raise":
+            raise OSError("injected read failure")
+        if self.fault == "missing":
+            return [None] * len(keys)
+        out = [self.records.get(k) for k in keys]
+        if self.fault == "damaged":
+            out = [None if r is None else r[:-1] + bytes([r[-1] ^ 0xFF]) for r in out]
+        return out
+
+    async def exists(self, keys):
+        return [k in self.records for k in keys]
+
+    async def delete(self, keys):
+        return [self.records.pop(k, None) is not None for k in keys]
+
+    async def close(self) -> None:
+        pass
+
+
+class TieredReservationMachine(ReservationMachine):
+    """The same protocol over a lower tier, so that lookups also promote: chunks are dropped from memory (held
+    below only), the tier's reads fail in every way (raise, miss, damaged bytes), and the engine is closed with
+    requests still holding reservations. Every pin still returns to zero."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.loop = asyncio.new_event_loop()
+        self.clock = Clock()
+        self.tier = FaultyTier()
+        cfg = make_config(capacity=POOL_CHUNKS * LAYOUT.nbytes(), lease_seconds=10)
+        self.engine = CacheEngine(cfg, transports=[self.tier], clock=self.clock)
+        self.run(self.engine.start())
+        self.binding = self.engine.bind(Namespace(model="sm"), LAYOUT)
+        self.live = {}
+        self.close_with_live = False
+
+    def ask(self, req, toks, cap, resident):
+        """With a lower tier a lookup may need it: the memory-only form then answers None."""
+        if resident:
+            res = self.engine.lookup_resident(self.binding, req, toks, max_tokens=cap)
+            if res is not None:
+                return res
+        return self.run(self.engine.lookup(self.binding, req, toks, max_tokens=cap))
+
+    @rule(fault=st.sampled_from([None, "raise", "missing", "damaged"]))
+    def tier_fails(self, fault):
+        self.tier.fault = fault
+
+    @rule(data=st.data())
+    def only_below(self, data):
+        """Queued writes land; then unpinned chunks the tier holds leave memory (a lookup must promote them)."""
+        self.run(self.engine.flush())
+        held = sorted(self.tier.records, key=repr)
+        if held:
+            for key in data.draw(st.lists(st.sampled_from(held), max_size=4, unique=True)):
+                self.engine.memory.discard(key)  # refused (False) while a reservation pins it
+
+    @invariant()
+    def reserved_chunks_resident_and_pins_balanced(self):
+        """As above, once queued tier writes (which pin their chunks until written) have landed."""
+        self.run(self.engine.flush())
+        super().reserved_chunks_resident_and_pins_balanced()
+
+    @rule()
+    def close_later_with_requests_live(self):
+        self.close_with_live = True
+
+    def teardown(self) -> None:
+        if self.close_with_live:  # the engine ends every reservation it closes with
+            self.run(self.engine.close())
+            assert self.engine.memory.total_pins() == 0
+            assert len(self.engine.reservations) == 0
+            self.loop.close()
+            return
+        super().teardown()
+
+
+TieredReservationMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestTieredReservationProtocol = TieredReservationMachine.TestCase

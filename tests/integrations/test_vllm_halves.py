@@ -759,7 +759,7 @@ def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
     h.cache[5].fill_(7)
     assert h.states.save(h.desk.binding(""), ids[:2 * CHUNK], block_id=5)
     for _ in range(2):
-        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 2 * CHUNK
+        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).loadable == 2 * CHUNK
         assert h.engine.core.memory.total_pins() == 2
     taken = h.desk.take("r")
     res, state = taken.reservation, taken.state
@@ -784,7 +784,7 @@ def test_hybrid_load_offered_less_than_this_ranks_hit_gets_the_state_at_the_offe
         h.cache[block].fill_(value)
         assert h.states.save(h.desk.binding(""), ids[:chunks * CHUNK], block_id=block)
     for end, want in ((CHUNK, 3), (2 * CHUNK, 7), (CHUNK + BS, None)):
-        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 2 * CHUNK
+        assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).loadable == 2 * CHUNK
         taken = h.desk.take("r", end)
         res, state = taken.reservation, taken.state
         assert res.matched_tokens == 2 * CHUNK
@@ -798,7 +798,7 @@ def test_hybrid_hit_without_any_stored_state_is_a_miss(state_desk):
     from kvengine.integrations.vllm.scheduler import token_bytes
 
     h = state_desk
-    assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).matched_tokens == 0
+    assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).loadable == 0
     assert h.engine.core.memory.total_pins() == 0 and h.desk.take("r") is None
 
 
@@ -813,10 +813,10 @@ class _HungWorker:
         self.released: list[str] = []
 
     def lookup(self, request_id, salt, tokens, max_tokens, producer=None, computed=0):
-        from kvengine.integrations.vllm.channel import Answer
+        from kvengine.lookups import MISS, LookupOutcome, LookupResult
 
         self.go.wait(30)
-        return Answer(matched_tokens=self.matched)
+        return LookupResult(LookupOutcome.HIT, self.matched) if self.matched else MISS
 
     def lookup_now(self, *args, **kwargs):
         return None

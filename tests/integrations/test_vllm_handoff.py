@@ -201,15 +201,15 @@ def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(se
     end, short = CHUNK + BS + 1, BS + 3
     assert tails.save(binding, TOKENS, end, SRC, 0) and tails.save(binding, TOKENS, short, SRC, 0)
     data = token_bytes(TOKENS[:end])
-    assert desk.lookup("plain", "", data, end).matched_tokens == CHUNK
-    assert desk.lookup("handed", "", data, end, producer=PRODUCER).matched_tokens == end
+    assert desk.lookup("plain", "", data, end).loadable == CHUNK
+    assert desk.lookup("handed", "", data, end, producer=PRODUCER).loadable == end
     taken = desk.take("handed")
     assert taken.reservation.matched_tokens == CHUNK and (taken.tail.start, taken.tail.end) == (CHUNK, end)
     eng.release(taken.reservation)
-    assert desk.lookup("short", "", token_bytes(TOKENS[:short]), short, producer=PRODUCER).matched_tokens == short
+    assert desk.lookup("short", "", token_bytes(TOKENS[:short]), short, producer=PRODUCER).loadable == short
     alone = desk.take("short")
     assert alone.reservation is None and (alone.tail.start, alone.tail.end) == (0, short)
-    assert desk.lookup("gone", "", data, end - 1, producer=PRODUCER).matched_tokens == CHUNK  # no tail of that length
+    assert desk.lookup("gone", "", data, end - 1, producer=PRODUCER).loadable == CHUNK  # no tail of that length
     desk.release("gone")
     desk.release("plain")
     assert eng.core.memory.total_pins() == 0 and len(desk) == 0
@@ -235,13 +235,13 @@ def test_the_desk_waits_for_a_prompt_handed_off_through_mooncake_until_the_fetch
     late = threading.Timer(0.3, lambda: tails.save(binding, TOKENS, end, SRC, 0))
     late.start()
     t = time.monotonic()
-    assert desk.lookup("late", "", token_bytes(TOKENS[:end]), end, producer=VIA_MOONCAKE).matched_tokens == end
+    assert desk.lookup("late", "", token_bytes(TOKENS[:end]), end, producer=VIA_MOONCAKE).loadable == end
     assert 0.3 <= time.monotonic() - t < 1.5
     late.join()
     desk.release("late")
     t = time.monotonic()
     missing = desk.lookup("never", "", token_bytes(TOKENS[:end + 1]), end + 1, producer=VIA_MOONCAKE)
-    assert missing.matched_tokens == CHUNK  # what is there, once the wait ends
+    assert missing.loadable == CHUNK  # what is there, once the wait ends
     assert 1.4 <= time.monotonic() - t < 3.0
     desk.release("never")
     assert eng.core.memory.total_pins() == 0 and len(desk) == 0

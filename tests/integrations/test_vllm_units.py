@@ -17,6 +17,7 @@ from kvengine.integrations.vllm.channel import ChannelClosed, LookupClient, Look
 from kvengine.integrations.vllm.layout import GroupKind, GroupPlan, PagedLayout, PagedTensor
 from kvengine.integrations.vllm.options import ConnectorOptions
 from kvengine.integrations.vllm.paging import MissingPage, PagedCopier, blocks_in_range
+from kvengine.lookups import PENDING, LookupOutcome, LookupResult
 from kvengine.types import ChunkView
 
 
@@ -38,8 +39,6 @@ class FakeHandler:
 
     def lookup(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, producer: str | None = None,
                computed: int = 0):
-        from kvengine.integrations.vllm.channel import Answer
-
         self.computed[request_id] = computed
         time.sleep(self.delays.get(request_id, self.delay))
         if request_id in self.gates:
@@ -48,17 +47,15 @@ class FakeHandler:
         if self.fail:
             raise RuntimeError("boom")
         self.calls.append(("lookup", request_id))
-        return Answer(matched_tokens=min(8, len(tokens) // 4, max_tokens))
+        return LookupResult(LookupOutcome.HIT, min(8, len(tokens) // 4, max_tokens))
 
     def lookup_now(self, request_id: str, salt: str, tokens: bytes, max_tokens: int, producer: str | None = None,
                    computed: int = 0):
-        from kvengine.integrations.vllm.channel import Answer
-
         self.computed[request_id] = computed
         if request_id not in self.resident:
             return None
         self.calls.append(("lookup_now", request_id))
-        return Answer(matched_tokens=min(8, len(tokens) // 4, max_tokens))
+        return LookupResult(LookupOutcome.HIT, min(8, len(tokens) // 4, max_tokens))
 
     def release(self, request_id: str) -> None:
         self.calls.append(("release", request_id))
@@ -83,8 +80,7 @@ def test_lookup_round_trip(channel):
     """A lookup is answered with the handler's matched tokens; stats come back too."""
     handler, _, client = channel
     seq = client.submit("r1", "", bytes(4 * 20), 19)
-    reply = client.result(seq, 5.0)
-    assert reply is not None and reply.matched_tokens == 8 and not reply.error
+    assert client.result(seq, 5.0) == LookupResult(LookupOutcome.HIT, 8)
     assert client.stats()["calls"] == 1.0
 
 
@@ -93,19 +89,18 @@ def test_a_lookup_carries_the_tokens_vllm_holds_already(channel):
     handler, _, client = channel
     handler.resident.add("warm")
     for request_id, computed in (("warm", 128), ("cold", 256)):
-        reply = client.result(client.submit(request_id, "", bytes(40), 9, computed=computed), 5.0)
-        assert reply is not None and not reply.error
+        answer = client.result(client.submit(request_id, "", bytes(40), 9, computed=computed), 5.0)
+        assert answer.outcome is LookupOutcome.HIT
     assert handler.computed == {"warm": 128, "cold": 256}
 
 
-def test_answer_not_back_in_time_is_none_then_arrives(channel):
-    """Scenario: the worker is slow; ``result`` says "not yet" (None), a later call gets the answer."""
+def test_answer_not_back_in_time_is_pending_then_arrives(channel):
+    """Scenario: the worker is slow; ``result`` says "not yet" (PENDING), a later call gets the answer."""
     handler, _, client = channel
     handler.delay = 0.3
     seq = client.submit("r1", "", bytes(40), 9)
-    assert client.result(seq, 0.01) is None
-    reply = client.result(seq, 5.0)
-    assert reply is not None and reply.matched_tokens == 8
+    assert client.result(seq, 0.01) is PENDING
+    assert client.result(seq, 5.0) == LookupResult(LookupOutcome.HIT, 8)
 
 
 def test_abandoned_answer_is_dropped_and_later_calls_still_match(channel):
@@ -113,12 +108,11 @@ def test_abandoned_answer_is_dropped_and_later_calls_still_match(channel):
     handler, _, client = channel
     handler.delay = 0.2
     old = client.submit("r1", "", bytes(40), 9)
-    assert client.result(old, 0.0) is None
+    assert client.result(old, 0.0) is PENDING
     client.forget(old)
     handler.delay = 0.0
     new = client.submit("r2", "", bytes(12), 3)
-    reply = client.result(new, 5.0)
-    assert reply is not None and reply.seq == new and reply.matched_tokens == 3
+    assert client.result(new, 5.0) == LookupResult(LookupOutcome.HIT, 3)  # not the old call's 8
 
 
 def test_release_is_handled_after_the_lookup_it_follows(channel):
@@ -139,10 +133,10 @@ def test_a_slow_lookup_holds_up_no_other_requests_answer(channel):
     slow = client.submit("slow", "", bytes(40), 9)
     t0 = time.monotonic()
     fast = [client.submit(f"fast{i}", "", bytes(40), 9) for i in range(8)]
-    assert all(client.result(seq, 5.0) is not None for seq in fast)
+    assert all(client.result(seq, 5.0) is not PENDING for seq in fast)
     assert time.monotonic() - t0 < 0.5
-    assert client.result(slow, 0.0) is None  # still promoting
-    assert client.result(slow, 5.0) is not None
+    assert client.result(slow, 0.0) is PENDING  # still promoting
+    assert client.result(slow, 5.0) is not PENDING
 
 
 def test_a_lookup_memory_answers_is_answered_while_every_handler_is_busy(channel):
@@ -154,11 +148,10 @@ def test_a_lookup_memory_answers_is_answered_while_every_handler_is_busy(channel
     handler.gates = dict.fromkeys(held, gate)
     cold = [client.submit(rid, "", bytes(40), 9) for rid in held]
     handler.resident.add("warm")
-    warm = client.result(client.submit("warm", "", bytes(40), 9), 5.0)
-    assert warm is not None and warm.matched_tokens == 8
-    assert all(client.result(seq, 0.0) is None for seq in cold)  # all still held at the gate
+    assert client.result(client.submit("warm", "", bytes(40), 9), 5.0) == LookupResult(LookupOutcome.HIT, 8)
+    assert all(client.result(seq, 0.0) is PENDING for seq in cold)  # all still held at the gate
     gate.set()
-    assert all(client.result(seq, 5.0) is not None for seq in cold)
+    assert all(client.result(seq, 5.0) is not PENDING for seq in cold)
     assert handler.calls[0] == ("lookup_now", "warm")
 
 
@@ -171,12 +164,11 @@ def test_a_lookup_that_must_promote_is_answered_pending_at_once(channel):
     handler.gates["cold"] = gate
     seq = client.submit("cold", "", bytes(40), 9)
     t0 = time.monotonic()
-    assert client.result(seq, 30.0, until_pending=True) is None
+    assert client.result(seq, 30.0, until_pending=True) is PENDING
     assert time.monotonic() - t0 < 10  # the gate is still closed: only the pending word can have ended it
     assert handler.at_gate.wait(5) and not gate.is_set()
     gate.set()
-    reply = client.result(seq, 5.0)
-    assert reply is not None and not reply.pending and reply.matched_tokens == 8
+    assert client.result(seq, 5.0) == LookupResult(LookupOutcome.HIT, 8)
 
 
 def test_a_release_is_handled_while_every_handler_is_busy(channel):
@@ -192,7 +184,7 @@ def test_a_release_is_handled_while_every_handler_is_busy(channel):
     assert handler.released.wait(5)
     assert ("release", "other") in handler.calls and not gate.is_set()
     gate.set()
-    assert all(client.result(seq, 5.0) is not None for seq in cold)
+    assert all(client.result(seq, 5.0) is not PENDING for seq in cold)
 
 
 def test_a_lookup_memory_could_answer_still_waits_for_its_requests_earlier_calls(channel):
@@ -206,21 +198,20 @@ def test_a_lookup_memory_could_answer_still_waits_for_its_requests_earlier_calls
     client.release("r1")
     handler.resident.add("r1")  # now memory holds it
     second = client.submit("r1", "", bytes(40), 9)
-    assert client.result(second, 0.2) is None  # queued behind the first lookup and the release
+    assert client.result(second, 0.2) is PENDING  # queued behind the first lookup and the release
     gate.set()
-    assert client.result(first, 5.0) is not None and client.result(second, 5.0) is not None
+    assert client.result(first, 5.0) is not PENDING and client.result(second, 5.0) is not PENDING
     assert handler.calls == [("lookup", "r1"), ("release", "r1"), ("lookup", "r1")]
 
 
 def test_handler_error_is_a_reply_not_a_dead_service(channel):
-    """A failing lookup answers 0 tokens with the error; the service keeps serving."""
+    """A failing lookup is answered FAILED with the error (nothing to load); the service keeps serving."""
     handler, _, client = channel
     handler.fail = True
-    reply = client.result(client.submit("r1", "", bytes(40), 9), 5.0)
-    assert reply is not None and reply.matched_tokens == 0 and "boom" in reply.error
+    answer = client.result(client.submit("r1", "", bytes(40), 9), 5.0)
+    assert answer.outcome is LookupOutcome.FAILED and answer.loadable == 0 and "boom" in answer.error
     handler.fail = False
-    reply = client.result(client.submit("r2", "", bytes(40), 9), 5.0)
-    assert reply is not None and reply.matched_tokens == 8
+    assert client.result(client.submit("r2", "", bytes(40), 9), 5.0) == LookupResult(LookupOutcome.HIT, 8)
 
 
 def test_wrong_authkey_is_refused(channel):

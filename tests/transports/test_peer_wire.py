@@ -456,10 +456,13 @@ async def test_writes_in_flight_are_bounded_and_excess_is_dropped(make_record: A
     assert time.monotonic() - t0 < options.write_timeout + 0.5
     assert results == [[False]] * 6
     assert most[0] == 2 * len(items[0][1]) <= options.max_inflight_write_bytes  # two fit at once, never more
-    # Never sent: the four that waited past their deadline, or three when the first two, timed out, gave their
-    # bytes back a moment before the deadline of a waiter that started a moment later (each put has its own).
+    # Never sent: those still waiting for budget at their own deadline (counted from their own start). How many
+    # is a race, not a bound: when the first two time out and give their bytes back, a waiter that started a
+    # moment later may still be within its deadline and go out (3 or 4 dropped on an idle machine, 2 seen on a
+    # loaded one). What the budget guarantees is asserted above: never more than two records in flight, every
+    # put ended by its deadline; and below, that what was not sent was dropped, none lost or queued.
     dropped = transport.counts["writes_dropped_backpressure"]
-    assert dropped in (3, 4)
+    assert 1 <= dropped <= 4
     await asyncio.sleep(0.3)  # let the server take in whatever was sent
     assert server.counts["op_put"] == 6 - dropped
     await transport.close()

@@ -1,0 +1,66 @@
+"""What a lookup can return, from the engine to an inference engine's scheduler: one type.
+
+A scheduler asks, before it schedules a request, how many of its tokens the cache supplies. The answer is
+one :class:`LookupResult`: its :class:`LookupOutcome` says what happened, ``tokens`` how far a hit reaches
+(or how many tokens a shadow check recomputes), and, in the process that made it, the engine's
+:class:`~kvengine.core.reservations.Reservation` behind a hit. Between processes (the vLLM channel) the
+same type travels without the reservation, which stays with the engine that pins its chunks.
+
+Only :attr:`LookupOutcome.HIT` may be loaded; every other outcome means "compute it": nothing is read.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+from kvengine.core.reservations import Reservation
+
+
+class LookupOutcome(enum.Enum):
+    HIT = "hit"  # ``tokens`` reserved for loading (pinned until loaded or released)
+    MISS = "miss"  # nothing cached, or nothing this request may read
+    SHADOWED = "shadowed"  # a hit sampled for a shadow check: its ``tokens`` recomputed and compared, not loaded
+    PENDING = "pending"  # not answered yet (a promotion from a lower tier): ask again; nothing waits meanwhile
+    TIMED_OUT = "timed_out"  # unanswered by its deadline: read nothing, and the answer stands (counted)
+    FAILED = "failed"  # the lookup raised, or the way to the engine broke: read nothing (counted; ``error``)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """One lookup's answer (see the module docs)."""
+
+    outcome: LookupOutcome
+    #: HIT: the token the hit ends at (counted from token 0); SHADOWED: the tokens to recompute; else 0
+    tokens: int = 0
+    #: FAILED: what failed
+    error: str = ""
+    #: HIT, in the process that made it: the engine's reservation (never sent to another process)
+    reservation: Reservation | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        counted = self.outcome in (LookupOutcome.HIT, LookupOutcome.SHADOWED)
+        if (self.tokens <= 0) if counted else self.tokens:
+            raise ValueError(f"a {self.outcome.value} lookup with {self.tokens} tokens: a hit or shadow check has "
+                             "some, every other outcome none")
+
+    @classmethod
+    def of(cls, reservation: Reservation) -> LookupResult:
+        """The engine's answer: a hit where it reserved tokens, else a miss (nothing pinned)."""
+        if reservation.matched_tokens:
+            return cls(LookupOutcome.HIT, reservation.matched_tokens, reservation=reservation)
+        return MISS
+
+    @property
+    def loadable(self) -> int:
+        """The tokens a load may take: a hit's, else 0."""
+        return self.tokens if self.outcome is LookupOutcome.HIT else 0
+
+    def sendable(self) -> LookupResult:
+        """This answer as another process receives it: without the reservation."""
+        return self if self.reservation is None else replace(self, reservation=None)
+
+
+MISS = LookupResult(LookupOutcome.MISS)
+PENDING = LookupResult(LookupOutcome.PENDING)
+TIMED_OUT = LookupResult(LookupOutcome.TIMED_OUT)

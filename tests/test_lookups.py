@@ -1,0 +1,43 @@
+"""kvengine.lookups: one type for every answer a lookup can give, from the engine to a scheduler."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from kvengine.chunks.keys import Namespace
+from kvengine.facade import KVEngine
+from kvengine.lookups import MISS, PENDING, TIMED_OUT, LookupOutcome, LookupResult
+
+from .conftest import CHUNK, FakeKV, make_layout
+
+
+def test_the_engines_answer_is_a_hit_with_its_reservation_or_a_miss():
+    layout = make_layout()
+    tokens = list(range(2 * CHUNK + 3))
+    with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"}}, transports=[]) as eng:
+        binding = eng.bind(Namespace(model="lookups"), layout)
+        assert LookupResult.of(eng.lookup(binding, "cold", tokens)) is MISS
+        eng.store(binding, tokens, FakeKV(len(tokens)).source)
+        res = eng.lookup(binding, "warm", tokens)
+        hit = LookupResult.of(res)
+        assert (hit.outcome, hit.tokens, hit.loadable, hit.reservation) == (LookupOutcome.HIT, 2 * CHUNK, 2 * CHUNK,
+                                                                             res)
+        sent = pickle.loads(pickle.dumps(hit.sendable()))  # what crosses to another process (the vLLM channel)
+        assert sent == hit and sent.reservation is None  # the reservation stays with the engine that pins it
+        eng.release(res)
+
+
+def test_only_a_hit_is_loadable():
+    assert LookupResult(LookupOutcome.SHADOWED, 32).loadable == 0  # recomputed and compared, never loaded
+    for answer in (MISS, PENDING, TIMED_OUT, LookupResult(LookupOutcome.FAILED, error="boom")):
+        assert answer.loadable == 0 and answer.tokens == 0
+
+
+@pytest.mark.parametrize("outcome, tokens", [(LookupOutcome.HIT, 0), (LookupOutcome.SHADOWED, 0),
+                                             (LookupOutcome.MISS, 16), (LookupOutcome.PENDING, 1),
+                                             (LookupOutcome.HIT, -16)])
+def test_tokens_go_with_a_hit_or_a_shadow_check_only(outcome, tokens):
+    with pytest.raises(ValueError, match=f"a {outcome.value} lookup with {tokens} tokens"):
+        LookupResult(outcome, tokens)
