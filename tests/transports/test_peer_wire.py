@@ -443,30 +443,32 @@ async def test_writes_in_flight_are_bounded_and_excess_is_dropped(make_record: A
     items = [make_record(100_000) for _ in range(6)]
     options = PeerClientOptions(replicas=1, request_timeout=5.0, write_timeout=0.6, max_inflight_write_bytes=250_000)
     transport = client([server.address], options)
-    budget, most = transport._budget, [0]
-    give = budget.give
+    try:
+        budget, most = transport._budget, [0]
+        give = budget.give
 
-    def give_recording(nbytes: int) -> None:  # the bytes in flight just before any are given back
-        most[0] = max(most[0], budget.limit - budget.free)
-        give(nbytes)
+        def give_recording(nbytes: int) -> None:  # the bytes in flight just before any are given back
+            most[0] = max(most[0], budget.limit - budget.free)
+            give(nbytes)
 
-    budget.give = give_recording  # type: ignore[method-assign]
-    t0 = time.monotonic()
-    results = await asyncio.gather(*(transport.put([item]) for item in items))
-    assert time.monotonic() - t0 < options.write_timeout + 0.5
-    assert results == [[False]] * 6
-    assert most[0] == 2 * len(items[0][1]) <= options.max_inflight_write_bytes  # two fit at once, never more
-    # Never sent: those still waiting for budget at their own deadline (counted from their own start). How many
-    # is a race, not a bound: when the first two time out and give their bytes back, a waiter that started a
-    # moment later may still be within its deadline and go out (3 or 4 dropped on an idle machine, 2 seen on a
-    # loaded one). What the budget guarantees is asserted above: never more than two records in flight, every
-    # put ended by its deadline; and below, that what was not sent was dropped, none lost or queued.
-    dropped = transport.counts["writes_dropped_backpressure"]
-    assert 1 <= dropped <= 4
-    await asyncio.sleep(0.3)  # let the server take in whatever was sent
-    assert server.counts["op_put"] == 6 - dropped
-    await transport.close()
-    await server.close()
+        budget.give = give_recording  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(transport.put([item]) for item in items))
+        assert time.monotonic() - t0 < options.write_timeout + 0.5
+        assert results == [[False]] * 6
+        assert most[0] == 2 * len(items[0][1]) <= options.max_inflight_write_bytes  # two fit at once, never more
+        # Never sent: those still waiting for budget at their own deadline (counted from their own start). How many
+        # is a race, not a bound: when the first two time out and give their bytes back, a waiter that started a
+        # moment later may still be within its deadline and go out (3 or 4 dropped on an idle machine, 2 seen on a
+        # loaded one). What the budget guarantees is asserted above: never more than two records in flight, every
+        # put ended by its deadline; and below, that what was not sent was dropped, none lost or queued.
+        dropped = transport.counts["writes_dropped_backpressure"]
+        assert 1 <= dropped <= 4
+        await asyncio.sleep(0.3)  # let the server take in whatever was sent
+        assert server.counts["op_put"] == 6 - dropped
+    finally:
+        await transport.close()
+        await server.close()
 
 
 async def test_engine_store_serves_resident_chunks_as_verifiable_records(layout: Any, namespace: Namespace) -> None:
