@@ -42,11 +42,14 @@ import os
 import signal
 import ssl
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvengine.chunks.keys import DIGEST_BYTES, NamespaceDigest
 from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, byte_size, one_line
 from kvengine.errors import ConfigError, KVEngineError
+
+if TYPE_CHECKING:
+    from kvengine.sharing import WireOptions
 
 
 class FileOptionError(ConfigError):
@@ -134,7 +137,7 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     return peer_server(store, args.bind, options, wire, what="--bind")
 
 
-def _curve_wire(args: argparse.Namespace, gate: Any) -> Any:
+def _curve_wire(args: argparse.Namespace, gate: Any) -> WireOptions:
     """The zmq wire's CURVE settings from ``--curve-cert`` / ``--curve-allow`` / ``--tenants``."""
     from kvengine.sharing import WireOptions
 
