@@ -12,7 +12,7 @@ Only :attr:`LookupOutcome.HIT` may be loaded; every other outcome means "compute
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvengine.core.reservations import Reservation
 
@@ -56,9 +56,14 @@ class LookupResult:
         """The tokens a load may take: a hit's, else 0."""
         return self.tokens if self.outcome is LookupOutcome.HIT else 0
 
-    def sendable(self) -> LookupResult:
-        """This answer as another process receives it: without the reservation."""
-        return self if self.reservation is None else replace(self, reservation=None)
+    def __reduce__(self) -> tuple[object, tuple[str, int, str]]:
+        # The wire form (pickled on the vLLM channel, once per lookup): the outcome's value, the tokens and the
+        # error; never the reservation, which stays with the engine that pins its chunks.
+        return _received, (self.outcome.value, self.tokens, self.error)
+
+
+def _received(outcome: str, tokens: int, error: str) -> LookupResult:
+    return LookupResult(LookupOutcome(outcome), tokens, error)
 
 
 MISS = LookupResult(LookupOutcome.MISS)

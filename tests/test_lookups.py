@@ -24,7 +24,7 @@ def test_the_engines_answer_is_a_hit_with_its_reservation_or_a_miss():
         hit = LookupResult.of(res)
         assert (hit.outcome, hit.tokens, hit.loadable, hit.reservation) == (LookupOutcome.HIT, 2 * CHUNK, 2 * CHUNK,
                                                                              res)
-        sent = pickle.loads(pickle.dumps(hit.sendable()))  # what crosses to another process (the vLLM channel)
+        sent = pickle.loads(pickle.dumps(hit))  # what crosses to another process (the vLLM channel)
         assert sent == hit and sent.reservation is None  # the reservation stays with the engine that pins it
         eng.release(res)
 

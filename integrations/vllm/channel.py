@@ -277,7 +277,7 @@ class LookupService:
 
 
 def _answered(call: LookupCall, answer: LookupResult) -> Reply:
-    return Reply(call.seq, answer.sendable())
+    return Reply(call.seq, answer)  # pickled without its reservation (LookupResult.__reduce__)
 
 
 class ChannelClosed(Exception):
