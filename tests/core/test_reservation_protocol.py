@@ -23,6 +23,7 @@ from kvengine import CacheEngine, Namespace
 from kvengine.core.reservations import ReservationState
 
 from ..conftest import CHUNK, make_config, make_layout
+from .test_tiering import DictTransport
 
 LAYOUT = make_layout(layers=1, heads=1, dim=2)
 POOL_CHUNKS = 6
@@ -53,10 +54,14 @@ class ReservationMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.clock = Clock()
         cfg = make_config(capacity=POOL_CHUNKS * LAYOUT.nbytes(), lease_seconds=10)
-        self.engine = CacheEngine(cfg, clock=self.clock)
+        self.engine = CacheEngine(cfg, transports=self.lower_tiers(), clock=self.clock)
         self.run(self.engine.start())
         self.binding = self.engine.bind(Namespace(model="sm"), LAYOUT)
         self.live: dict[str, tuple[object, list[int]]] = {}
+
+    def lower_tiers(self) -> list[object]:
+        """The engine's tiers below memory: none here."""
+        return []
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -165,38 +170,24 @@ ReservationMachine.TestCase.settings = settings(max_examples=60, stateful_step_c
 TestReservationProtocol = ReservationMachine.TestCase
 
 
-class FaultyTier:
-    """A lower tier (records by key) whose reads can be made to fail: raise, miss, or return damaged bytes."""
+class FaultyTier(DictTransport):
+    """A lower tier whose reads can be made to fail: raise, miss, or return damaged bytes."""
 
     name = "faulty"
 
     def __init__(self) -> None:
-        self.records: dict[object, bytes] = {}
+        super().__init__()
         self.fault: str | None = None
-
-    async def put(self, items):
-        for key, record in items:
-            self.records[key] = bytes(record)
-        return [True] * len(items)
 
     async def get(self, keys):
         if self.fault == "raise":
             raise OSError("injected read failure")
         if self.fault == "missing":
             return [None] * len(keys)
-        out = [self.records.get(k) for k in keys]
+        out = await super().get(keys)
         if self.fault == "damaged":
             out = [None if r is None else r[:-1] + bytes([r[-1] ^ 0xFF]) for r in out]
         return out
-
-    async def exists(self, keys):
-        return [k in self.records for k in keys]
-
-    async def delete(self, keys):
-        return [self.records.pop(k, None) is not None for k in keys]
-
-    async def close(self) -> None:
-        pass
 
 
 class TieredReservationMachine(ReservationMachine):
@@ -205,16 +196,12 @@ class TieredReservationMachine(ReservationMachine):
     requests still holding reservations. Every pin still returns to zero."""
 
     def __init__(self) -> None:
-        RuleBasedStateMachine.__init__(self)
-        self.loop = asyncio.new_event_loop()
-        self.clock = Clock()
         self.tier = FaultyTier()
-        cfg = make_config(capacity=POOL_CHUNKS * LAYOUT.nbytes(), lease_seconds=10)
-        self.engine = CacheEngine(cfg, transports=[self.tier], clock=self.clock)
-        self.run(self.engine.start())
-        self.binding = self.engine.bind(Namespace(model="sm"), LAYOUT)
-        self.live = {}
+        super().__init__()
         self.close_with_live = False
+
+    def lower_tiers(self) -> list[object]:
+        return [self.tier]
 
     def ask(self, req, toks, cap, resident):
         """With a lower tier a lookup may need it: the memory-only form then answers None."""
@@ -232,7 +219,7 @@ class TieredReservationMachine(ReservationMachine):
     def only_below(self, data):
         """Queued writes land; then unpinned chunks the tier holds leave memory (a lookup must promote them)."""
         self.run(self.engine.flush())
-        held = sorted(self.tier.records, key=repr)
+        held = sorted(self.tier.blobs, key=repr)
         if held:
             for key in data.draw(st.lists(st.sampled_from(held), max_size=4, unique=True)):
                 self.engine.memory.discard(key)  # refused (False) while a reservation pins it

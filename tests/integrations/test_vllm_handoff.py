@@ -185,19 +185,27 @@ def test_a_fetch_after_the_lease_counts_as_expired_not_confirmed(setup):
     assert events == ["hold_expired"] and len(holds) == 0
 
 
+def _consumer_desk(setup, model: str, fetch_timeout: float):
+    """A consumer's reservation desk over the setup's engine, with its prompt tails; the first chunk of
+    TOKENS stored in its binding. Returns (engine, tails, desk, binding)."""
+    pytest.importorskip("vllm")
+    from kvengine.integrations.vllm.worker import ReservationDesk
+
+    layout, _backing, copier, eng, _ = setup
+    tails = PromptTails(eng, layout, copier, fetch_timeout=fetch_timeout)
+    desk = ReservationDesk(eng, Namespace(model=model), layout.chunk, tails=tails)
+    binding = desk.binding("")
+    _store_first_chunk(eng, binding, copier)
+    return eng, tails, desk, binding
+
+
 def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(setup):
     """A consumer's lookup (``producer`` set) offers the whole chunks and the tail after them; a plain lookup of
     the same tokens only the chunks; a prompt shorter than a chunk is a tail alone; a missing tail leaves the
     chunks. What the desk holds is what its load takes, and releasing it leaves no pin."""
-    pytest.importorskip("vllm")
     from kvengine.integrations.vllm.scheduler import token_bytes
-    from kvengine.integrations.vllm.worker import ReservationDesk
 
-    layout, backing, copier, eng, _ = setup
-    tails = PromptTails(eng, layout, copier, fetch_timeout=5.0)
-    desk = ReservationDesk(eng, Namespace(model="handoff-desk"), layout.chunk, tails=tails)
-    binding = desk.binding("")
-    _store_first_chunk(eng, binding, copier)
+    eng, tails, desk, binding = _consumer_desk(setup, "handoff-desk", fetch_timeout=5.0)
     end, short = CHUNK + BS + 1, BS + 3
     assert tails.save(binding, TOKENS, end, SRC, 0) and tails.save(binding, TOKENS, short, SRC, 0)
     data = token_bytes(TOKENS[:end])
@@ -219,18 +227,12 @@ def test_the_desk_waits_for_a_prompt_handed_off_through_mooncake_until_the_fetch
     """A prompt handed off through Mooncake may still be on its way to the store: the consumer's lookup asks
     again until all of it is there (here: its tail lands 0.3 s late), or ``fetch_timeout`` ends (a tail never
     stored: the chunks alone, after the timeout and no later)."""
-    pytest.importorskip("vllm")
     import threading
 
     from kvengine.integrations.vllm.handoff import VIA_MOONCAKE
     from kvengine.integrations.vllm.scheduler import token_bytes
-    from kvengine.integrations.vllm.worker import ReservationDesk
 
-    layout, backing, copier, eng, _ = setup
-    tails = PromptTails(eng, layout, copier, fetch_timeout=1.5)
-    desk = ReservationDesk(eng, Namespace(model="handoff-mooncake"), layout.chunk, tails=tails)
-    binding = desk.binding("")
-    _store_first_chunk(eng, binding, copier)
+    eng, tails, desk, binding = _consumer_desk(setup, "handoff-mooncake", fetch_timeout=1.5)
     end = CHUNK + BS + 1
     late = threading.Timer(0.3, lambda: tails.save(binding, TOKENS, end, SRC, 0))
     late.start()
