@@ -203,9 +203,9 @@ def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(se
     """A consumer's lookup (``producer`` set) offers the whole chunks and the tail after them; a plain lookup of
     the same tokens only the chunks; a prompt shorter than a chunk is a tail alone; a missing tail leaves the
     chunks. What the desk holds is what its load takes, and releasing it leaves no pin."""
-    from kvengine.integrations.vllm.scheduler import token_bytes
-
     eng, tails, desk, binding = _consumer_desk(setup, "handoff-desk", fetch_timeout=5.0)
+    from kvengine.integrations.vllm.scheduler import token_bytes  # vLLM's (skipped above without it)
+
     end, short = CHUNK + BS + 1, BS + 3
     assert tails.save(binding, TOKENS, end, SRC, 0) and tails.save(binding, TOKENS, short, SRC, 0)
     data = token_bytes(TOKENS[:end])
@@ -230,9 +230,10 @@ def test_the_desk_waits_for_a_prompt_handed_off_through_mooncake_until_the_fetch
     import threading
 
     from kvengine.integrations.vllm.handoff import VIA_MOONCAKE
-    from kvengine.integrations.vllm.scheduler import token_bytes
 
     eng, tails, desk, binding = _consumer_desk(setup, "handoff-mooncake", fetch_timeout=1.5)
+    from kvengine.integrations.vllm.scheduler import token_bytes  # vLLM's (skipped above without it)
+
     end = CHUNK + BS + 1
     late = threading.Timer(0.3, lambda: tails.save(binding, TOKENS, end, SRC, 0))
     late.start()
