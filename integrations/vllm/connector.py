@@ -157,11 +157,10 @@ def check_roles(plans: tuple[GroupPlan, ...], options: ConnectorOptions, role: R
                               f"{world_size} give a port: rank r serves on that port + r, where consumers' rank r "
                               "reads")
     state = [p.group_id for p in plans if p.kind is GroupKind.STATE]
-    if role is not Role.BOTH and state:
+    if role is not Role.BOTH and state and world_size > 1:
         raise UnsupportedModelError(
-            f"kvengine vLLM connector: kv_role {role.value!r} with recurrent-state KV cache groups {state} is not "
-            "supported: the decode instance would need the state after the prompt's last token but one, which "
-            "vLLM materializes only at block-aligned prefill ends")
+            f"kvengine vLLM connector: kv_role {role.value!r} with recurrent-state KV cache groups {state} at "
+            f"tensor_parallel_size={world_size} is not validated (a hybrid model's handoff is, at one rank)")
 
 
 def check_config(vllm_config: VllmConfig) -> ConnectorOptions:
@@ -226,7 +225,8 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
                                             asynchronous=asynchronous,
                                             lookup_wait_s=options.lookup_wait_s,
                                             lookup_deadline_s=options.handoff.fetch_timeout + LOOKUP_DEADLINE_MARGIN_S,
-                                            has_state=any(p.kind is GroupKind.STATE for p in plans), role=kv_role,
+                                            state_group=next((p for p in plans if p.kind is GroupKind.STATE), None),
+                                            role=kv_role,
                                             producers=handoff_sources(options.engine),
                                             fail_short_handoffs=vllm_config.kv_transfer_config.kv_load_failure_policy
                                             == "fail")

@@ -51,9 +51,13 @@ class SaveSpec:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HandoffSpec:
     """A producer computed a prompt (:mod:`.handoff`): store the partial last chunk of ``tokens`` (the
-    prompt less its last token) from the request's blocks, and hold its chunks for a consumer."""
+    prompt less its last token; a hybrid model's: the prompt up to where this step began) from the request's
+    blocks, and hold its chunks for a consumer."""
 
     request_id: str
     salt: str
     tokens: bytes
     block_ids: BlockIds
+    #: a hybrid model: the block holding the recurrent state at ``tokens``' end once this step's forward ran
+    #: (see :mod:`.state`; None: none)
+    state_block: int | None = None

@@ -25,7 +25,10 @@ Prefill/decode disaggregation (:mod:`.handoff`): a producer's step that
 completes a prompt also asks the worker to hand it off (``HandoffSpec``),
 and ``request_finished`` returns the params a consumer needs; a consumer
 checks a request's params once (a producer it trusts, its own namespace,
-this prompt) and then looks the prompt up with its tail.
+this prompt) and then looks the prompt up with its tail. A hybrid model's
+prompt is handed off up to where that step began (the last position before
+the prompt's end where vLLM materialized the recurrent state, see
+:mod:`.state`), with that state.
 
 So a request that was looked up but never scheduled (no blocks, aborted,
 rejected) leaves nothing pinned: it is released when vLLM finishes it, or
@@ -56,6 +59,7 @@ from kvengine.lookups import TIMED_OUT, LookupOutcome, LookupResult
 from .channel import ChannelClosed
 from .copy_specs import HandoffSpec, LoadSpec, SaveSpec
 from .handoff import HandoffParams, Role
+from .layout import GroupPlan
 from .metadata import StepMetadata
 from .options import DEFAULT_FETCH_TIMEOUT_S
 from .ranks import RankedLookup
@@ -108,6 +112,8 @@ class _RequestState:
     #: a consumer's handed-off prompt (:mod:`.handoff`): the producer that computed it (``host:port``),
     #: read from first, tail included
     handed_in_by: str | None = None
+    #: ... and the tokens it stored, which the consumer looks up
+    handed_in_tokens: int = 0
     #: a producer's handed-off prompt: the tokens whose KV it stored for a consumer (0: not yet)
     handed_out: int = 0
 
@@ -136,14 +142,17 @@ class SchedulerStats:
 
 
 class SchedulerSide:
-    def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float, has_state: bool = False,
+    def __init__(self, *, chunk_size: int, asynchronous: bool, lookup_wait_s: float,
+                 state_group: GroupPlan | None = None,
                  role: Role = Role.BOTH, producers: frozenset[str] = frozenset(),
                  fail_short_handoffs: bool = False, tail_step: int = 0,
                  lookup_deadline_s: float = DEFAULT_FETCH_TIMEOUT_S + LOOKUP_DEADLINE_MARGIN_S) -> None:
         #: the unit of stores and hits: a block with tails (:mod:`kvengine.core.tails`), else a chunk
         self._step = tail_step or chunk_size
         self._async = asynchronous
-        self._has_state = has_state
+        #: a hybrid model's recurrent-state group (see :mod:`.state`)
+        self._state_group = state_group
+        self._has_state = state_group is not None
         self._wait = lookup_wait_s
         #: a lookup the worker has not answered by then is given up: the request reads nothing and runs
         #: (the worker's reads have deadlines of their own, shorter; this one holds if one of them does not)
@@ -179,7 +188,8 @@ class SchedulerSide:
     # -- vLLM hooks --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        limit = request.num_tokens - 1  # vLLM computes at least the last token
+        # vLLM computes at least the last token; a handed-off hybrid prompt: from where its state was taken
+        limit = st.handed_in_tokens if st.handed_in_by else request.num_tokens - 1
         if not st.can_read or self._client is None or limit < (1 if st.handed_in_by else self._step):
             return 0, False
         if st.gave_up:
@@ -296,12 +306,42 @@ class SchedulerSide:
             prompt = int(st.request.num_prompt_tokens)
             if computed_before + scheduler_output.num_scheduled_tokens.get(request_id, 0) < prompt or prompt < 2:
                 continue
-            st.handed_out = prompt - 1  # the consumer computes the last token
+            # the consumer computes the last token; a hybrid model's, the tokens of this step (the recurrent
+            # state exists where a prefill step began or ended, and this step ends at the prompt's end)
+            handed = min(computed_before, prompt - 1) if self._has_state else prompt - 1
+            if handed <= 0:
+                continue  # the prompt in one step from its start: no state to hand off, the consumer computes it
+            st.handed_out = handed
+            block_ids = tuple(tuple(b) for b in self._manager.get_block_ids(request_id))
             meta.handoffs.append(HandoffSpec(request_id=request_id, salt=st.salt,
-                                             tokens=token_bytes(st.request.all_token_ids[: st.handed_out]),
-                                             block_ids=tuple(tuple(b) for b in
-                                                             self._manager.get_block_ids(request_id))))
+                                             tokens=token_bytes(st.request.all_token_ids[:handed]),
+                                             block_ids=block_ids,
+                                             state_block=self._state_after_step(request_id, handed, block_ids,
+                                                                                scheduler_output)))
             self.stats.handoffs += 1
+
+    def _state_after_step(self, request_id: str, boundary: int, block_ids: tuple[tuple[int, ...], ...],
+                          scheduler_output: SchedulerOutput) -> int | None:
+        """The block holding a hybrid model's recurrent state at ``boundary``, where this step began, once its
+        forward ran (the worker reads it then; see :mod:`.state`). Inside a block the forward overwrites that
+        state, so it is the copy vLLM made first and offers producers (``boundary_state_offloads``); at a
+        block end, the block ending there (the forward writes past it). None: not a hybrid model, or no such
+        copy (the step resumed a hit of vLLM's own prefix cache inside a block): the consumer then resumes at
+        an earlier boundary with a stored state, or computes the prompt."""
+        group = self._state_group
+        if group is None:
+            return None
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = block_state.boundary_state_offloads.get(request_id, ()) if block_state is not None else ()
+        for group_id, block_id, tokens in offers:
+            if group_id == group.group_id and tokens == boundary:
+                return int(block_id)
+        blocks = block_ids[group.group_id]
+        index = boundary // group.block_size - 1
+        null = self._manager.block_pool.null_block.block_id if self._manager is not None else None
+        if boundary % group.block_size or not 0 <= index < len(blocks) or blocks[index] == null:
+            return None
+        return blocks[index]
 
     def update_connector_output(self, failed_recving: set[str]) -> None:
         """Requests whose asynchronous load failed are recomputed by vLLM; never offer them a hit again
@@ -355,13 +395,13 @@ class SchedulerSide:
             st = _RequestState(request=request, salt=request.cache_salt or "", can_read=not reason and
                                not _skips_connector_reads(request),
                                can_write=not reason and self._role is not Role.CONSUMER)
-            if self._role is Role.CONSUMER and st.can_read:
-                st.handed_in_by = self._handed_in_by(request)
+            if self._role is Role.CONSUMER and st.can_read and (params := self._handed_in(request)) is not None:
+                st.handed_in_by, st.handed_in_tokens = params.producer, params.tokens
             self._states[request.request_id] = st
         return st
 
-    def _handed_in_by(self, request: Request) -> str | None:
-        """The producer a consumer's request says computed its prompt, where it may load from it (None: not
+    def _handed_in(self, request: Request) -> HandoffParams | None:
+        """The params of a consumer's request, where it may load from the producer they name (None: not
         handed off, or refused: counted by reason and logged once, and served as a plain lookup)."""
         try:
             params = HandoffParams.from_transfer_params(request.kv_transfer_params)
@@ -379,12 +419,13 @@ class SchedulerSide:
                                  f"{params.namespace}, this instance reads {self._namespace}: another model, "
                                  "weights, dtype, KV layout or tensor-parallel split; its KV is not loaded")
             return None
-        if params.tokens != request.num_tokens - 1:
+        # a hybrid model's producer stops where its last prefill step began (see _hand_off)
+        if not (0 < params.tokens < request.num_tokens if self._has_state else params.tokens == request.num_tokens - 1):
             self._refuse_handoff("token_count", f"the producer stored {params.tokens} tokens of a prompt of "
                                  f"{request.num_tokens}: not this request's prompt")
             return None
         self.stats.handoffs += 1
-        return params.producer
+        return params
 
     def _refuse_handoff(self, reason: str, why: str) -> None:
         refused = self.stats.refused_handoffs

@@ -10,12 +10,20 @@ block size ``B``) the state group's block ``E / B - 1`` holds the state at
 it caches it). So the connector stores a state only at such an ``E`` that is
 also a chunk boundary, in the step that reached it, and a hit is offered
 only up to a boundary whose state is stored. The state of a hit is written
-into block ``N / B - 1`` of the request's state group, the block vLLM
+into block ``ceil(N / B) - 1`` of the request's state group, the block vLLM
 resumes from for an (asynchronous) external hit of ``N`` tokens.
 
+A prefill step may also end, or begin, inside a block: vLLM cuts one at the
+prompt's last ``prefix_match_unit`` boundary before its last token (with
+partial prefix hits), and resumes one where a hit ended. The state there is in
+block ``ceil(N / B) - 1`` too, until the next step's forward overwrites it;
+vLLM copies it out before that forward and offers the copy to producers, where
+a handed-off prompt's state is read (:mod:`.handoff`, ``SchedulerSide``).
+
 States are keyed chunks (:mod:`kvengine.keyed`) in a namespace of their own,
-keyed by the prefix hash of the chunk that ends at the boundary, so they go
-through the same tiers, record format and verification as the chunks.
+keyed by the prefix hash of the tokens before the boundary (the chunk's hash
+where it is a chunk boundary), so they go through the same tiers, record
+format and verification as the chunks.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from kvengine.chunks.hashing import prefix_hashes
 from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore, keyed_namespace
+from kvengine.transport import ReadScope
 from kvengine.types import ModelBinding
 
 from .layout import BlockIds, GroupPlan, PagedLayout
@@ -42,7 +51,7 @@ BoundaryState = tuple[torch.Tensor, ...]
 def state_block(group: GroupPlan, block_ids: BlockIds, boundary: int, null: int) -> int | None:
     """The block of the request's state group that holds (or receives) the state at ``boundary``."""
     blocks = block_ids[group.group_id]
-    index = boundary // group.block_size - 1
+    index = -(-boundary // group.block_size) - 1
     return blocks[index] if 0 <= index < len(blocks) and blocks[index] != null else None
 
 
@@ -59,6 +68,10 @@ class BoundaryStates:
                        shape=(t.nbytes,), token_dim=None) for t in layout.states))
         self._stores: dict[bytes, SyncKeyedStore] = {}
 
+    def binding(self, binding: ModelBinding) -> ModelBinding:
+        """The states' binding beside the chunks' ``binding``."""
+        return self._store(binding).binding
+
     def _store(self, binding: ModelBinding) -> SyncKeyedStore:
         store = self._stores.get(binding.digest)
         if store is None:
@@ -67,6 +80,10 @@ class BoundaryStates:
         return store
 
     def _keys(self, binding: ModelBinding, tokens: np.ndarray, boundaries: list[int]) -> list[bytes]:
+        """Chunk boundaries: the chunk's chain hash; another boundary: that of the partial chunk before it."""
+        if any(b % self._chunk for b in boundaries):
+            return [bytes(prefix_hashes(tokens[:b], self._chunk, binding.digest, partial=True)[-1])
+                    for b in boundaries]
         hashes = prefix_hashes(tokens[: max(boundaries)], self._chunk, binding.digest)
         return [bytes(hashes[b // self._chunk - 1]) for b in boundaries]
 
@@ -74,7 +91,7 @@ class BoundaryStates:
         return [cache[block_id].view(-1)[: t.nbytes].view(torch.uint8) for cache, t in zip(self._caches, self._layers)]
 
     def save(self, binding: ModelBinding, tokens: np.ndarray, block_id: int) -> bool:
-        """Store the state at ``len(tokens)`` (a chunk boundary) held in ``block_id``."""
+        """Store the state at ``len(tokens)`` held in ``block_id``."""
         (key,) = self._keys(binding, tokens, [len(tokens)])
         views = self._views(block_id)
         return self._store(binding).put([key], lambda _i: views)[0].ok
@@ -85,19 +102,26 @@ class BoundaryStates:
         boundaries = list(range(limit // self._chunk * self._chunk, 0, -self._chunk))
         if not boundaries:
             return 0, None
-        store = self._store(binding)
         keys = self._keys(binding, tokens, boundaries)
-        for n, key, present in zip(boundaries, keys, store.exists(keys)):
-            if not present:
-                continue
-            got: list[BoundaryState] = []
-
-            def keep(_i: int, tensors: Sequence[torch.Tensor], got: list[BoundaryState] = got) -> None:
-                got.append(tuple(t.clone() for t in tensors))
-
-            if store.get([key], keep)[0].ok:
-                return n, got[0]
+        for n, key, present in zip(boundaries, keys, self._store(binding).exists(keys)):
+            if present and (state := self._get(binding, key, None)) is not None:
+                return n, state
         return 0, None
+
+    def at(self, binding: ModelBinding, tokens: np.ndarray, boundary: int,
+           reads: ReadScope | None = None) -> BoundaryState | None:
+        """A copy of the state at exactly ``boundary`` (any position), read as ``reads`` says; None: not
+        stored, or it did not verify."""
+        (key,) = self._keys(binding, tokens, [boundary])
+        return self._get(binding, key, reads)
+
+    def _get(self, binding: ModelBinding, key: bytes, reads: ReadScope | None) -> BoundaryState | None:
+        got: list[BoundaryState] = []
+
+        def keep(_i: int, tensors: Sequence[torch.Tensor]) -> None:
+            got.append(tuple(t.clone() for t in tensors))
+
+        return got[0] if self._store(binding).get([key], keep, reads=reads)[0].ok else None
 
     def install(self, state: BoundaryState, block_id: int) -> None:
         """Write a found state into ``block_id`` of the request's state group."""

@@ -169,15 +169,19 @@ class ReservationDesk:
             reads = self._handoff_reads(producer, until)
             found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads, from_token=start)
             res: Reservation | None = found
-            state = None
-            if self.states is not None and found.matched_tokens:
-                res, state = self._resumable(binding, request_id, ids, found, start)
-            matched = res.matched_tokens if res is not None else 0
-            held_tail = None
-            if tails is not None and max_tokens % chunk and matched == max_tokens // chunk * chunk:
-                held_tail = tails.find(binding, ids, max_tokens, reads)  # the chunks before it are all held
-            if until is None or (held_tail.end if held_tail is not None else matched) == max_tokens or \
-                    time.monotonic() + STORE_POLL_S >= until:
+            state = held_tail = None
+            whole = found.matched_tokens == max_tokens // chunk * chunk  # the chunks before a tail are all held
+            if tails is not None and whole and max_tokens % chunk:
+                held_tail = tails.find(binding, ids, max_tokens, reads)
+            if self.states is not None and tails is not None and whole and (held_tail is not None or
+                                                                            not max_tokens % chunk):
+                state = self.states.at(binding, ids, max_tokens, reads)  # a handed-off prompt's, at its end
+            if self.states is not None and state is None:
+                held_tail = None  # no state at its end: resume at a chunk boundary with one, if any
+                if found.matched_tokens:
+                    res, state = self._resumable(binding, request_id, ids, found, start)
+            matched = held_tail.end if held_tail is not None else res.matched_tokens if res is not None else 0
+            if until is None or matched == max_tokens or time.monotonic() + STORE_POLL_S >= until:
                 break
             if res is not None:
                 self.engine.release(res)
@@ -234,6 +238,8 @@ class ReservationDesk:
             with self._lock:
                 self._held[request_id] = res
                 self._held_tails[request_id] = tail
+                if state is not None:  # a hybrid model's, at the tail's end
+                    self._held_states[request_id] = state
             return LookupResult(LookupOutcome.HIT, tail.end)
         assert res is not None
         with self._lock:
@@ -294,7 +300,9 @@ class ReservationDesk:
         if not known:
             return None
         if tail is not None:
-            return _Taken(res, None, tail if end is None or end == tail.end else None)
+            if end is not None and end != tail.end:
+                return _Taken(res)  # only a whole handed-off prompt is loaded
+            return _Taken(res, None if held is None else held.state, tail)
         assert res is not None
         if held is None or end is None or end == res.matched_tokens:
             return _Taken(res, None if held is None else held.state)
@@ -528,6 +536,8 @@ class WorkerSide:
             if spec.verify is not None:
                 self._verify(spec, meta.null_block_id)
         for handoff in meta.handoffs:
+            if handoff.state_block is not None:
+                self._save_state(handoff, meta.null_block_id)
             self._hand_off(handoff, meta.null_block_id)
 
     def _hand_off(self, spec: HandoffSpec, null: int) -> None:
@@ -539,7 +549,9 @@ class WorkerSide:
         binding = self.desk.binding(spec.salt)
         try:
             if self._handoff is not None:
-                self._handoff.share(binding, self._tails.binding(binding))
+                states = self.desk.states
+                self._handoff.share(binding, self._tails.binding(binding),
+                                    *(() if states is None else (states.binding(binding),)))
             if len(ids) % self._tails.chunk_size:
                 if not self._tails.save(binding, ids, len(ids), spec.block_ids, null):
                     self._m_store_skips.labels(reason="handoff_tail").inc()
@@ -592,21 +604,25 @@ class WorkerSide:
             logger.info("kvengine: shadow check of %s tokens %d-%d: %s (max relative error %.3g)", spec.request_id,
                         lo, hi, verdict.outcome, verdict.max_relative_error)
 
-    def _save_state(self, spec: SaveSpec, null: int) -> None:
-        """Store the recurrent state this step materialized at the end of ``spec``'s chunks."""
+    def _save_state(self, spec: SaveSpec | HandoffSpec, null: int) -> None:
+        """Store the recurrent state at the end of ``spec``'s tokens: where this step's computed prefix ends
+        (a save), or where it began (a hybrid model's handed-off prompt, in the block its spec names; see
+        :mod:`.state`). None stored: a hit resumes at an earlier boundary with a state, or is no hit."""
         assert self.layout is not None and self.desk is not None
         group, states = self.layout.state_group, self.desk.states
         if group is None or states is None:
             return
         ids = np.frombuffer(spec.tokens, dtype="<u4")
-        block = state_block(group, spec.block_ids, len(ids), null)
+        block = spec.state_block if isinstance(spec, HandoffSpec) else state_block(group, spec.block_ids, len(ids), null)
         if block is None:
             self._m_store_skips.labels(reason="no_state").inc()
             return
         try:
-            states.save(self.desk.binding(spec.salt), ids, block)
+            if not states.save(self.desk.binding(spec.salt), ids, block):
+                self._m_store_skips.labels(reason="no_state").inc()
         except Exception as exc:
             logger.warning("kvengine: state of %s at %d not stored: %s", spec.request_id, len(ids), exc)
+            self._m_store_skips.labels(reason="no_state").inc()
 
     def _begin_saves(self, meta: StepMetadata) -> None:
         """Stage the step's complete chunks in the engine, once per step."""

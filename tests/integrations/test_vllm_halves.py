@@ -350,16 +350,16 @@ def test_only_a_consumer_may_fail_requests_it_cannot_load():
                                          "kv_transfer_config.kv_load_failure_policy": "fail"}))
 
 
-@pytest.mark.parametrize("role, extra, kinds, error, match", [
-    ("kv_producer", {}, ("full_attention",), "ConfigError", "needs kv_connector_extra_config handoff.listen.*or a "
-                                                            "kvengine.mooncake tier"),
-    ("kv_consumer", {}, ("full_attention",), "ConfigError", "needs kvengine.peers.peers"),
-    ("kv_producer", {"handoff": {"listen": "127.0.0.1:0"}}, ("recurrent_state", "full_attention"),
-     "UnsupportedModelError", "recurrent-state KV cache groups \\[0\\] is not supported"),
+@pytest.mark.parametrize("role, extra, kinds, world, error, match", [
+    ("kv_producer", {}, ("full_attention",), 1, "ConfigError", "needs kv_connector_extra_config handoff.listen.*or a "
+                                                               "kvengine.mooncake tier"),
+    ("kv_consumer", {}, ("full_attention",), 1, "ConfigError", "needs kvengine.peers.peers"),
+    ("kv_producer", {"handoff": {"listen": "127.0.0.1:7000"}}, ("recurrent_state", "full_attention"), 2,
+     "UnsupportedModelError", "recurrent-state KV cache groups \\[0\\] at tensor_parallel_size=2 is not validated"),
 ])
-def test_handoff_roles_refuse_what_they_lack_or_cannot_serve(role, extra, kinds, error, match):
-    """A producer without a handoff address, a consumer without producers to load from, and a hybrid model in
-    either role (the decode side would need a recurrent state vLLM never materializes there)."""
+def test_handoff_roles_refuse_what_they_lack_or_cannot_serve(role, extra, kinds, world, error, match):
+    """A producer without a handoff address, a consumer without producers to load from, and a hybrid model
+    under tensor parallelism (its handoff is validated at one rank, where it is accepted)."""
     import kvengine.errors as errors
     from kvengine.integrations.vllm.connector import check_roles
     from kvengine.integrations.vllm.handoff import Role
@@ -369,9 +369,11 @@ def test_handoff_roles_refuse_what_they_lack_or_cannot_serve(role, extra, kinds,
     plans = tuple(GroupPlan(group_id=i, kind=GroupKind(kind), block_size=BS, layer_names=(f"l{i}",))
                   for i, kind in enumerate(kinds))
     options = ConnectorOptions.from_extra_config(extra)
-    check_roles(plans, options, Role.BOTH)  # a local cache needs neither
+    check_roles(plans, options, Role.BOTH, world)  # a local cache needs neither
+    if world > 1:
+        check_roles(plans, options, Role(role))  # one rank: accepted
     with pytest.raises(getattr(errors, error), match=match):
-        check_roles(plans, options, Role(role))
+        check_roles(plans, options, Role(role), world)
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
@@ -406,6 +408,7 @@ def make_halves(*, held_chunks: tuple[int, ...] = (3,), has_state: bool = False,
     rank 0's."""
     from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
     from kvengine.integrations.vllm.channel import LookupService
+    from kvengine.integrations.vllm.layout import GroupKind, GroupPlan
     from kvengine.integrations.vllm.metadata import ChannelAddress
     from kvengine.integrations.vllm.scheduler import SchedulerSide
     from kvengine.integrations.vllm.worker import ReservationDesk
@@ -428,7 +431,8 @@ def make_halves(*, held_chunks: tuple[int, ...] = (3,), has_state: bool = False,
                 engine.store(desk.binding(""), tokens[:held_tokens or held * CHUNK],
                              lambda i, s, e: [torch.full((2, 2, BS, 8), float(i))])
             ranks.append(SimpleNamespace(engine=engine, desk=desk))
-        sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, has_state=has_state,
+        state = GroupPlan(group_id=0, kind=GroupKind.STATE, block_size=BS, layer_names=("s0",)) if has_state else None
+        sched = SchedulerSide(chunk_size=CHUNK, asynchronous=False, lookup_wait_s=5.0, state_group=state,
                               tail_step=tail_step)
         sched.connect(addresses)
         stack.callback(sched.shutdown)

@@ -909,9 +909,9 @@ class _HandoffPair:
     default topology, started one after the other and alive at once. The consumer has a second producer in
     its peers, a handoff-wire server holding nothing, and one owner a key: placement picks the idle one for
     about half the keys, so every key the consumer loads proves it asked the producer its params name (a
-    directed fetch). ``wire``: both sides' ``peers.transport``."""
+    directed fetch). ``wire``: both sides' ``peers.transport``; ``over``: both sides' other engine arguments."""
 
-    def __init__(self, model: str, dtype: str = "float32", wire: str = "tcp") -> None:
+    def __init__(self, model: str, dtype: str = "float32", wire: str = "tcp", **over: Any) -> None:
         from kvengine.transports.peer_service import ServerThread
         from kvengine.transports.peer_store import MemoryRecordStore
         from kvengine.transports.tcp_peer import TcpPeerServer
@@ -930,10 +930,10 @@ class _HandoffPair:
         self.producer = start(engine_args(model, dtype=dtype, connector={
             "kvengine": {"memory": {"capacity_bytes": "64MiB"}, "metrics_port": self.producer_port,
                          "lease_seconds": LEASE_S, "peers": {"transport": wire}},
-            "handoff": {"listen": f"127.0.0.1:{handoff}"}}, kv_transfer_config_role="kv_producer"))
+            "handoff": {"listen": f"127.0.0.1:{handoff}"}}, kv_transfer_config_role="kv_producer", **over))
         try:
             self.consumer = start(engine_args(model, dtype=dtype, connector=self.consumer_extra,
-                                              kv_transfer_config_role="kv_consumer"))
+                                              kv_transfer_config_role="kv_consumer", **over))
         except BaseException:
             shutdown(self.producer)
             raise
@@ -1076,6 +1076,48 @@ def scenario_disagg_tp(work: Path) -> dict[str, Any]:
 MOONCAKE_FETCH_S = 3.0
 
 
+#: vLLM's prefix_match_unit for the hybrid handoff: a prefill step then ends at the prompt's last token but one
+#: (its last multiple of the unit before the last token), where the recurrent state is handed off
+HYBRID_MATCH_UNIT = 1
+
+
+def scenario_disagg_hybrid(work: Path) -> dict[str, Any]:
+    """The handoff of Qwen3-Next (linear-attention state + full attention, bf16, prefix caching on, vLLM's
+    ``prefix_match_unit`` HYBRID_MATCH_UNIT on both instances), alive at once: prompts longer than a state
+    block (the producer's own prefix cache holds all of it but its last token, from a prompt that differs only
+    there, handed off first and never consumed), shorter than one, ending one token after a block end; then
+    a second turn that extends the first prompt and its reply (the consumer's own prefix cache holds the first
+    prompt)."""
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
+    qwen = str(build_model_dir(work / "qwen3_next", "qwen3_next", dtype="bfloat16"))
+    over = dict(enable_prefix_caching=True, prefix_match_unit=HYBRID_MATCH_UNIT)
+    prompts = [prompt(701, 700), prompt(702, 333), prompt(703, 769)]
+    report: dict[str, Any] = {"prompts": prompts}
+    set_topology(in_process=True)
+    engine = start(engine_args(qwen, dtype="bfloat16", **over))
+    try:
+        report["ref"] = run(engine, prompts, 16, logprobs=True)
+        later = [prompts[0] + report["ref"][0]["tokens"] + prompt(704, 150)]
+        report["later"], report["ref_later"] = later, run(engine, later, 16, logprobs=True)
+    finally:
+        shutdown(engine)
+    pair = _HandoffPair(qwen, dtype="bfloat16", **over)
+    try:
+        report["decode"] = []
+        run(pair.producer, [prompts[0][:-1] + prompts[1][:1]], 1)  # the same tail: its hold is replaced
+        for batch in (prompts, later):
+            params = [o["transfer"] for o in run(pair.producer, batch, 1)]  # type: ignore[index]
+            report.setdefault("params", []).extend(params)
+            report["decode"] += run(pair.consumer, batch, 16, logprobs=True, transfer=params)
+        report["producer"], report["consumer"] = scrape(pair.producer_port), scrape(pair.consumer_port)
+    finally:
+        shutdown(pair.consumer)
+        shutdown(pair.producer)
+    return report
+
+
 def scenario_disagg_mooncake(work: Path) -> dict[str, Any]:
     """The handoff through a real Mooncake Store cluster on loopback (Llama, fp32): a producer with no
     handoff server (``kv_producer``, a Mooncake client on 127.0.0.2) and a consumer with no peers (a client on
@@ -1129,10 +1171,10 @@ def scenario_disagg_mooncake(work: Path) -> dict[str, Any]:
     return report
 
 
-def _references_with_logprobs(model: str, *batches: list[list[int]]) -> list[Any]:
+def _references_with_logprobs(model: str, *batches: list[list[int]], **over: Any) -> list[Any]:
     """Greedy outputs with log-probabilities (16 tokens) of vLLM without a connector, per batch."""
     set_topology(in_process=True)
-    engine = start(engine_args(model))
+    engine = start(engine_args(model, **over))
     try:
         return [run(engine, prompts, 16, logprobs=True) for prompts in batches]
     finally:
@@ -1222,7 +1264,8 @@ def scenario_verify_fault(work: Path) -> dict[str, Any]:
 
 SCENARIOS = {"disagg": scenario_disagg, "disagg_swa_zmq": functools.partial(scenario_disagg_swa, wire="zmq"),
              "disagg_swa_ucx": functools.partial(scenario_disagg_swa, wire="ucx"),
-             "disagg_mooncake": scenario_disagg_mooncake, "disagg_tp": scenario_disagg_tp, "first": scenario_first,
+             "disagg_mooncake": scenario_disagg_mooncake,
+             "disagg_hybrid": scenario_disagg_hybrid, "disagg_tp": scenario_disagg_tp, "first": scenario_first,
              "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
