@@ -1,4 +1,4 @@
-"""The hostile-peer report: every attack of tests/transports/hostile.py (ZeroMQ) and hostile_tcp.py (tcp
+"""The hostile-peer report: every attack of tests/transports/peers/hostile.py (ZeroMQ) and hostile_tcp.py (tcp
 wire), one table (docs/security.md).
 
     .venv/bin/python benchmarks/bench_hostile_peers.py
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _util import print_header, write_json
 
-from tests.transports import hostile, hostile_tcp
+from tests.transports.peers import hostile, hostile_tcp
 
 
 def main() -> None:

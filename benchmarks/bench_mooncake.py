@@ -48,8 +48,8 @@ def _holder(master: str, segment_bytes: int, peer_store_bytes: int) -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = HOLDER
     from mooncake.store import MooncakeDistributedStore
 
-    from kvengine.transports.peer_store import MemoryRecordStore
-    from kvengine.transports.zmq_peer import ZmqPeerServer
+    from kvengine.transports.peers.store import MemoryRecordStore
+    from kvengine.transports.peers.zmq import ZmqPeerServer
 
     store = MooncakeDistributedStore()
     code = store.setup(HOLDER, "P2PHANDSHAKE", segment_bytes, 16 << 20, "tcp", "", master)
@@ -97,9 +97,9 @@ class Bench:
         import numpy as np
 
         from kvengine.transports.mooncake_store import MooncakeOptions, MooncakeStoreTransport
-        from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-        from kvengine.transports.placement import Membership
-        from kvengine.transports.zmq_peer import ZmqConnector
+        from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+        from kvengine.transports.peers.placement import Membership
+        from kvengine.transports.peers.zmq import ZmqConnector
 
         self.tier = MooncakeStoreTransport(MooncakeOptions(master=master, local_hostname=CLIENT, segment_bytes=0,
                                                            timeout=60.0))

@@ -83,21 +83,21 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
 
 
 def _peer_server(kind: str, bind: str) -> None:
-    from kvengine.transports.peer_store import MemoryRecordStore
+    from kvengine.transports.peers.store import MemoryRecordStore
 
     async def main() -> None:
         store = MemoryRecordStore(4 * RECORD_BYTES)
         server: Any
         if kind == "zmq":
-            from kvengine.transports.zmq_peer import ZmqPeerServer
+            from kvengine.transports.peers.zmq import ZmqPeerServer
 
             server = ZmqPeerServer(store, bind)
         elif kind in ("kvtcp", "kvtls"):
-            from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions
+            from kvengine.transports.peers.tcp import TcpPeerServer, TcpServerOptions
 
             server = TcpPeerServer(store, bind, None, TcpServerOptions(tls=_tls("server", kind)))
         else:
-            from kvengine.transports.ucx_peer import UcxPeerServer
+            from kvengine.transports.peers.ucx import UcxPeerServer
 
             server = UcxPeerServer(store, bind)
         await server.start()
@@ -185,22 +185,22 @@ class PeerClient:
 
 def _peer_client(kind: str, transfers: int, rounds: int) -> None:
     """Client role: one measurement per "run" line on stdin, printed as JSON."""
-    from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-    from kvengine.transports.placement import Membership
+    from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+    from kvengine.transports.peers.placement import Membership
 
     proc, address = _spawn([f"{kind}-server", "127.0.0.1:0"])
     try:
         connector: Any
         if kind == "zmq":
-            from kvengine.transports.zmq_peer import ZmqConnector
+            from kvengine.transports.peers.zmq import ZmqConnector
 
             connector = ZmqConnector()
         elif kind in ("kvtcp", "kvtls"):
-            from kvengine.transports.tcp_peer import TcpConnector, TcpOptions
+            from kvengine.transports.peers.tcp import TcpConnector, TcpOptions
 
             connector = TcpConnector(options=TcpOptions(tls=_tls("client", kind)))
         else:
-            from kvengine.transports.ucx_peer import UcxConnector
+            from kvengine.transports.peers.ucx import UcxConnector
 
             connector = UcxConnector()
         options = PeerClientOptions(replicas=1, request_timeout=30, read_deadline=30, write_timeout=30)
@@ -243,7 +243,7 @@ def _tls(name: str, kind: str) -> Any:
     """The TLS settings of ``name`` (server/client) from the run's CA (``kvtls`` only)."""
     if kind != "kvtls":
         return None
-    from kvengine.transports.tcp_peer import TlsConfig
+    from kvengine.transports.peers.tcp import TlsConfig
 
     pki = Path(os.environ["KVENGINE_BENCH_PKI"])
     return TlsConfig(cert=pki / f"{name}.pem", key=pki / f"{name}.key", ca=pki / "ca.pem")
@@ -338,7 +338,7 @@ def _has_ucxx() -> bool:
 def _make_pki(root: Path) -> None:
     """A CA and a server and a client certificate it signed, in ``root`` (for ``kvtls``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.transports.certs import Pki
+    from tests.transports.peers.certs import Pki
 
     pki = Pki.create(root)
     for name in ("server", "client"):

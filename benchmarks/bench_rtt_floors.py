@@ -190,10 +190,10 @@ def rtt_zmq(port: int, rounds: int, use_asyncio: bool) -> float:
 
 def rtt_kvengine_request(port: int, rounds: int) -> float:
     """One GET through the tcp wire's connector alone (no peer tier client: routing, record checks)."""
-    from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-    from kvengine.transports.peer_protocol import Op
-    from kvengine.transports.placement import Membership, Peer
-    from kvengine.transports.tcp_peer import TcpConnector
+    from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+    from kvengine.transports.peers.placement import Membership, Peer
+    from kvengine.transports.peers.protocol import Op
+    from kvengine.transports.peers.tcp import TcpConnector
 
     key, record = _record()
 
@@ -214,14 +214,14 @@ def rtt_kvengine_request(port: int, rounds: int) -> float:
 
 
 def rtt_kvengine(kind: str, port: int, rounds: int) -> float:
-    from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-    from kvengine.transports.placement import Membership
+    from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+    from kvengine.transports.peers.placement import Membership
 
     if kind == "kv-zmq":
-        from kvengine.transports.zmq_peer import ZmqConnector
+        from kvengine.transports.peers.zmq import ZmqConnector
         connector: Any = ZmqConnector()
     else:
-        from kvengine.transports.tcp_peer import TcpConnector
+        from kvengine.transports.peers.tcp import TcpConnector
         connector = TcpConnector()
     key, record = _record()
 

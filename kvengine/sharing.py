@@ -1,6 +1,6 @@
 """What a node shares with its peers: its engine's memory tier, served over a peer wire.
 
-The peer wires (:mod:`kvengine.transports`) serve any :class:`~kvengine.transports.peer_store.RecordStore`
+The peer wires (:mod:`kvengine.transports`) serve any :class:`~kvengine.transports.peers.store.RecordStore`
 and know nothing of the engine. This module sits above both:
 
 * :class:`EngineStore` -- a running engine's memory tier as a record store (chunks of the namespaces it
@@ -31,8 +31,8 @@ from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
 
 if TYPE_CHECKING:
-    from kvengine.transports.peer_service import PeerServer, ServerOptions
-    from kvengine.transports.peer_store import RecordStore
+    from kvengine.transports.peers.service import PeerServer, ServerOptions
+    from kvengine.transports.peers.store import RecordStore
 
 Wire = Literal["tcp", "zmq", "ucx"]
 
@@ -137,7 +137,7 @@ def peer_server(store: RecordStore, bind: str, served: ServerOptions, wire: Wire
     :raises ConfigError: another wire's security settings, ``bind`` off loopback with neither
         ``served.secret`` nor an encrypted wire (named ``what``), or TLS files that do not load.
     """
-    from kvengine.transports.peer_client import require_protection
+    from kvengine.transports.peers.client import require_protection
 
     if wire.transport != "tcp" and (wire.tls_cert or wire.tls_key or wire.tls_ca or wire.message_timeout):
         raise ConfigError(f"{what}: TLS and message_timeout are settings of the tcp wire, not {wire.transport}")
@@ -147,7 +147,7 @@ def peer_server(store: RecordStore, bind: str, served: ServerOptions, wire: Wire
         raise ConfigError(f"{what}: a TLS key or CA needs the server's certificate")
     require_protection([bind], secret=served.secret, encrypted=wire.encrypted, what=what)
     if wire.transport == "tcp":
-        from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions, TlsConfig
+        from kvengine.transports.peers.tcp import TcpPeerServer, TcpServerOptions, TlsConfig
 
         tls = None
         if wire.tls_cert is not None:
@@ -156,10 +156,10 @@ def peer_server(store: RecordStore, bind: str, served: ServerOptions, wire: Wire
         timeout = {} if wire.message_timeout is None else {"message_timeout": wire.message_timeout}
         return TcpPeerServer(store, bind, served, TcpServerOptions(tls=tls, **timeout))
     if wire.transport == "ucx":
-        from kvengine.transports.ucx_peer import UcxPeerServer
+        from kvengine.transports.peers.ucx import UcxPeerServer
 
         return UcxPeerServer(store, bind, served)
-    from kvengine.transports.zmq_peer import CurveConfig, ZmqOptions, ZmqPeerServer
+    from kvengine.transports.peers.zmq import CurveConfig, ZmqOptions, ZmqPeerServer
 
     curve = None
     if wire.curve_secret_key is not None:
@@ -178,8 +178,8 @@ class EngineServer:
     def __init__(self, engine: KVEngine, listen: str, wire: WireOptions, *, secret: bytes | None, what: str,
                  wrap: Callable[[RecordStore], RecordStore] = lambda store: store,
                  backing_bytes: int = MIN_MEMORY_BYTES) -> None:
-        from kvengine.transports.peer_service import ServerOptions, ServerThread
-        from kvengine.transports.peer_store import MemoryRecordStore
+        from kvengine.transports.peers.service import ServerOptions, ServerThread
+        from kvengine.transports.peers.store import MemoryRecordStore
 
         self._store = EngineStore(engine.core, MemoryRecordStore(backing_bytes), secret=secret)
         server = peer_server(wrap(self._store), listen, ServerOptions(secret=secret), wire, what=what)

@@ -29,9 +29,9 @@ ENTRY_POINT_GROUP = "kvengine.transports"
 #: options (the entry-point seam), and ``from_section`` from its typed config section (build_tiers).
 _BUNDLED = {
     "local_disk": "kvengine.transports.local_disk",
-    "peers_zmq": "kvengine.transports.zmq_peer",
-    "peers_ucx": "kvengine.transports.ucx_peer",
-    "peers_tcp": "kvengine.transports.tcp_peer",
+    "peers_zmq": "kvengine.transports.peers.zmq",
+    "peers_ucx": "kvengine.transports.peers.ucx",
+    "peers_tcp": "kvengine.transports.peers.tcp",
     "mooncake": "kvengine.transports.mooncake_store",
 }
 

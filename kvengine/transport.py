@@ -20,6 +20,12 @@ Guarantees a transport must give:
   engine opens one :func:`read_scope` per lookup, so all the reads of one
   lookup (``exists``, then ``get`` window after window) share one deadline.
 
+Optional capabilities (:class:`Capability`) are declared one way: listed in the
+transport's ``capabilities``, each implemented by the method its protocol names
+(:class:`ReadsInPlace`, :class:`WritesGathered`, :class:`RejectsCopies`). A
+method alone declares nothing (a wrapper may forward one it cannot honour); a
+capability listed without its method is refused when the engine starts.
+
 Third-party transports register under the ``kvengine.transports`` entry-point
 group; the value is a factory ``(config: dict) -> ChunkTransport``.
 """
@@ -27,6 +33,7 @@ group; the value is a factory ``(config: dict) -> ChunkTransport``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -34,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 from kvengine.chunks.keys import ChunkKey
-from kvengine.errors import InvalidRequestError
+from kvengine.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvengine.chunks.record import RecordHeader
@@ -158,7 +165,35 @@ class ReportsStats(Protocol):
     def stats(self) -> TierStats: ...
 
 
-@runtime_checkable
+class Capability(enum.Enum):
+    """An optional transport capability: listed in the transport's ``capabilities``, implemented by ``method``."""
+
+    PLACED_READS = "get_into"  # ReadsInPlace
+    GATHERED_WRITES = "put_parts"  # WritesGathered
+    REJECTS_COPIES = "reject"  # RejectsCopies
+
+    @property
+    def method(self) -> str:
+        return str(self.value)
+
+
+def capabilities_of(transport: ChunkTransport) -> frozenset[Capability]:
+    """The capabilities ``transport`` declares (none without a ``capabilities`` attribute).
+
+    :raises ConfigError: ``capabilities`` holds something else than :class:`Capability` members, or one whose
+        method the transport lacks (refused when the engine starts, naming both).
+    """
+    declared: object = getattr(transport, "capabilities", frozenset())
+    if not isinstance(declared, (set, frozenset)) or not all(isinstance(c, Capability) for c in declared):
+        raise ConfigError(f"transport {transport.name!r}: capabilities must be a set of kvengine.transport."
+                          f"Capability members, got {declared!r}")
+    missing = sorted(c.name for c in declared if not callable(getattr(transport, c.method, None)))
+    if missing:
+        raise ConfigError(f"transport {transport.name!r} declares {', '.join(missing)} without the method "
+                          f"({', '.join(Capability[m].method for m in missing)})")
+    return frozenset(declared)
+
+
 class ReadsInPlace(ChunkTransport, Protocol):
     """Optional: a transport that reads a record's payload straight into a buffer chosen from its header.
 
@@ -167,28 +202,24 @@ class ReadsInPlace(ChunkTransport, Protocol):
     payload into it and verifies the payload checksum there, once. It returns
     the header, or None on a miss, a declined or a corrupt record (deleted and
     counted). The engine then skips its own buffers and second verification.
+    Declared by :attr:`Capability.PLACED_READS`.
     """
-
-    placed_reads: bool
 
     async def get_into(self, key: ChunkKey, out: Callable[[RecordHeader], Buffer | None]) -> RecordHeader | None: ...
 
 
-@runtime_checkable
 class WritesGathered(ChunkTransport, Protocol):
     """Optional: a transport that takes each record as parts (header, payload) and writes them as one.
 
     ``put_parts`` has the contract of ``put``; a record is the concatenation
     of its parts. The engine then hands over the payload where it lies (a
-    memory slot) instead of first copying it next to its header.
+    memory slot) instead of first copying it next to its header. Declared by
+    :attr:`Capability.GATHERED_WRITES`.
     """
-
-    gathered_writes: bool
 
     async def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[Buffer]]]) -> list[bool]: ...
 
 
-@runtime_checkable
 class RejectsCopies(ChunkTransport, Protocol):
     """Optional: a transport holding several copies of a chunk (replicas at several owners) that knows where
     each copy ``get`` returned came from.
@@ -203,24 +234,22 @@ class RejectsCopies(ChunkTransport, Protocol):
     transport without it holds one copy of each chunk, and ``delete`` removes that.
 
     Placed reads (:class:`ReadsInPlace`) return no buffer to name a copy by: a transport offering both
-    has its placed reads' bad copies removed with ``delete``.
+    has its placed reads' bad copies removed with ``delete``. Declared by :attr:`Capability.REJECTS_COPIES`.
     """
-
-    rejects_copies: bool
 
     async def reject(self, key: ChunkKey, copy: Buffer) -> Buffer | None: ...
 
 
 def rejects_copies(transport: ChunkTransport) -> TypeGuard[RejectsCopies]:
-    """Whether ``transport`` discards bad copies at their source and says so (``rejects_copies`` True)."""
-    return isinstance(transport, RejectsCopies) and transport.rejects_copies is True
+    """Whether ``transport`` declares :attr:`Capability.REJECTS_COPIES`."""
+    return Capability.REJECTS_COPIES in capabilities_of(transport)
 
 
 def reads_in_place(transport: ChunkTransport) -> TypeGuard[ReadsInPlace]:
-    """Whether ``transport`` offers placed reads and says so (``placed_reads`` True, not merely present)."""
-    return isinstance(transport, ReadsInPlace) and transport.placed_reads is True
+    """Whether ``transport`` declares :attr:`Capability.PLACED_READS`."""
+    return Capability.PLACED_READS in capabilities_of(transport)
 
 
 def writes_gathered(transport: ChunkTransport) -> TypeGuard[WritesGathered]:
-    """Whether ``transport`` takes records as parts and says so (``gathered_writes`` True)."""
-    return isinstance(transport, WritesGathered) and transport.gathered_writes is True
+    """Whether ``transport`` declares :attr:`Capability.GATHERED_WRITES`."""
+    return Capability.GATHERED_WRITES in capabilities_of(transport)

@@ -1,6 +1,6 @@
 """scripts/lint_imports.sh fails on a deliberate violation of each kind it guards against (a contract that
-cannot fail guards nothing): transports importing the engine, integrations importing a transport, and an
-import through the package's lazy re-exports."""
+cannot fail guards nothing): transports importing the engine, integrations importing a transport, the peer
+wires importing another tier, and an import through the package's lazy re-exports."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("path, line, says", [
     ("transports/_violation.py", "from kvengine.facade import KVEngine",
      "transports build on the foundation only: never the engine, the facade or what serves an engine BROKEN"),
-    ("integrations/vllm/_violation.py", "import kvengine.transports.tcp_peer",
+    ("integrations/vllm/_violation.py", "import kvengine.transports.peers.tcp",
      "integrations reach the transports through the engine and kvengine.sharing, never directly BROKEN"),
+    ("transports/peers/_violation.py", "import kvengine.transports.local_disk",
+     "the tiers below memory are independent of each other: local disk, Mooncake Store, the peer wires BROKEN"),
     ("transports/_violation.py", "from kvengine import KVEngine", "import through kvengine's lazy re-exports"),
     ("kvengine/chunks/_violation.py", "    from kvengine import CacheEngine", "lazy re-exports"),
 ])

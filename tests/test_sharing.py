@@ -14,8 +14,8 @@ from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.errors import ConfigError
 from kvengine.facade import KVEngine
 from kvengine.sharing import EngineServer, WireOptions, peer_server
-from kvengine.transports.peer_service import ServerOptions
-from kvengine.transports.peer_store import MemoryRecordStore
+from kvengine.transports.peers.service import ServerOptions
+from kvengine.transports.peers.store import MemoryRecordStore
 
 CHUNK = 4
 LAYOUT = ChunkLayout(CHUNK, (TensorSpec(name="k", group=0, category=KVCategory.FULL_ATTENTION, shape=(CHUNK, 8),

@@ -72,7 +72,7 @@ from kvengine.chunks.record import RecordHeader, decode_header, unpack_record
 from kvengine.config import DiskConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError, TransportError
 from kvengine.threads import executor, start_thread
-from kvengine.transport import Buffer
+from kvengine.transport import Buffer, Capability
 from kvengine.untrusted_files import UnsafeFileError
 
 from ._disk_files import RECORD_SUFFIX, FsyncPolicy, RecordFiles, ScanResult, footprint, record_name
@@ -222,17 +222,15 @@ class LocalDiskTransport:
         await asyncio.to_thread(self._pool.shutdown, True)
 
     # -- extras ---------------------------------------------------------------
-    #: :meth:`put_parts` writes a record given as parts (the engine's header + memory slot) without joining them.
-    gathered_writes = True
+    #: :meth:`put_parts` writes a record given as parts (the engine's header + memory slot) without joining them;
+    #: :meth:`get_into` accepts a placement function (the engine reads records straight into memory slots).
+    capabilities = frozenset({Capability.GATHERED_WRITES, Capability.PLACED_READS})
 
     async def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[Buffer]]]) -> list[bool]:
         """:meth:`put` of records given as parts, written in order as one file (no copy to join them)."""
         await self._begin()
         checked = [(key, self._checked_record(key, parts)) for key, parts in items]
         return list(await asyncio.gather(*(self._run(self._put_one, key, views) for key, views in checked)))
-
-    #: :meth:`get_into` accepts a placement function (the engine reads records straight into memory slots).
-    placed_reads = True
 
     async def get_into(
         self, key: ChunkKey, out: bytearray | memoryview | Callable[[RecordHeader], Buffer | None]

@@ -50,7 +50,7 @@ from kvengine.chunks.record import decode_header, seal_record, verify_seal
 from kvengine.config import MooncakeConfig
 from kvengine.errors import ConfigError, IntegrityError, InvalidRequestError
 from kvengine.threads import executor, start_thread
-from kvengine.transport import Buffer, read_deadline
+from kvengine.transport import Buffer, Capability, read_deadline
 from kvengine.trust.secrets import read_secret_file
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class MooncakeStoreTransport:
 
     name = "mooncake"
     #: :meth:`put_parts` writes a record given as parts (header, memory slot) without joining them.
-    gathered_writes = True
+    capabilities = frozenset({Capability.GATHERED_WRITES})
 
     def __init__(self, options: MooncakeOptions, client_factory: Callable[[], StoreClient] | None = None) -> None:
         self.options = options

@@ -62,7 +62,7 @@ from .paging import PagedCopier
 
 if TYPE_CHECKING:
     from kvengine.config import PeersConfig
-    from kvengine.transports.peer_store import RecordStore
+    from kvengine.transports.peers.store import RecordStore
 
 logger = logging.getLogger("vllm.kvengine")
 

@@ -1,7 +1,7 @@
 """``kvengine serve``: a standalone peer server.
 
 Serves chunk records to other nodes (get / exists / put / delete, see
-:mod:`kvengine.transports.peer_protocol`) from process memory (LRU,
+:mod:`kvengine.transports.peers.protocol`) from process memory (LRU,
 ``--capacity``) or from a local-disk tier (``--disk DIR``), until SIGINT or
 SIGTERM. The first line on stdout names the bound address::
 
@@ -28,7 +28,7 @@ are admitted (clients without one are refused).
 Tenants (ZeroMQ with CURVE, or tcp with TLS and a client CA): ``--tenants
 FILE`` grants client keys (CURVE public keys, or TLS certificate
 fingerprints) to tenants, writing or read-only, and keeps each tenant to its
-own namespaces (format in :mod:`kvengine.transports.tenants`); over CURVE
+own namespaces (format in :mod:`kvengine.transports.peers.tenants`); over CURVE
 only the keys it lists are admitted. Namespaces not pinned in the file belong to the first tenant that
 writes them; those claims are kept in ``--claims FILE`` (default
 ``DIR/tenant-claims.json`` with ``--disk``, else in memory).
@@ -102,7 +102,7 @@ def _store(args: argparse.Namespace) -> tuple[Any, str]:
 
         return build_transport("local_disk", {"path": args.disk, "capacity_bytes": args.capacity},
                                setting="--disk"), f"disk {args.disk}"
-    from kvengine.transports.peer_store import MemoryRecordStore
+    from kvengine.transports.peers.store import MemoryRecordStore
 
     return MemoryRecordStore(args.capacity), f"memory ({args.capacity / 2**30:.1f} GiB)"
 
@@ -111,7 +111,7 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     from pathlib import Path
 
     from kvengine.sharing import WireOptions, peer_server
-    from kvengine.transports.peer_service import ServerOptions
+    from kvengine.transports.peers.service import ServerOptions
     from kvengine.trust.secrets import read_secret_file
 
     try:
@@ -126,7 +126,7 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
         return peer_server(store, args.bind, options, _curve_wire(args, gate), what="--bind")
     cert, key, ca = (Path(v) if v else None for v in (args.tls_cert, args.tls_key, args.tls_ca))
     if cert is not None:
-        from kvengine.transports.tcp_peer import TlsConfig
+        from kvengine.transports.peers.tcp import TlsConfig
 
         try:  # load the files now, so that a bad one is reported as such before anything starts
             TlsConfig(cert=cert, key=key, ca=ca).server_context()
@@ -188,7 +188,7 @@ def _gatekeeper(args: argparse.Namespace) -> Any:
         if args.claims:
             raise ConfigError("--claims needs --tenants")
         return None
-    from kvengine.transports.tenants import ClaimBook, Gatekeeper, load_tenants
+    from kvengine.transports.peers.tenants import ClaimBook, Gatekeeper, load_tenants
 
     claims = args.claims or (os.path.join(args.disk, "tenant-claims.json") if args.disk else None)
     try:

@@ -18,7 +18,8 @@ import torch
 import kvengine.core.tier_writer as tier_writer_module
 from kvengine import CacheEngine, ChunkKey, ChunkLayout, Namespace
 from kvengine.chunks.record import unpack_record
-from kvengine.errors import InvalidRequestError, TransportError
+from kvengine.errors import ConfigError, InvalidRequestError, TransportError
+from kvengine.transport import Capability
 from kvengine.types import ModelBinding
 
 from ..conftest import CHUNK, FakeKV, copier, make_config, make_layout
@@ -411,7 +412,7 @@ class GatheringTransport(DictTransport):
     """Takes records as parts, as the local-disk transport does; remembers where each payload lay."""
 
     name = "gathering"
-    gathered_writes = True
+    capabilities = frozenset({Capability.GATHERED_WRITES})
 
     def __init__(self) -> None:
         super().__init__()
@@ -577,22 +578,20 @@ async def test_a_closed_disk_transport_is_a_counted_miss_not_an_exception(layout
 
 
 class DeclinedCapabilities(DictTransport):
-    """Has the optional methods but sets their flags False: the engine must not use them."""
+    """Has the optional methods but declares no capability: the engine must not use them."""
 
     name = "declined"
-    placed_reads = False
-    gathered_writes = False
 
     async def get_into(self, key, place):
-        raise AssertionError("get_into used although placed_reads is False")
+        raise AssertionError("get_into used although PLACED_READS is not declared")
 
     async def put_parts(self, items):
-        raise AssertionError("put_parts used although gathered_writes is False")
+        raise AssertionError("put_parts used although GATHERED_WRITES is not declared")
 
 
-async def test_capability_flags_are_read_not_just_present(layout):
+async def test_capabilities_are_declared_not_inferred_from_methods(layout):
     """Regression (issue 14): the optional protocols were matched by isinstance alone, so a transport
-    declaring ``placed_reads = False`` still got placed reads. Now the flag decides."""
+    with ``get_into`` that did not offer placed reads still got them. Now only its ``capabilities`` count."""
     transport = DeclinedCapabilities()
     eng = await make_engine(transport, write_mode="write_through")
     b = eng.bind(Namespace(model="m"), layout)
@@ -605,6 +604,30 @@ async def test_capability_flags_are_read_not_just_present(layout):
     result = await eng.load(await eng.lookup(b, "r", toks), copier(out))
     assert result.loaded_tokens == 2 * CHUNK and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     await eng.close()
+
+
+class ClaimsWithoutMethod(DictTransport):
+    """Declares placed reads but has no ``get_into``."""
+
+    name = "claims"
+    capabilities = frozenset({Capability.PLACED_READS})
+
+
+class ClaimsByName(DictTransport):
+    """Declares its capabilities by their names, not as :class:`Capability` members."""
+
+    name = "by_name"
+    capabilities = frozenset({"placed_reads"})
+
+
+@pytest.mark.parametrize("transport, says", [(ClaimsWithoutMethod(), "declares PLACED_READS without the method "
+                                                                     "\\(get_into\\)"),
+                                             (ClaimsByName(), "must be a set of kvengine.transport.Capability")])
+async def test_a_capability_declared_wrongly_is_refused_at_start(transport, says):
+    """A capability listed without its method, or not as a Capability, refuses the engine's start, naming
+    the transport: never a read that fails later or a declaration silently ignored."""
+    with pytest.raises(ConfigError, match=f"transport '{transport.name}'.*{says}"):
+        await make_engine(transport)
 
 
 @pytest.mark.parametrize("mode", ["write_behind", "write_through"])
@@ -652,7 +675,7 @@ class GatedTransport(DictTransport):
 
     def __init__(self, placed: bool) -> None:
         super().__init__()
-        self.placed_reads = placed
+        self.capabilities = frozenset({Capability.PLACED_READS}) if placed else frozenset()
         self.gate = asyncio.Event()
         self.gate.set()
         self.waiting = asyncio.Event()  # a read is waiting at the gate
@@ -797,7 +820,7 @@ class TwoCopies(DictTransport):
     ``blobs`` the second copy), with :class:`~kvengine.transport.RejectsCopies`."""
 
     name = "two_copies"
-    rejects_copies = True
+    capabilities = frozenset({Capability.REJECTS_COPIES})
 
     def __init__(self) -> None:
         super().__init__()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.placement import Membership
-from kvengine.transports.tcp_peer import TcpConnector, TcpOptions, TcpPeerServer, TcpServerOptions
+from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+from kvengine.transports.peers.placement import Membership
+from kvengine.transports.peers.store import MemoryRecordStore
+from kvengine.transports.peers.tcp import TcpConnector, TcpOptions, TcpPeerServer, TcpServerOptions
 from tests.integrations.stalling_relay import StallingRelay
 from tests.transports.conftest import build_record
 

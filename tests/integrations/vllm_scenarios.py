@@ -912,14 +912,14 @@ class _HandoffPair:
     directed fetch). ``wire``: both sides' ``peers.transport``; ``over``: both sides' other engine arguments."""
 
     def __init__(self, model: str, dtype: str = "float32", wire: str = "tcp", **over: Any) -> None:
-        from kvengine.transports.peer_service import ServerThread
-        from kvengine.transports.peer_store import MemoryRecordStore
-        from kvengine.transports.tcp_peer import TcpPeerServer
-        from kvengine.transports.zmq_peer import ZmqPeerServer
+        from kvengine.transports.peers.service import ServerThread
+        from kvengine.transports.peers.store import MemoryRecordStore
+        from kvengine.transports.peers.tcp import TcpPeerServer
+        from kvengine.transports.peers.zmq import ZmqPeerServer
 
         set_topology(in_process=False)
         handoff = free_port()
-        from kvengine.transports.ucx_peer import UcxPeerServer
+        from kvengine.transports.peers.ucx import UcxPeerServer
         server = {"tcp": TcpPeerServer, "zmq": ZmqPeerServer, "ucx": UcxPeerServer}[wire]
         self.idle_producer = ServerThread(server(MemoryRecordStore(1 << 20), "127.0.0.1:0"))
         idle = self.idle_producer.start()

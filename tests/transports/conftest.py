@@ -15,7 +15,7 @@ import torch
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.layout import KVCategory, dtype_code
 from kvengine.chunks.record import TensorDescriptor, encode_header
-from kvengine.transports.peer_store import MemoryRecordStore
+from kvengine.transports.peers.store import MemoryRecordStore
 
 TEST_NAMESPACE = Namespace(model="tests/transports").digest()
 

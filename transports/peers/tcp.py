@@ -6,7 +6,7 @@ refuse a message of a million frames, or of more bytes than its header
 announces, before libzmq has buffered it. Here each message is::
 
     length   u32: the header's size (refused above ``Limits.max_header_bytes``)
-    header   peer_protocol's header (op, request id, keys, record lengths)
+    header   protocol's header (op, request id, keys, record lengths)
     records  exactly the bytes the header announces, record after record
 
 so the server knows, before it reads a payload byte, how much will come,
@@ -60,9 +60,10 @@ from kvengine.errors import ConfigError, TransportError
 from kvengine.transport import Buffer
 
 from .byte_budget import Grant, SharedByteBudget
+from .client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .connection_pool import ConnectionPool
-from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
-from .peer_protocol import (
+from .placement import Peer, format_address, split_host_port
+from .protocol import (
     RECEIVE_BUFFERS,
     Limits,
     Message,
@@ -73,9 +74,8 @@ from .peer_protocol import (
     encode_request,
     peek_request_id,
 )
-from .peer_service import PeerService, Reply, ServerOptions
-from .peer_store import RecordStore
-from .placement import Peer, format_address, split_host_port
+from .service import PeerService, Reply, ServerOptions
+from .store import RecordStore
 
 log = logging.getLogger(__name__)
 
@@ -663,7 +663,7 @@ class TcpPeerServer:
                                   "certificate): set the tls cert, key and client ca")
             if any(not k.startswith(b"sha256:") for k in self.service.options.tenants.policy.grants):
                 raise ConfigError("over TLS, tenants are granted by certificate fingerprint ('sha256:<hex>', "
-                                  "see `kvengine.transports.tcp_peer.fingerprint`), not CURVE keys")
+                                  "see `kvengine.transports.peers.tcp.fingerprint`), not CURVE keys")
         self._ssl = tls.server_context() if tls is not None else None
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()

@@ -1,7 +1,7 @@
 """The tcp wire (kvengine's own framing, optional TLS) on real loopback sockets, client and server on one loop.
 
 Attacks against a standalone server process are in test_hostile_tcp.py; multi-process clusters in
-test_peer_e2e.py.
+test_e2e.py.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from kvengine.config import load_config
 from kvengine.errors import ConfigError
 from kvengine.tiers import build_tiers
 from kvengine.transport import ReadScope, read_scope
-from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_request
-from kvengine.transports.peer_service import ServerOptions
-from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.placement import Membership, Peer, rendezvous_owners
-from kvengine.transports.tcp_peer import (
+from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+from kvengine.transports.peers.placement import Membership, Peer, rendezvous_owners
+from kvengine.transports.peers.protocol import Limits, Op, decode_header, encode_request
+from kvengine.transports.peers.service import ServerOptions
+from kvengine.transports.peers.store import MemoryRecordStore
+from kvengine.transports.peers.tcp import (
     _READ_AHEAD,
     TcpConnector,
     TcpOptions,
@@ -33,8 +33,8 @@ from kvengine.transports.tcp_peer import (
     TlsConfig,
     create_transport,
 )
-from tests.transports.certs import Pki
 from tests.transports.conftest import DelayedStore
+from tests.transports.peers.certs import Pki
 
 MiB = 1 << 20
 FAST = PeerClientOptions(replicas=1, request_timeout=0.5, read_deadline=1.0, write_timeout=2.0, cooldown=30.0)

@@ -5,7 +5,7 @@ chunks: reading another tenant's KV leaks its prompts, writing or deleting
 it poisons or starves its cache. Clients are identified by what their wire
 proves: a ZeroMQ CURVE public key (40 Z85 characters), or the SHA-256
 fingerprint of a TLS client certificate (``sha256:`` and 64 hex digits, see
-:func:`kvengine.transports.tcp_peer.fingerprint`). Each key is granted to
+:func:`kvengine.transports.peers.tcp.fingerprint`). Each key is granted to
 one tenant, either to write (read, put, delete) or to read only.
 
 A namespace belongs to one tenant:

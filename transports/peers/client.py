@@ -1,7 +1,7 @@
 """The client side of peer sharing: a :class:`ChunkTransport` that routes to owners.
 
 :class:`PeerTransport` is wire-independent; a :class:`Connector` (ZeroMQ in
-:mod:`.zmq_peer`, UCX in :mod:`.ucx_peer`) carries one request to one peer.
+:mod:`.zmq`, UCX in :mod:`.ucx`) carries one request to one peer.
 
 Routing (see :mod:`.placement`): each key's owners are the ``replicas``
 rendezvous winners over the current membership, minus peers in cool-down.
@@ -46,12 +46,12 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import seal_record, verify_record, verify_seal
 from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, IntegrityError
-from kvengine.transport import Buffer, RemoteTierStats, read_budget, read_deadline, read_source
+from kvengine.transport import Buffer, Capability, RemoteTierStats, read_budget, read_deadline, read_source
 from kvengine.trust.secrets import read_secret_file
 
 from .byte_budget import ByteBudget
-from .peer_protocol import Limits, Message, Op, Status
 from .placement import Membership, Peer, PeerHealth, rendezvous_owners
+from .protocol import Limits, Message, Op, Status
 
 #: A reply: its decoded header and one record per item (``b""`` where it carries none).
 Answer = tuple[Message, list[Buffer]]
@@ -184,7 +184,7 @@ class PeerTransport:
     that served it (:class:`kvengine.transport.RejectsCopies`)."""
 
     #: :meth:`reject` discards a copy at its source and reads the next owner's.
-    rejects_copies = True
+    capabilities = frozenset({Capability.REJECTS_COPIES})
 
     def __init__(
         self, connector: Connector, membership: Membership, options: PeerClientOptions | None = None,

@@ -1,6 +1,6 @@
 """The hostile-peer suite on the tcp wire: what libzmq cannot bound (a message is buffered whole before the
 server sees it), kvengine's own framing refuses before buffering. Each attack of
-:mod:`tests.transports.hostile_tcp` on real sockets against a ``kvengine serve --transport tcp`` process."""
+:mod:`tests.transports.peers.hostile_tcp` on real sockets against a ``kvengine serve --transport tcp`` process."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.transports import hostile_tcp
-from tests.transports.hostile import OPTIONS
-from tests.transports.test_hostile_peers import check
+from tests.transports.peers import hostile_tcp
+from tests.transports.peers.hostile import OPTIONS
+from tests.transports.peers.test_hostile_zmq import check
 
 pytestmark = pytest.mark.slow
 

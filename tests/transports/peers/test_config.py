@@ -9,12 +9,11 @@ from kvengine import ConfigError, InvalidRequestError, KVEngine, Namespace, load
 from kvengine.chunks.record import decode_header
 from kvengine.sharing import EngineStore
 from kvengine.tiers import build_tiers
-from kvengine.transports.peer_service import ServerThread
-from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.tcp_peer import TcpPeerServer
-from kvengine.transports.zmq_peer import ZmqPeerServer
-
-from ..conftest import CHUNK, FakeKV, copier, make_layout
+from kvengine.transports.peers.service import ServerThread
+from kvengine.transports.peers.store import MemoryRecordStore
+from kvengine.transports.peers.tcp import TcpPeerServer
+from kvengine.transports.peers.zmq import ZmqPeerServer
+from tests.conftest import CHUNK, FakeKV, copier, make_layout
 
 
 def test_engines_share_chunks_through_a_configured_peer():

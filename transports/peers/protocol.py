@@ -1,7 +1,7 @@
 """The peer wire format, shared by every peer transport (ZeroMQ, UCX).
 
 The header is common to all wires. How records travel is the wire's: UCX
-sends each record whole (see :mod:`.ucx_peer`); ZeroMQ, whose throughput
+sends each record whole (see :mod:`.ucx`); ZeroMQ, whose throughput
 drops with very large frames, uses frames. There, a request is one message:
 a header followed by its payload frames; a reply is a header message
 followed, when its payload exceeds one frame, by data messages, one per

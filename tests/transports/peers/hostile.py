@@ -1,4 +1,4 @@
-"""Attacks on the peer tier, each measured the same way (used by test_hostile_peers.py and
+"""Attacks on the peer tier, each measured the same way (used by test_hostile_zmq.py and
 benchmarks/bench_hostile_peers.py, which prints the table in docs/security.md).
 
 Every attack runs against real sockets on 127.0.0.x: a fresh ``kvengine serve`` process (so its RSS and
@@ -33,13 +33,13 @@ import zmq.asyncio
 
 from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.record import seal_record, unpack_record
-from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-from kvengine.transports.peer_protocol import Limits, Op, Status, decode_header, encode_reply, encode_request
-from kvengine.transports.peer_service import ServerOptions
-from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.placement import Membership, Peer, rendezvous_owners
-from kvengine.transports.tcp_peer import TcpConnector, TcpOptions
-from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer
+from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+from kvengine.transports.peers.placement import Membership, Peer, rendezvous_owners
+from kvengine.transports.peers.protocol import Limits, Op, Status, decode_header, encode_reply, encode_request
+from kvengine.transports.peers.service import ServerOptions
+from kvengine.transports.peers.store import MemoryRecordStore
+from kvengine.transports.peers.tcp import TcpConnector, TcpOptions
+from kvengine.transports.peers.zmq import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer
 from tests.transports.conftest import build_record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -356,7 +356,7 @@ async def oversized_payload(host: str, frames: int = 32) -> Outcome:
 _FLOODER = """
 import sys, time, zmq
 from kvengine.chunks.keys import ChunkKey
-from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_request
+from kvengine.transports.peers.protocol import Limits, Op, decode_header, encode_request
 address, frames, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 sock = zmq.Context().socket(zmq.DEALER)
 sock.setsockopt(zmq.SNDHWM, 0)

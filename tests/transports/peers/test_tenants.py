@@ -11,13 +11,13 @@ import zmq
 
 from kvengine.chunks.keys import Namespace
 from kvengine.errors import ConfigError
-from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_request, split_frames
-from kvengine.transports.peer_service import PeerService, ServerOptions
-from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.tcp_peer import TcpPeerServer, TcpServerOptions
-from kvengine.transports.tenants import ClaimBook, Gatekeeper, load_tenants
-from kvengine.transports.zmq_peer import ZmqPeerServer
-from tests.transports.certs import Pki
+from kvengine.transports.peers.protocol import Limits, Op, decode_header, encode_request, split_frames
+from kvengine.transports.peers.service import PeerService, ServerOptions
+from kvengine.transports.peers.store import MemoryRecordStore
+from kvengine.transports.peers.tcp import TcpPeerServer, TcpServerOptions
+from kvengine.transports.peers.tenants import ClaimBook, Gatekeeper, load_tenants
+from kvengine.transports.peers.zmq import ZmqPeerServer
+from tests.transports.peers.certs import Pki
 
 MiB = 1 << 20
 A, A_READ, B = (zmq.curve_keypair()[0] for _ in range(3))

@@ -12,7 +12,7 @@ import pytest
 
 from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.errors import ConfigError
-from kvengine.transports.placement import Membership, Peer, PeerHealth, parse_peer_list, rendezvous_owners
+from kvengine.transports.peers.placement import Membership, Peer, PeerHealth, parse_peer_list, rendezvous_owners
 
 NS = Namespace(model="tests/placement").digest()
 PEERS = [Peer(f"127.0.0.{i}", 7000 + i) for i in range(2, 8)]
@@ -35,7 +35,7 @@ def test_owners_are_stable_across_processes() -> None:
     """Scenario: two nodes compute owners independently; they must agree (xxhash, no PYTHONHASHSEED)."""
     key = keys(1)[0]
     code = (
-        "from kvengine.transports.placement import Peer, rendezvous_owners\n"
+        "from kvengine.transports.peers.placement import Peer, rendezvous_owners\n"
         "from kvengine.chunks.keys import ChunkKey\n"
         f"k = ChunkKey.from_hex({key.hex()!r})\n"
         f"peers = [Peer('127.0.0.{{}}'.format(i), 7000 + i) for i in range(2, 8)]\n"

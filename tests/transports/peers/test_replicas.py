@@ -21,11 +21,11 @@ from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import encode_header, unpack_record
 from kvengine.keyed import GetOutcome, KeyedStore, PutOutcome, keyed_namespace
 from kvengine.transport import Buffer
-from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.placement import Membership
-from kvengine.transports.tcp_peer import TcpConnector, TcpPeerServer
-from kvengine.transports.zmq_peer import ZmqConnector, ZmqPeerServer
+from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+from kvengine.transports.peers.placement import Membership
+from kvengine.transports.peers.store import MemoryRecordStore
+from kvengine.transports.peers.tcp import TcpConnector, TcpPeerServer
+from kvengine.transports.peers.zmq import ZmqConnector, ZmqPeerServer
 from tests.conftest import CHUNK, FakeKV, copier, make_config, make_layout
 
 MiB = 1 << 20

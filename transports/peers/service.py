@@ -37,7 +37,7 @@ from kvengine.errors import IntegrityError
 from kvengine.threads import start_thread
 from kvengine.transport import Buffer
 
-from .peer_protocol import (
+from .protocol import (
     Limits,
     Message,
     Op,
@@ -49,7 +49,7 @@ from .peer_protocol import (
     peek_request_id,
     record_matches,
 )
-from .peer_store import RecordStore
+from .store import RecordStore
 from .tenants import Access, Gatekeeper
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The hostile-peer suite (issue 18): each attack of :mod:`tests.transports.hostile` on real sockets.
+"""The hostile-peer suite (issue 18): each attack of :mod:`tests.transports.peers.hostile` on real sockets.
 
 Every attack must serve no wrong byte, keep (or, after a flood, promptly resume) serving the honest
 victim exactly, and keep the server's memory flat. benchmarks/bench_hostile_peers.py runs the same
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.transports import hostile
+from tests.transports.peers import hostile
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ that UCX alone does not give over shared memory.
 Messages use the tag API, each receiving side on its own per-connection tag,
 with exactly sized buffers (no copies, any ``UCX_TLS``)::
 
-    preamble  8 KiB: header length (u32), the header (peer_protocol), and,
+    preamble  8 KiB: header length (u32), the header (protocol), and,
               when they all fit, the records (one UCX message in all)
     rest      the header's remainder, if it did not fit the preamble
     records   otherwise one message per record (PUT requests, GET replies), whole
@@ -57,12 +57,12 @@ from kvengine.errors import ConfigError, TransportError
 from kvengine.threads import start_thread
 from kvengine.transport import Buffer
 
+from .client import Answer, Connector, PeerTransport, client_from_config, client_from_section
 from .connection_pool import ConnectionPool
-from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
-from .peer_protocol import RECEIVE_BUFFERS, Limits, Op, ProtocolError, Status, decode_header, encode_request
-from .peer_service import PeerService, ServerOptions
-from .peer_store import RecordStore
 from .placement import Peer, format_address, split_host_port
+from .protocol import RECEIVE_BUFFERS, Limits, Op, ProtocolError, Status, decode_header, encode_request
+from .service import PeerService, ServerOptions
+from .store import RecordStore
 
 _PREAMBLE = 8192
 _LEN = struct.Struct("<I")

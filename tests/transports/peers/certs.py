@@ -7,7 +7,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvengine.transports.tcp_peer import TlsConfig, fingerprint
+from kvengine.transports.peers.tcp import TlsConfig, fingerprint
 
 _KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 

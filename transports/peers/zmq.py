@@ -23,7 +23,7 @@ admits only those client keys (a ZAP handler on the server's own context);
 without it, any client that knows the server's public key. Off loopback a
 server must have ``allowed_clients``: libzmq assembles each message whole
 before the server sees it, so bounds on frames and bytes cannot be enforced
-before buffering (:mod:`.tcp_peer` can), and only admission keeps a
+before buffering (:mod:`.tcp` can), and only admission keeps a
 stranger from stalling the server. A client without
 the right keys never completes the handshake: its requests time out (misses).
 """
@@ -50,8 +50,9 @@ from kvengine.config import PeersConfig
 from kvengine.errors import ConfigError, TransportError
 from kvengine.transport import Buffer
 
-from .peer_client import Answer, Connector, PeerTransport, client_from_config, client_from_section
-from .peer_protocol import (
+from .client import Answer, Connector, PeerTransport, client_from_config, client_from_section
+from .placement import Peer, format_address, split_host_port
+from .protocol import (
     TAG_MAGIC,
     Limits,
     Message,
@@ -66,9 +67,8 @@ from .peer_protocol import (
     split_frames,
     tagged,
 )
-from .peer_service import PeerService, Reply, ServerOptions
-from .peer_store import RecordStore
-from .placement import Peer, format_address, split_host_port
+from .service import PeerService, Reply, ServerOptions
+from .store import RecordStore
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ subprocesses is started once:
 Each node's peer list is a file the test rewrites at runtime (membership
 reload). Faults must end as misses within the read deadline: nothing hangs,
 nothing wrong is served. This file doubles as the node/fake program
-(``python test_peer_e2e.py node WIRE BIND PEERS_FILE [FAKES_HOST]``).
+(``python test_e2e.py node WIRE BIND PEERS_FILE [FAKES_HOST]``).
 """
 
 from __future__ import annotations
@@ -52,28 +52,28 @@ WIRES = {
 # ---------------------------------------------------------------------------------------------------
 def _connector(wire: str) -> Any:
     if wire == "zmq":
-        from kvengine.transports.zmq_peer import ZmqConnector
+        from kvengine.transports.peers.zmq import ZmqConnector
 
         return ZmqConnector()
     if wire == "tcp":
-        from kvengine.transports.tcp_peer import TcpConnector
+        from kvengine.transports.peers.tcp import TcpConnector
 
         return TcpConnector()
-    from kvengine.transports.ucx_peer import UcxConnector
+    from kvengine.transports.peers.ucx import UcxConnector
 
     return UcxConnector()
 
 
 def _server(wire: str, store: Any, bind: str) -> Any:
     if wire == "zmq":
-        from kvengine.transports.zmq_peer import ZmqPeerServer
+        from kvengine.transports.peers.zmq import ZmqPeerServer
 
         return ZmqPeerServer(store, bind)
     if wire == "tcp":
-        from kvengine.transports.tcp_peer import TcpPeerServer
+        from kvengine.transports.peers.tcp import TcpPeerServer
 
         return TcpPeerServer(store, bind)
-    from kvengine.transports.ucx_peer import UcxPeerServer
+    from kvengine.transports.peers.ucx import UcxPeerServer
 
     return UcxPeerServer(store, bind)
 
@@ -83,10 +83,10 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
 
     from kvengine import KVEngine, Namespace
     from kvengine.sharing import EngineStore
-    from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-    from kvengine.transports.peer_service import ServerThread
-    from kvengine.transports.peer_store import MemoryRecordStore
-    from kvengine.transports.placement import Membership
+    from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+    from kvengine.transports.peers.placement import Membership
+    from kvengine.transports.peers.service import ServerThread
+    from kvengine.transports.peers.store import MemoryRecordStore
     from tests.conftest import make_config, make_layout
 
     options = PeerClientOptions(replicas=1, request_timeout=REQUEST_TIMEOUT, read_deadline=READ_DEADLINE,
@@ -142,7 +142,7 @@ class _CorruptingStore:
     """Stores records faithfully; serves them with one payload byte flipped (header intact)."""
 
     def __init__(self) -> None:
-        from kvengine.transports.peer_store import MemoryRecordStore
+        from kvengine.transports.peers.store import MemoryRecordStore
 
         self.inner = MemoryRecordStore(16 << 20)
 
@@ -196,7 +196,7 @@ async def _zmq_staller(host: str) -> str:
     import zmq
     import zmq.asyncio
 
-    from kvengine.transports.peer_protocol import Limits, Op, decode_header, encode_reply, split_frames, tagged
+    from kvengine.transports.peers.protocol import Limits, Op, decode_header, encode_reply, split_frames, tagged
 
     sock = zmq.asyncio.Context().socket(zmq.ROUTER)
     port = sock.bind_to_random_port(f"tcp://{host}")

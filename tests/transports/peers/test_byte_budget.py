@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvengine.transports.byte_budget import ByteBudget, Grant, SharedByteBudget
+from kvengine.transports.peers.byte_budget import ByteBudget, Grant, SharedByteBudget
 
 
 async def test_takers_are_served_in_turn_and_one_larger_than_the_budget_holds_all_of_it() -> None:

@@ -1,7 +1,7 @@
 """The peer wire format, the server-side service and the ZeroMQ transport on real loopback sockets.
 
 Multi-process scenarios (engines on several addresses, killed peers, UCX)
-are in test_peer_e2e.py; here client and servers share one event loop.
+are in test_e2e.py; here client and servers share one event loop.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from kvengine.chunks.record import unpack_record
 from kvengine.errors import ConfigError
 from kvengine.sharing import EngineStore
 from kvengine.transport import ChunkTransport
-from kvengine.transports.peer_client import PeerClientOptions, PeerTransport
-from kvengine.transports.peer_protocol import (
+from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
+from kvengine.transports.peers.placement import Membership, Peer, rendezvous_owners
+from kvengine.transports.peers.protocol import (
     Limits,
     Op,
     ProtocolError,
@@ -42,11 +43,10 @@ from kvengine.transports.peer_protocol import (
     split_frames,
     tagged,
 )
-from kvengine.transports.peer_service import PeerService, ServerOptions
-from kvengine.transports.peer_store import MemoryRecordStore
-from kvengine.transports.placement import Membership, Peer, rendezvous_owners
-from kvengine.transports.tcp_peer import TcpConnector
-from kvengine.transports.zmq_peer import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport
+from kvengine.transports.peers.service import PeerService, ServerOptions
+from kvengine.transports.peers.store import MemoryRecordStore
+from kvengine.transports.peers.tcp import TcpConnector
+from kvengine.transports.peers.zmq import CurveConfig, ZmqConnector, ZmqOptions, ZmqPeerServer, create_transport
 from tests.transports.conftest import DelayedStore
 
 MiB = 1 << 20
@@ -520,7 +520,7 @@ def test_transport_factory_builds_from_plain_config(tmp_path: Path) -> None:
 
 def test_ucx_transport_factory_builds_from_plain_config() -> None:
     """The UCX transport is built from a plain dict with its options; unknown keys are a ConfigError."""
-    ucx_peer = pytest.importorskip("kvengine.transports.ucx_peer")
+    ucx_peer = pytest.importorskip("kvengine.transports.peers.ucx")
     pytest.importorskip("ucxx", reason="the 'ucx' extra (ucxx-cu12) is not installed")
     transport = ucx_peer.create_transport({"peers": ["127.0.0.3:7000"], "connections_per_peer": 2})
     assert transport.name == "peers_ucx" and transport.connector.options.connections_per_peer == 2
@@ -563,7 +563,7 @@ async def test_a_served_memory_store_holds_each_record_in_about_its_own_size(wir
     record cost 2.2x its size in server RSS while ``--capacity`` counted record bytes. Now every record is
     copied into a ``bytes`` of its own length: 16384 records of 4 KiB grow the server by under 1.3x their
     bytes, on either wire."""
-    from tests.transports.hostile import records, served, transport
+    from tests.transports.peers.hostile import records, served, transport
 
     n = 16384
     async with served("127.0.0.8", "--transport", wire) as server:

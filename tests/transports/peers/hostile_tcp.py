@@ -1,4 +1,4 @@
-"""Attacks on the tcp wire (kvengine's own framing), measured as in :mod:`tests.transports.hostile`.
+"""Attacks on the tcp wire (kvengine's own framing), measured as in :mod:`tests.transports.peers.hostile`.
 
 The attacker uses raw sockets bound to its own loopback address (127.0.0.99), so the server's
 per-client limits tell it from the victim; the honest victim is a :class:`PeerTransport` over
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from kvengine.chunks.keys import Namespace
-from kvengine.transports.peer_protocol import Op, encode_request
-from tests.transports.certs import Pki, fingerprint_of
-from tests.transports.hostile import (
+from kvengine.transports.peers.protocol import Op, encode_request
+from tests.transports.peers.certs import Pki, fingerprint_of
+from tests.transports.peers.hostile import (
     ROOT,
     MiB,
     Outcome,
@@ -53,7 +53,7 @@ async def _open(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrite
 _FLOODER = """
 import socket, sys, time
 from kvengine.chunks.keys import ChunkKey
-from kvengine.transports.peer_protocol import Op, encode_request
+from kvengine.transports.peers.protocol import Op, encode_request
 host, port, total, attacker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 sock = socket.create_connection((host, port), source_address=(attacker, 0))
 header = encode_request(Op.PUT, 9, [ChunkKey.from_hex("ab" * 32)], [100])
