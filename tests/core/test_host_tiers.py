@@ -19,7 +19,6 @@ import torch
 import yaml
 
 from kvengine import KVEngine, Namespace
-from kvengine.chunks.keys import ChunkKey
 from kvengine.config import EngineConfig, MemoryConfig
 from kvengine.core.host_tiers import HostTiers
 from kvengine.errors import ConfigError
@@ -28,6 +27,7 @@ from kvengine.host.service import HostService
 from kvengine.keyed import GetOutcome, PutOutcome, SyncKeyedStore, keyed_namespace
 from kvengine.types import ModelBinding
 from tests.conftest import CHUNK, FakeKV, copier, make_layout
+from tests.core.test_tiering import DictTransport
 from tests.host.clients import TOKENS, config
 from tests.host.host_process import ROOT, Host
 from tests.test_keyed import PAGE, Collect, keys, page_layout, pages
@@ -198,31 +198,18 @@ def test_keyed_pages_a_restarted_service_holds_on_disk_are_found_and_read_exactl
             assert kv.core.memory.total_pins() == 0
 
 
-class _SlowTier:
+class _SlowTier(DictTransport):
     """A lower tier in memory whose reads take ``delay`` seconds."""
 
     name = "slow"
 
     def __init__(self, delay: float) -> None:
+        super().__init__()
         self.delay = delay
-        self.records: dict[ChunkKey, bytes] = {}
-
-    async def put(self, items):
-        self.records.update((key, bytes(blob)) for key, blob in items)
-        return [True] * len(items)
 
     async def get(self, keys):
         await asyncio.sleep(self.delay)
-        return [self.records.get(k) for k in keys]
-
-    async def exists(self, keys):
-        return [k in self.records for k in keys]
-
-    async def delete(self, keys):
-        return [self.records.pop(k, None) is not None for k in keys]
-
-    async def close(self) -> None:
-        pass
+        return await super().get(keys)
 
 
 def test_a_slow_promotion_holds_up_neither_the_engines_other_requests_nor_another_promotion(tmp_path):

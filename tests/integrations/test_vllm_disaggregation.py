@@ -128,9 +128,10 @@ def test_a_hybrid_model_is_handed_off_with_its_recurrent_state(disagg_hybrid: di
     """Qwen3-Next (bf16), prefix_match_unit 1 on both instances: the producer's last prefill step begins at the
     prompt's last token but one, where the recurrent state is taken and handed off with the pages before it.
     The consumer decodes what one vLLM does and computes only the last prompt token: for a prompt longer than a
-    state block (whose first 699 tokens the producer's own prefix cache supplied), one shorter, one ending a
-    token after a block end, and a second turn extending the first and its reply (loaded from where the
-    consumer's own prefix cache ends)."""
+    state block (whose first 699 tokens the producer's own prefix cache supplied: its state there is the record
+    the handoff of the prompt that differs only in its last token stored, the same tokens' key), one shorter,
+    one ending a token after a block end, and a second turn extending the first and its reply (loaded from
+    where the consumer's own prefix cache ends)."""
     run = disagg_hybrid
     prompts, refs = run["prompts"] + run["later"], run["ref"] + run["ref_later"]
     for p, params, got, want in zip(prompts, run["params"], run["decode"], refs):
