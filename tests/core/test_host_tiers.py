@@ -228,10 +228,10 @@ def test_a_slow_promotion_holds_up_neither_the_engines_other_requests_nor_anothe
             for seed, tokens in prompts.items():
                 engine.store(binding, tokens, FakeKV(len(tokens), seed=seed).source)
             deadline = time.monotonic() + 10
-            while len(slow.records) < 6 and time.monotonic() < deadline:  # written behind
+            while len(slow.blobs) < 6 and time.monotonic() < deadline:  # written behind
                 time.sleep(0.05)
-            assert len(slow.records) == 6
-            for key in list(slow.records):
+            assert len(slow.blobs) == 6
+            for key in list(slow.blobs):
                 engine.core.memory.discard(key)  # only the slow tier holds them now
             with ThreadPoolExecutor(2) as pool:
                 t0 = time.monotonic()
