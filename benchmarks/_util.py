@@ -140,3 +140,15 @@ def drop_caches(files: list[Path]) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
         return "fadvise_dontneed"
+
+
+def snapshot(rev: str, into: Path) -> Path:
+    """The repository's code at ``rev`` (``git archive``) in ``into``, laid out as it is imported: ``transports/``
+    and ``integrations/`` inside ``kvengine/`` (for before/after runs of one benchmark against two revisions)."""
+    into.mkdir(parents=True)
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "archive", rev], cwd=root, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    for sub in ("transports", "integrations"):
+        (into / sub).rename(into / "kvengine" / sub)
+    return into

@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_header, print_table, write_json
-
-ROOT = Path(__file__).resolve().parent.parent
+from _util import print_header, print_table, snapshot, write_json
 
 #: per benchmark: its arguments (short settings: several rounds of each arm must fit a session) and its
 #: headline figures, each a path into the benchmark's JSON and whether higher is better
@@ -53,16 +51,6 @@ BENCHES: dict[str, tuple[list[str], list[Figure]]] = {
         ("kvtcp CPU ms / 32 MiB get", lambda d: d["medians"]["kvtcp"]["get_cpu_ms"], False),
     ]),
 }
-
-
-def snapshot(rev: str, into: Path) -> Path:
-    """The code at ``rev`` laid out as it is imported (transports/ and integrations/ inside kvengine/)."""
-    into.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    for sub in ("transports", "integrations"):
-        (into / sub).rename(into / "kvengine" / sub)
-    return into
 
 
 def run_arm(tree: Path, bench: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import drop_caches, print_header, print_table, write_json
+from _util import drop_caches, print_header, print_table, snapshot, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK, CHUNKS, LAYERS = 256, 4, 8
@@ -139,16 +139,6 @@ def _ask_until_answered(sched, token_lists: list[list[int]], tags: list[str]) ->
     return {"p50_ms": 1e3 * statistics.median(calls), "p99_ms": 1e3 * calls[min(len(calls) - 1, int(0.99 * len(calls)))],
             "max_ms": 1e3 * calls[-1], "calls": len(calls), "steps": steps, "wall_s": wall,
             "hit_tokens": sum(matched.values())}
-
-
-def snapshot(rev: str, into: Path) -> Path:
-    """The code at ``rev`` laid out as it is imported (transports/ and integrations/ inside kvengine/)."""
-    into.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    for sub in ("transports", "integrations"):  # as imported
-        (into / sub).rename(into / "kvengine" / sub)
-    return into
 
 
 def main() -> None:
