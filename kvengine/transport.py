@@ -178,7 +178,9 @@ class Capability(enum.Enum):
 
 
 def capabilities_of(transport: ChunkTransport) -> frozenset[Capability]:
-    """The capabilities ``transport`` declares (none without a ``capabilities`` attribute).
+    """The capabilities ``transport`` declares (none without a ``capabilities`` attribute), checked: the engine
+    calls it for each of its tiers when it starts (:class:`~kvengine.core.tier_set.TierSet`), so that the
+    guards below, on the read and write paths, only look the capability up.
 
     :raises ConfigError: ``capabilities`` holds something else than :class:`Capability` members, or one whose
         method the transport lacks (refused when the engine starts, naming both).
@@ -240,16 +242,20 @@ class RejectsCopies(ChunkTransport, Protocol):
     async def reject(self, key: ChunkKey, copy: Buffer) -> Buffer | None: ...
 
 
+def _declares(transport: ChunkTransport, capability: Capability) -> bool:
+    return capability in getattr(transport, "capabilities", ())
+
+
 def rejects_copies(transport: ChunkTransport) -> TypeGuard[RejectsCopies]:
     """Whether ``transport`` declares :attr:`Capability.REJECTS_COPIES`."""
-    return Capability.REJECTS_COPIES in capabilities_of(transport)
+    return _declares(transport, Capability.REJECTS_COPIES)
 
 
 def reads_in_place(transport: ChunkTransport) -> TypeGuard[ReadsInPlace]:
     """Whether ``transport`` declares :attr:`Capability.PLACED_READS`."""
-    return Capability.PLACED_READS in capabilities_of(transport)
+    return _declares(transport, Capability.PLACED_READS)
 
 
 def writes_gathered(transport: ChunkTransport) -> TypeGuard[WritesGathered]:
     """Whether ``transport`` declares :attr:`Capability.GATHERED_WRITES`."""
-    return Capability.GATHERED_WRITES in capabilities_of(transport)
+    return _declares(transport, Capability.GATHERED_WRITES)

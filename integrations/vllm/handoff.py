@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from kvengine.addresses import is_loopback, offset_port, split_host_port
-from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.hashing import prefix_end_hash
 from kvengine.chunks.keys import ChunkKey
 from kvengine.config import EngineConfig
 from kvengine.core.reservations import Reservation
@@ -174,14 +174,14 @@ class PromptTails:
         return store
 
     def key(self, binding: ModelBinding, tokens: np.ndarray, end: int) -> bytes:
-        return bytes(prefix_hashes(tokens[:end], self._chunk, binding.digest, partial=True)[-1])
+        return bytes(prefix_end_hash(tokens, self._chunk, binding.digest, end))
 
     def last_key(self, binding: ModelBinding, tokens: np.ndarray, end: int) -> ChunkKey:
         """The address (in the engine and on the peer wire) of the record a consumer of ``tokens[:end]``
         fetches last: the tail, or the last chunk where ``end`` is a chunk boundary."""
         if end % self._chunk:
             return keyed_chunk_key(self.binding(binding), self.key(binding, tokens, end))
-        return ChunkKey(binding.digest, prefix_hashes(tokens[:end], self._chunk, binding.digest)[-1])
+        return ChunkKey(binding.digest, prefix_end_hash(tokens, self._chunk, binding.digest, end))
 
     def save(self, binding: ModelBinding, tokens: np.ndarray, end: int, block_ids: BlockIds, null: int) -> bool:
         """Store the pages of tokens ``[end // chunk * chunk, end)`` held in ``block_ids``."""

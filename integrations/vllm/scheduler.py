@@ -63,6 +63,7 @@ from .layout import GroupPlan
 from .metadata import StepMetadata
 from .options import DEFAULT_FETCH_TIMEOUT_S
 from .ranks import RankedLookup
+from .state import state_block
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -152,7 +153,6 @@ class SchedulerSide:
         self._async = asynchronous
         #: a hybrid model's recurrent-state group (see :mod:`.state`)
         self._state_group = state_group
-        self._has_state = state_group is not None
         self._wait = lookup_wait_s
         #: a lookup the worker has not answered by then is given up: the request reads nothing and runs
         #: (the worker's reads have deadlines of their own, shorter; this one holds if one of them does not)
@@ -171,6 +171,10 @@ class SchedulerSide:
         self._states: dict[str, _RequestState] = {}
         self._committed: list[_RequestState] = []
         self.stats = SchedulerStats()
+
+    @property
+    def _has_state(self) -> bool:
+        return self._state_group is not None
 
     # -- wiring ------------------------------------------------------------------
     def connect(self, addresses: Sequence[ChannelAddress]) -> None:
@@ -336,12 +340,9 @@ class SchedulerSide:
         for group_id, block_id, tokens in offers:
             if group_id == group.group_id and tokens == boundary:
                 return int(block_id)
-        blocks = block_ids[group.group_id]
-        index = boundary // group.block_size - 1
-        null = self._manager.block_pool.null_block.block_id if self._manager is not None else None
-        if boundary % group.block_size or not 0 <= index < len(blocks) or blocks[index] == null:
+        if boundary % group.block_size or self._manager is None:
             return None
-        return blocks[index]
+        return state_block(group, block_ids, boundary, self._manager.block_pool.null_block.block_id)
 
     def update_connector_output(self, failed_recving: set[str]) -> None:
         """Requests whose asynchronous load failed are recomputed by vLLM; never offer them a hit again

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from kvengine.chunks.hashing import prefix_hashes
+from kvengine.chunks.hashing import prefix_end_hash, prefix_hashes
 from kvengine.chunks.layout import ChunkLayout, KVCategory, TensorSpec
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore, keyed_namespace
@@ -82,8 +82,7 @@ class BoundaryStates:
     def _keys(self, binding: ModelBinding, tokens: np.ndarray, boundaries: list[int]) -> list[bytes]:
         """Chunk boundaries: the chunk's chain hash; another boundary: that of the partial chunk before it."""
         if any(b % self._chunk for b in boundaries):
-            return [bytes(prefix_hashes(tokens[:b], self._chunk, binding.digest, partial=True)[-1])
-                    for b in boundaries]
+            return [bytes(prefix_end_hash(tokens, self._chunk, binding.digest, b)) for b in boundaries]
         hashes = prefix_hashes(tokens[: max(boundaries)], self._chunk, binding.digest)
         return [bytes(hashes[b // self._chunk - 1]) for b in boundaries]
 

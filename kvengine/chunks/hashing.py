@@ -144,6 +144,12 @@ def prefix_hashes(
     return cast(list[ChunkHash], out)  # ChunkHash is bytes at run time: no call per chunk
 
 
+def prefix_end_hash(tokens: TokenInput, chunk_size: int, seed: NamespaceDigest, end: int) -> ChunkHash:
+    """The chain hash of the first ``end`` tokens: their last whole chunk's where ``end`` is a chunk boundary,
+    else that of the partial chunk they end with (what keys a record of exactly that prefix)."""
+    return prefix_hashes(tokens, chunk_size, seed, partial=True, max_tokens=end)[-1]
+
+
 def chunk_tails(tokens: TokenInput, hashes: Sequence[ChunkHash], seed: bytes, chunk_size: int, step: int,
                 chunk: int, asked: int) -> list[tuple[int, ChunkHash]]:
     """The tails of chunk number ``chunk`` (its leading whole ``step``\ s, shorter than the chunk and within

@@ -17,7 +17,7 @@ from kvengine.compression import codec_family
 from kvengine.errors import ConfigError, InvalidRequestError
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
-from kvengine.transport import ChunkTransport, writes_gathered
+from kvengine.transport import ChunkTransport, capabilities_of, writes_gathered
 
 T_ = TypeVar("T_")
 
@@ -57,6 +57,7 @@ class TierSet:
         #: a record is encoded once per codec, not once per tier.
         self.by_codec: dict[Codec, list[tuple[ChunkTransport, bool]]] = {}
         for transport, codec in pairs:
+            capabilities_of(transport)  # a capability declared wrongly refuses the start, naming the transport
             self.by_codec.setdefault(codec, []).append((transport, writes_gathered(transport)))
         metrics.watch_tiers(self.transports)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvengine.chunks.hashing import chunk_tails, prefix_hashes
+from kvengine.chunks.hashing import chunk_tails, prefix_end_hash, prefix_hashes
 from kvengine.chunks.keys import Namespace
 from kvengine.errors import InvalidRequestError
 
@@ -115,3 +115,15 @@ def test_chunk_tails_are_the_partial_chains_of_the_broken_chunk_longest_first():
     assert [end for end, _ in chunk_tails(tokens, hashes, seed, 16, 4, 0, 50)] == [12, 8, 4]
     assert chunk_tails(tokens, hashes, seed, 16, 0, 1, 50) == []
     assert chunk_tails(tokens, hashes, seed, 16, 4, 3, 50) == []  # 48..50: no whole step
+
+
+@pytest.mark.parametrize("end", [256, 512, 300, 511, 1])
+def test_the_hash_of_a_prefix_is_its_chunk_hash_at_a_chunk_boundary_else_its_partial_chunks(end):
+    """prefix_end_hash keys a record of exactly the first ``end`` tokens: the last whole chunk's chain hash
+    where ``end`` ends a chunk, else the hash of the partial chunk after the whole ones (a tail's key)."""
+    tokens = list(range(600))
+    got = prefix_end_hash(tokens, 256, SEED, end)
+    if end % 256 == 0:
+        assert got == prefix_hashes(tokens, 256, SEED)[end // 256 - 1]
+    assert got == prefix_hashes(tokens[:end], 256, SEED, partial=True)[-1]
+    assert got != prefix_end_hash(tokens, 256, SEED, end - 1 if end > 1 else end + 1)
