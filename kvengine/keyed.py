@@ -43,7 +43,7 @@ from kvengine.chunks.keys import ChunkHash, ChunkKey, Namespace
 from kvengine.core.caller_mode import in_callers_mode
 from kvengine.core.copies import copy_all
 from kvengine.core.engine import CacheEngine
-from kvengine.core.memory_tier import MemoryEntry
+from kvengine.core.pins import Pins, release_all
 from kvengine.core.promotion import AdmitRejected
 from kvengine.errors import InvalidRequestError
 from kvengine.transport import ReadScope, read_scope
@@ -174,9 +174,9 @@ class KeyedStore:
         return outcomes
 
     def _copy_in(self, ckeys: list[ChunkKey], source: KeyedSource
-                 ) -> tuple[list[PutOutcome], list[MemoryEntry], BaseException | None]:
+                 ) -> tuple[list[PutOutcome], Pins, BaseException | None]:
         """Copy the new chunks into memory (blocking, through the engine's stager): each key's outcome,
-        the committed entries to hand on, and what ``source`` raised, if it did."""
+        the committed entries' pins to hand on, and what ``source`` raised, if it did."""
         stager, layout = self.engine.stager, self.binding.layout
         staged = stager.prepare(self.binding, ckeys, [self._full] * len(ckeys))
 
@@ -207,27 +207,27 @@ class KeyedStore:
                      reads: ReadScope | None = None) -> list[GetOutcome]:
         """Pin what memory holds, promote the rest from lower tiers, hand every hit to ``sink`` (if any)."""
         memory = self.engine.memory
-        entries: list[MemoryEntry | None] = [memory.pin(k) for k in ckeys]
-        outcomes = [GetOutcome.HIT if e is not None else GetOutcome.MISS for e in entries]
+        found = [Pins.of(memory, k) for k in ckeys]  # per key: its entry, pinned, or none
+        outcomes = [GetOutcome.HIT if pins else GetOutcome.MISS for pins in found]
         try:
-            if self.engine.transports and None in entries:
+            missing = GetOutcome.MISS in outcomes
+            if self.engine.transports and missing:
                 with read_scope(reads):
-                    await self._promote(ckeys, entries, outcomes)
-            elif memory.lower_tiers and None in entries:
-                await self._promote_below(ckeys, entries, outcomes)
+                    await self._promote(ckeys, found, outcomes)
+            elif memory.lower_tiers and missing:
+                await self._promote_below(ckeys, found, outcomes)
             if sink is not None:
-                await asyncio.to_thread(self._copy_out, entries, outcomes, sink)
+                await asyncio.to_thread(self._copy_out, found, outcomes, sink)
         finally:
-            memory.unpin([e for e in entries if e is not None])
+            release_all(found)
         return outcomes
 
-    async def _promote(self, ckeys: list[ChunkKey], entries: list[MemoryEntry | None],
-                       outcomes: list[GetOutcome]) -> None:
+    async def _promote(self, ckeys: list[ChunkKey], found: list[Pins], outcomes: list[GetOutcome]) -> None:
         todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
         results = await self.engine.promoter.promote_each(self.binding, [ckeys[i] for i in todo])
         for i, result in zip(todo, results):
-            if isinstance(result, MemoryEntry):
-                entries[i], outcomes[i] = result, GetOutcome.HIT
+            if isinstance(result, Pins):
+                found[i], outcomes[i] = result, GetOutcome.HIT
             elif result is AdmitRejected.CORRUPT:
                 outcomes[i] = GetOutcome.CORRUPT
             elif result is AdmitRejected.NO_ROOM:
@@ -238,23 +238,23 @@ class KeyedStore:
                 self.engine.metrics.log_once("keyed_promote_error", "kvengine: keyed promotion failed (%s: %s); "
                                              "served as a miss", type(result).__name__, result)
 
-    async def _promote_below(self, ckeys: list[ChunkKey], entries: list[MemoryEntry | None],
-                             outcomes: list[GetOutcome]) -> None:
+    async def _promote_below(self, ckeys: list[ChunkKey], found: list[Pins], outcomes: list[GetOutcome]) -> None:
         """The misses, promoted by the host service's own lower tiers (which count what they refuse), pinned."""
         memory = self.engine.memory
         todo = [i for i, o in enumerate(outcomes) if o is GetOutcome.MISS]
         resident = await asyncio.to_thread(memory.promote_each, self.binding, [ckeys[i] for i in todo])
         for i, ok in zip(todo, resident):
-            entry = memory.pin(ckeys[i]) if ok else None
-            if entry is not None:
-                entries[i], outcomes[i] = entry, GetOutcome.HIT
+            pins = Pins.of(memory, ckeys[i]) if ok else None
+            if pins:
+                found[i], outcomes[i] = pins, GetOutcome.HIT
 
-    def _copy_out(self, entries: list[MemoryEntry | None], outcomes: list[GetOutcome], sink: KeyedSink) -> None:
+    def _copy_out(self, found: list[Pins], outcomes: list[GetOutcome], sink: KeyedSink) -> None:
         memory = self.engine.memory
         nbytes = 0
-        for i, entry in enumerate(entries):
-            if entry is None:
+        for i, pins in enumerate(found):
+            if not pins:
                 continue
+            entry = pins[0]
             try:
                 sink(i, memory.tensors(entry))
             except Exception as exc:

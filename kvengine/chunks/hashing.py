@@ -152,7 +152,7 @@ def prefix_end_hash(tokens: TokenInput, chunk_size: int, seed: NamespaceDigest, 
 
 def chunk_tails(tokens: TokenInput, hashes: Sequence[ChunkHash], seed: bytes, chunk_size: int, step: int,
                 chunk: int, asked: int) -> list[tuple[int, ChunkHash]]:
-    """The tails of chunk number ``chunk`` (its leading whole ``step``\ s, shorter than the chunk and within
+    """The tails of chunk number ``chunk`` (its leading runs of whole ``step`` tokens, shorter than the chunk and within
     the ``asked`` tokens) a hit may end with, longest first, as ``(end, chain hash)``: the keys a store with
     that step gives them. ``hashes``: the whole chunks' chain hashes (at least the ``chunk`` before it);
     ``seed``: the namespace digest. None without a step."""

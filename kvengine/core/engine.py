@@ -54,6 +54,7 @@ from kvengine.core.allocator import SlabAllocator
 from kvengine.core.copies import copy_all
 from kvengine.core.eviction import make_policy
 from kvengine.core.memory_tier import HostMemory, MemoryEntry, MemoryTier
+from kvengine.core.pins import Pins
 from kvengine.core.promotion import Promoter
 from kvengine.core.reservations import Reservation, ReservationState, ReservationTable
 from kvengine.core.stager import Stager
@@ -97,7 +98,12 @@ class _Tail:
     """A tail (:mod:`.tails`) a lookup found, pinned: of chunk number ``chunk``."""
 
     chunk: int
+    pins: Pins  # its entry's pin, until a hit ends with it (moved to the hit's pins)
     entry: MemoryEntry
+
+    @classmethod
+    def of(cls, chunk: int, pins: Pins) -> _Tail:
+        return cls(chunk, pins, pins[0])
 
 
 class CacheEngine:
@@ -288,30 +294,37 @@ class CacheEngine:
         question = self._question(binding, request_id, tokens, max_tokens, from_token)
         if isinstance(question, Reservation):
             return question
-        entries = self.memory.pin_prefix(question.keys)
-        sources = {"memory": len(entries)}
+        held = Pins.prefix(self.memory, question.keys)
+        sources = {"memory": len(held)}
         promoted: list[MemoryEntry] = []
         tail: _Tail | None = None
-        below = len(entries) < len(question.keys) and bool(self.transports or self.memory.lower_tiers)
-        with read_scope(reads):  # one deadline for all of this lookup's reads from lower tiers
-            if below:
-                promoted = await self._promote(binding, question.keys[len(entries) :], question.first + len(entries),
-                                               question.asked, sources)
-                entries += promoted
-            chunk, candidates = self._tail_candidates(binding, question, tokens, len(entries))
-            tail = self._memory_tail(chunk, candidates)
-            if tail is None and candidates and self.has_lower_tiers:
-                tail = await self._promote_tail(binding, chunk, candidates, sources)
-                promoted += [tail.entry] if tail is not None else []
+        below = len(held) < len(question.keys) and bool(self.transports or self.memory.lower_tiers)
+        try:
+            with read_scope(reads):  # one deadline for all of this lookup's reads from lower tiers
+                if below:
+                    got = await self._promote(binding, question.keys[len(held) :], question.first + len(held),
+                                              question.asked, sources)
+                    promoted += got
+                    held.add(got)
+                chunk, candidates = self._tail_candidates(binding, question, tokens, len(held))
+                tail = self._memory_tail(chunk, candidates)
+                if tail is None and candidates and self.has_lower_tiers:
+                    tail = await self._promote_tail(binding, chunk, candidates, sources)
+                    promoted += [tail.entry] if tail is not None else []
+        except BaseException:  # cancelled: nothing stays pinned for a reservation never made
+            held.release()
+            if tail is not None:
+                tail.pins.release()
+            raise
         read_bytes = sum(e.nbytes for e in promoted)
-        self._end_with(binding, entries, tail)
+        self._end_with(binding, held, tail)
         if promoted and self.memory.publishes_events:
             hashes = question.hashes if tail is None else [*question.hashes[: tail.chunk], tail.entry.key.chunk_hash]
             self.memory.announce(_StoreEvents(binding, hashes, token_bytes(tokens)).pairs(promoted))
-        return self._reserve(binding, request_id, question, entries, started, sources, read_bytes)
+        return self._reserve(binding, request_id, question, held, started, sources, read_bytes)
 
     async def _promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int, total_tokens: int,
-                       sources: dict[str, int]) -> list[MemoryEntry]:
+                       sources: dict[str, int]) -> Pins:
         """The longest prefix of ``keys`` (chunk ``first_chunk`` on, of a prompt of ``total_tokens``) lower tiers
         hold, read into memory and pinned: this engine's tiers, or the host service's (it promotes, this
         engine pins)."""
@@ -319,7 +332,7 @@ class CacheEngine:
             return await self.promoter.promote(binding, keys, first_chunk, total_tokens, sources)
         count, nbytes = await asyncio.to_thread(self.memory.promote, binding, keys, first_chunk, total_tokens)
         self.metrics.loaded_bytes.labels(tier="host").inc(nbytes)
-        promoted = self.memory.pin_prefix(keys[:count]) if count else []
+        promoted = Pins.prefix(self.memory, keys[:count])
         sources["host"] = sources.get("host", 0) + len(promoted)
         return promoted
 
@@ -334,15 +347,15 @@ class CacheEngine:
     def _memory_tail(self, chunk: int, candidates: list[tuple[int, ChunkKey]]) -> _Tail | None:
         """The longest of chunk ``chunk``'s ``candidates`` memory holds, pinned."""
         for _end, key in candidates:
-            entry = self.memory.pin(key)
-            if entry is not None:
-                return _Tail(chunk, entry)
+            pins = Pins.of(self.memory, key)
+            if pins:
+                return _Tail.of(chunk, pins)
         return None
 
-    def _end_with(self, binding: ModelBinding, entries: list[MemoryEntry], tail: _Tail | None) -> None:
-        """A hit's whole chunks ``entries``, then its tail if one was found (counted)."""
+    def _end_with(self, binding: ModelBinding, held: Pins, tail: _Tail | None) -> None:
+        """A hit's whole chunks ``held``, then its tail if one was found (counted)."""
         if tail is not None:
-            entries.append(tail.entry)
+            held.add(tail.pins)
             self.metrics.tail_hit_tokens.labels(model=binding.namespace.model).inc(tail.entry.num_tokens)
 
     async def _promote_tail(self, binding: ModelBinding, chunk: int, candidates: list[tuple[int, ChunkKey]],
@@ -357,7 +370,7 @@ class CacheEngine:
         for end, key in candidates:
             got = await self._promote(binding, [key], chunk, end, sources)
             if got:
-                return _Tail(chunk, got[0])
+                return _Tail.of(chunk, got)
         return None
 
     def lookup_resident(
@@ -376,17 +389,17 @@ class CacheEngine:
         question = self._question(binding, request_id, tokens, max_tokens, from_token)
         if isinstance(question, Reservation):
             return question
-        entries = self.memory.pin_prefix(question.keys)
-        if len(entries) < len(question.keys) and self.has_lower_tiers:
-            self.memory.unpin(entries)
+        held = Pins.prefix(self.memory, question.keys)
+        if len(held) < len(question.keys) and self.has_lower_tiers:
+            held.release()
             return None
-        chunk, candidates = self._tail_candidates(binding, question, tokens, len(entries))
+        chunk, candidates = self._tail_candidates(binding, question, tokens, len(held))
         tail = self._memory_tail(chunk, candidates)
         if tail is None and candidates and self.has_lower_tiers:  # a tail below: the engine's loop reads it
-            self.memory.unpin(entries)
+            held.release()
             return None
-        self._end_with(binding, entries, tail)
-        return self._reserve(binding, request_id, question, entries, started, {"memory": len(entries)})
+        self._end_with(binding, held, tail)
+        return self._reserve(binding, request_id, question, held, started, {"memory": len(held)})
 
     def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
                   max_tokens: int | None, from_token: int) -> Reservation | _Question:
@@ -413,9 +426,11 @@ class CacheEngine:
         asked = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
         return _Question(query, hashes, [ChunkKey(binding.digest, h) for h in hashes[first:]], first, asked, now)
 
-    def _reserve(self, binding: ModelBinding, request_id: str, question: _Question, entries: list[MemoryEntry],
+    def _reserve(self, binding: ModelBinding, request_id: str, question: _Question, held: Pins,
                  started: float, sources: dict[str, int], read_bytes: int = 0) -> Reservation:
+        """The reservation of ``held`` (its pins are the reservation's until it ends)."""
         first_token = question.first * binding.chunk_size
+        entries = held.entries
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
@@ -424,7 +439,7 @@ class CacheEngine:
             keys=tuple(e.key for e in entries),
             expires_at=question.asked_at + self.config.lease_seconds,
             query=question.query,
-            entries=entries,
+            pins=held,
             model=binding.namespace.model,
             first_token=first_token,
             read_bytes=read_bytes,
@@ -543,7 +558,8 @@ class CacheEngine:
         """Unpin a reservation that just ended (loaded, released, replaced or expired)."""
         if ended_from is ReservationState.RESERVED and res.read_bytes:  # read for a hit never taken
             self.metrics.unused_read_bytes.inc(res.read_bytes)
-        self.memory.unpin(res.entries)
+        if res.pins is not None:
+            res.pins.release()
 
     async def reclaim_expired(self) -> int:
         """End reservations whose lease ran out, loads and staged stores left unfinished for
@@ -632,7 +648,7 @@ class CacheEngine:
             result, held, error = await asyncio.to_thread(self._copy_in, binding, tokens, hashes, total, source,
                                                           None, events)
             if held:
-                stored = events.of_all(held) if events is not None else None
+                stored = events.of_all(held.entries) if events is not None else None
                 result = replace(result, tier_failures=await self.writer.hand_off(binding, held, stored))
             if error is not None:
                 raise error
@@ -642,11 +658,11 @@ class CacheEngine:
         loop = asyncio.get_running_loop()
         writes: list[asyncio.Future[bool]] = []
 
-        def start_write(entry: MemoryEntry, stored: BlockStored | None) -> None:
-            writes.append(asyncio.ensure_future(self.writer.write_through(binding, entry, stored)))
+        def start_write(pins: Pins, stored: BlockStored | None) -> None:
+            writes.append(asyncio.ensure_future(self.writer.write_through(binding, pins, stored)))
 
-        def hand_off(entry: MemoryEntry) -> None:
-            loop.call_soon_threadsafe(start_write, entry, events.of(entry) if events is not None else None)
+        def hand_off(pins: Pins) -> None:
+            loop.call_soon_threadsafe(start_write, pins, events.of(pins[0]) if events is not None else None)
 
         try:
             result, _, error = await asyncio.to_thread(self._copy_in, binding, tokens, hashes, total, source,
@@ -688,15 +704,15 @@ class CacheEngine:
         if events is not None:
             self.memory.announce(events.pairs(staged.entries[: result.stored_chunks]))
         if held:
-            stored = events.of_all(held) if events is not None else None
+            stored = events.of_all(held.entries) if events is not None else None
             result = replace(result, tier_failures=await self.writer.hand_off(staged.binding, held, stored))
         return result
 
     def _copy_in(
         self, binding: ModelBinding, tokens: TokenInput, hashes: list, total: int, source: ChunkSource,
-        hand_off: Callable[[MemoryEntry], object] | None = None, events: _StoreEvents | None = None,
-    ) -> tuple[StoreResult, list[MemoryEntry], BaseException | None]:
-        """Copy new chunks into memory (blocking): the result, the new entries (pinned for the lower
+        hand_off: Callable[[Pins], object] | None = None, events: _StoreEvents | None = None,
+    ) -> tuple[StoreResult, Pins, BaseException | None]:
+        """Copy new chunks into memory (blocking): the result, the new entries' pins (for the lower
         tiers), and what ``source`` raised, if it did (the chunks copied before it are committed all the
         same). With ``hand_off``, each chunk is handed on as soon as it is copied (see :meth:`Stager.fill`).
         With ``events``, the committed chunks are announced."""
@@ -730,14 +746,11 @@ class CacheEngine:
     def resident_record(self, binding: ModelBinding, key: ChunkKey) -> bytes | None:
         """The record of chunk ``key`` of ``binding`` if memory holds it, encoded as this engine sends
         records to peers (:attr:`peer_codec`); None otherwise. Blocking: run it in a worker thread."""
-        entry = self.memory.pin(key)
-        if entry is None:
-            return None
-        try:
-            header, payload = self.writer.record_parts(binding, entry, self.peer_codec)
+        with Pins.of(self.memory, key) as pins:
+            if not pins:
+                return None
+            header, payload = self.writer.record_parts(binding, pins[0], self.peer_codec)
             return b"".join((header, payload))  # one copy
-        finally:
-            self.memory.unpin([entry])
 
     def _on_evict(self, entry: MemoryEntry) -> None:
         self._memory_evictions.inc()

@@ -26,7 +26,8 @@ from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.compression import default_codecs
 from kvengine.config import EngineConfig
-from kvengine.core.memory_tier import MemoryEntry, MemoryTier
+from kvengine.core.memory_tier import MemoryTier
+from kvengine.core.pins import Pins, release_all
 from kvengine.core.promotion import Promoter
 from kvengine.core.tier_set import TierSet
 from kvengine.core.tier_writer import TierWriter
@@ -80,14 +81,14 @@ class HostTiers:
         self._bindings[digest] = binding
         return None
 
-    def written(self, memory: MemoryTier, entry: MemoryEntry) -> None:
-        """Queue a committed ``entry`` of ``memory`` (pinned once; the pin passes on) for the lower tiers.
+    def written(self, memory: MemoryTier, pins: Pins) -> None:
+        """Queue the committed entry of ``pins`` (of ``memory``; the pin passes on) for the lower tiers.
         Waits while the writer's queue is full, as an in-process store does."""
-        binding = self._bindings.get(entry.key.namespace)
+        binding = self._bindings.get(pins[0].key.namespace)
         if binding is None:  # a client that never bound it: nothing to verify it against later
-            memory.unpin([entry])
+            pins.release()
             return
-        asyncio.run_coroutine_threadsafe(self._hand_off(memory, binding, entry), self._loop).result()
+        asyncio.run_coroutine_threadsafe(self._hand_off(memory, binding, pins), self._loop).result()
 
     def promote(self, memory: MemoryTier, digest: NamespaceDigest, keys: list[ChunkKey], first_chunk: int,
                 total_tokens: int) -> tuple[int, int]:
@@ -132,20 +133,19 @@ class HostTiers:
                                                        self._buffers), writer
         return parts
 
-    async def _hand_off(self, memory: MemoryTier, binding: ModelBinding, entry: MemoryEntry) -> None:
-        await self._of(memory)[1].hand_off(binding, [entry])
+    async def _hand_off(self, memory: MemoryTier, binding: ModelBinding, pins: Pins) -> None:
+        await self._of(memory)[1].hand_off(binding, pins)
 
     async def _promote(self, memory: MemoryTier, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int,
                        total_tokens: int) -> tuple[int, int]:
-        promoted = await self._of(memory)[0].promote(binding, keys, first_chunk, total_tokens)
-        memory.unpin(promoted)  # the asking client pins them next, as any resident chunk
-        return len(promoted), sum(e.nbytes for e in promoted)
+        with await self._of(memory)[0].promote(binding, keys, first_chunk, total_tokens) as promoted:
+            # released here: the asking client pins them next, as any resident chunk
+            return len(promoted), sum(e.nbytes for e in promoted)
 
     async def _promote_each(self, memory: MemoryTier, binding: ModelBinding, keys: list[ChunkKey]) -> list[bool]:
         results = await self._of(memory)[0].promote_each(binding, keys)
-        entries = [r for r in results if isinstance(r, MemoryEntry)]
-        memory.unpin(entries)
-        return [isinstance(r, MemoryEntry) for r in results]
+        release_all(r for r in results if isinstance(r, Pins))  # resident now: the client pins them next
+        return [isinstance(r, Pins) for r in results]
 
     async def _close(self) -> None:
         for _, writer in self._parts.values():

@@ -8,7 +8,7 @@ read, and the tier's next copy, if it holds several, is tried in its place
 (one rule for every path: :meth:`Promoter._discard`); a chunk with no good
 copy is a miss. A tier that fails a call is a counted miss
 (:class:`TierSet`); nothing here raises for a cache fault. The chunks come
-back pinned, for the caller's reservation.
+back pinned (:class:`~.pins.Pins`), for the caller's reservation.
 
 Two read paths: windows of whole records (any transport), or, for
 :class:`~kvengine.transport.ReadsInPlace` transports, reads straight into
@@ -39,6 +39,7 @@ from kvengine.chunks.codecs import CodecRegistry, RawCodec
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import RecordFlag, RecordHeader, TensorDescriptor, descriptors_for, unpack_record
 from kvengine.core.memory_tier import HostMemory, MemoryEntry, Prepared
+from kvengine.core.pins import Pins
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import IntegrityError
 from kvengine.metrics import EngineMetrics
@@ -127,28 +128,32 @@ class Promoter:
         self._inflight = _InFlight()
 
     async def promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int,
-                      total_tokens: int, sources: dict[str, int] | None = None) -> list[MemoryEntry]:
+                      total_tokens: int, sources: dict[str, int] | None = None) -> Pins:
         """Bring the longest available prefix of ``keys`` from lower tiers into memory, pinned.
 
         ``keys[0]`` is chunk number ``first_chunk`` of a request of ``total_tokens``
         tokens; each record must cover exactly that chunk's token positions.
         ``sources``, when given, receives the number of chunks each tier delivered.
         """
-        promoted: list[MemoryEntry] = []
-        for transport in self.tiers.transports:
-            want = keys[len(promoted) :]
-            if not want:
-                break
-            started, before = time.perf_counter(), len(promoted)
-            try:
-                complete = await self._promote_from(binding, transport, want, first_chunk + len(promoted),
-                                                    total_tokens, promoted)
-            finally:
-                self.metrics.tier_read_seconds.labels(tier=transport.name).observe(time.perf_counter() - started)
-                if sources is not None and len(promoted) > before:
-                    sources[transport.name] = sources.get(transport.name, 0) + len(promoted) - before
-            if not complete:
-                break
+        promoted = Pins(self.memory)
+        try:
+            for transport in self.tiers.transports:
+                want = keys[len(promoted) :]
+                if not want:
+                    break
+                started, before = time.perf_counter(), len(promoted)
+                try:
+                    complete = await self._promote_from(binding, transport, want, first_chunk + len(promoted),
+                                                        total_tokens, promoted)
+                finally:
+                    self.metrics.tier_read_seconds.labels(tier=transport.name).observe(time.perf_counter() - started)
+                    if sources is not None and len(promoted) > before:
+                        sources[transport.name] = sources.get(transport.name, 0) + len(promoted) - before
+                if not complete:
+                    break
+        except BaseException:  # cancelled: the caller never gets these pins
+            promoted.release()
+            raise
         return promoted
 
     async def held_below(self, keys: list[ChunkKey]) -> list[bool]:
@@ -166,7 +171,7 @@ class Promoter:
         return held
 
     async def _promote_from(self, binding: ModelBinding, transport: ChunkTransport, want: list[ChunkKey],
-                            first_chunk: int, total_tokens: int, promoted: list[MemoryEntry]) -> bool:
+                            first_chunk: int, total_tokens: int, promoted: Pins) -> bool:
         """Append to ``promoted`` the longest prefix of ``want`` that ``transport`` holds (pinned); whether the
         next tier may be asked for the rest (False: this one held some of it but failed to deliver)."""
         present = await self.tiers.guarded(transport, "exists", transport.exists(want), [False] * len(want))
@@ -175,8 +180,9 @@ class Promoter:
             return True
         if reads_in_place(transport):
             got = await self._promote_placed(binding, transport, want[:run], first_chunk, total_tokens)
-            promoted += got
-            return len(got) == run
+            complete = len(got) == run
+            promoted.add(got)
+            return complete
         # A few records at a time, the next window read while this one is admitted: read
         # buffers are recycled (no page faults) and at most 2 windows of records exist at once.
         windows = [want[i : min(i + _READ_WINDOW, run)] for i in range(0, run, _READ_WINDOW)]
@@ -196,10 +202,10 @@ class Promoter:
                     if blob is None:
                         return False
                     start = (first_chunk + len(promoted) - first) * binding.chunk_size
-                    entry = await self.admit(binding, transport, key, blob, start)
-                    if not isinstance(entry, MemoryEntry):
+                    admitted = await self.admit(binding, transport, key, blob, start)
+                    if not isinstance(admitted, Pins):
                         return False
-                    promoted.append(entry)
+                    promoted.add(admitted)
                 del blobs  # this window's read buffers go back to the transport's pool
         finally:
             if pending is not None:  # stopped early: let the read in flight finish, drop it
@@ -208,18 +214,18 @@ class Promoter:
         return True
 
     async def admit(self, binding: ModelBinding, transport: ChunkTransport, key: ChunkKey, blob: Buffer,
-                    start: int) -> MemoryEntry | AdmitRejected:
+                    start: int) -> Pins | AdmitRejected:
         """:meth:`admit_record` off the loop, single-flight per chunk; a copy that fails is discarded where
         it was read and the tier's next copy, if any, admitted instead (:meth:`_discard`)."""
-        async def admit() -> MemoryEntry | AdmitRejected:
+        async def admit() -> Pins | AdmitRejected:
             copy: Buffer | None = blob
             while True:  # ends: a tier offers each of its copies at most once (RejectsCopies)
-                entry = await asyncio.to_thread(self.admit_record, binding, key, copy, start, transport.name)
-                if entry is not AdmitRejected.CORRUPT:
-                    return entry
+                admitted = await asyncio.to_thread(self.admit_record, binding, key, copy, start, transport.name)
+                if admitted is not AdmitRejected.CORRUPT:
+                    return admitted
                 copy = await self._discard(transport, key, copy)
                 if copy is None:
-                    return entry
+                    return admitted
 
         return await self._once(key, admit)
 
@@ -237,7 +243,7 @@ class Promoter:
         await self.tiers.guarded(transport, "delete", transport.delete([key]), None)
         return None
 
-    async def _once(self, key: ChunkKey, promote: Callable[[], Awaitable[_T]]) -> _T | MemoryEntry | AdmitRejected:
+    async def _once(self, key: ChunkKey, promote: Callable[[], Awaitable[_T]]) -> _T | Pins | AdmitRejected:
         """``promote()`` unless another promotion of ``key`` is in flight: then what that one admitted."""
         other = self._inflight.claim(key)
         if other is not None:
@@ -247,14 +253,14 @@ class Promoter:
         finally:
             self._inflight.settle(key)
 
-    async def _joined(self, key: ChunkKey, other: asyncio.Future[None]) -> MemoryEntry | AdmitRejected:
+    async def _joined(self, key: ChunkKey, other: asyncio.Future[None]) -> Pins | AdmitRejected:
         """Wait for another promotion of ``key`` and pin what it admitted (NO_ROOM: it admitted nothing)."""
         await asyncio.shield(other)  # our cancellation must not cancel the other promotion's future
-        return self.memory.pin(key) or AdmitRejected.NO_ROOM
+        return Pins.of(self.memory, key) or AdmitRejected.NO_ROOM
 
     def admit_record(
         self, binding: ModelBinding, key: ChunkKey, blob: object, start: int, tier: str
-    ) -> MemoryEntry | AdmitRejected:
+    ) -> Pins | AdmitRejected:
         """Verify a record covering tokens from ``start`` and copy it into memory, pinned.
 
         Or say why not (corrupt records are counted; the caller deletes them).
@@ -274,7 +280,7 @@ class Promoter:
     def admit_payload(
         self, binding: ModelBinding, key: ChunkKey, header: RecordHeader, payload: memoryview, tier: str,
         slot: MemoryEntry | None = None,
-    ) -> MemoryEntry | AdmitRejected:
+    ) -> Pins | AdmitRejected:
         """Decode a verified record's payload into ``slot`` (prepared for it; aborted if the payload is
         bad) or else a new memory entry; the entry comes back committed and pinned (blocking)."""
         try:
@@ -291,15 +297,14 @@ class Promoter:
             prepared = self.memory.prepare(key, binding.layout, (header.token_start, header.token_end))
             if isinstance(prepared, Prepared):
                 # Present already (a concurrent promotion) or no room: pin what is there, if anything.
-                return self.memory.pin(key) or AdmitRejected.NO_ROOM
+                return Pins.of(self.memory, key) or AdmitRejected.NO_ROOM
             slot = prepared
         self.memory.raw(slot).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
-        self.memory.commit(slot, keep_pin=True)
         self.metrics.loaded_bytes.labels(tier=tier).inc(header.raw_length)
-        return slot
+        return Pins.commit(self.memory, (slot,))
 
     async def _promote_placed(self, binding: ModelBinding, transport: ReadsInPlace, keys: list[ChunkKey],
-                              first_chunk: int, total_tokens: int) -> list[MemoryEntry]:
+                              first_chunk: int, total_tokens: int) -> Pins:
         """The longest prefix of ``keys`` (all present in ``transport``) read straight into memory, pinned.
 
         For :class:`~kvengine.transport.ReadsInPlace` transports (see also
@@ -313,7 +318,7 @@ class Promoter:
         size = binding.chunk_size
         # Per chunk: already in memory (pinned), its read (claimed), or another promotion's claim to wait for.
         # Taken in one pass with no await, so this promotion's claims all precede any wait of its own.
-        items: list[MemoryEntry | _PlacedRead | asyncio.Future[None]] = []
+        items: list[Pins | _PlacedRead | asyncio.Future[None]] = []
         for i, key in enumerate(keys):
             other = self._inflight.claim(key)
             if other is not None:
@@ -322,17 +327,18 @@ class Promoter:
             start = (first_chunk + i) * size
             tokens = (start, min(start + size, total_tokens))
             slot = self.memory.prepare(key, binding.layout, tokens)
-            if slot is Prepared.PRESENT:  # a store brought it (or is bringing it: then pin finds nothing)
-                slot = self.memory.pin(key) or Prepared.NO_ROOM
-            if not isinstance(slot, MemoryEntry) or slot.committed:
-                self._inflight.settle(key)
-            if slot is Prepared.NO_ROOM:
+            if isinstance(slot, MemoryEntry):
+                items.append(_PlacedRead(self, binding, key, tokens, transport.name, slot))
+                continue
+            self._inflight.settle(key)
+            # A store brought it (or is bringing it: then nothing is pinned), or there is no room.
+            resident = Pins.of(self.memory, key) if slot is Prepared.PRESENT else None
+            if not resident:
                 break
-            assert isinstance(slot, MemoryEntry)
-            items.append(slot if slot.committed else _PlacedRead(self, binding, key, tokens, transport.name, slot))
+            items.append(resident)
         inflight: deque[tuple[_PlacedRead, asyncio.Future[RecordHeader | None]]] = deque()
         launched = 0
-        promoted: list[MemoryEntry] = []
+        promoted = Pins(self.memory)
 
         def launch() -> None:
             nonlocal launched
@@ -347,16 +353,19 @@ class Promoter:
             for i, item in enumerate(items):
                 if isinstance(item, _PlacedRead):
                     read, pending = inflight.popleft()
-                    entry = await self._settle(transport, read, pending)
+                    got = await self._settle(transport, read, pending)
                     self._inflight.settle(read.key)
                 elif isinstance(item, asyncio.Future):
-                    entry = await self._joined(keys[i], item)
+                    got = await self._joined(keys[i], item)
                 else:
-                    entry = item
-                if not isinstance(entry, MemoryEntry):
+                    got = item
+                if not isinstance(got, Pins):
                     break
-                promoted.append(entry)
+                promoted.add(got)
                 launch()
+        except BaseException:  # cancelled: the caller never gets these pins
+            promoted.release()
+            raise
         finally:
             for _, pending in inflight:  # stopped early: let reads in flight finish
                 with contextlib.suppress(Exception):
@@ -365,17 +374,17 @@ class Promoter:
                 if isinstance(item, _PlacedRead):
                     item.discard()
                     self._inflight.settle(item.key)
-                elif isinstance(item, MemoryEntry):
-                    self.memory.unpin([item])
+                elif isinstance(item, Pins):
+                    item.release()
         return promoted
 
     async def promote_each(self, binding: ModelBinding,
-                           keys: Sequence[ChunkKey]) -> list[MemoryEntry | AdmitRejected | BaseException | None]:
+                           keys: Sequence[ChunkKey]) -> list[Pins | AdmitRejected | BaseException | None]:
         """Keyed chunks (no prefix, no positions): each of ``keys`` from the first lower tier holding it into
         memory, pinned. Per key: its entry; why its record was refused (a corrupt one is discarded where it
         was read); the fault of the last tier that failed to read it; or None where no tier holds it. A key
         is asked of the next tier where the ones before hold no record of it or failed to read it."""
-        results: list[MemoryEntry | AdmitRejected | None] = [None] * len(keys)
+        results: list[Pins | AdmitRejected | None] = [None] * len(keys)
         faults: dict[int, BaseException] = {}
         for transport in self.tiers.transports:
             todo = [i for i, r in enumerate(results) if r is None]
@@ -387,7 +396,7 @@ class Promoter:
             if not todo:
                 continue
             found = [keys[i] for i in todo]
-            got: Sequence[MemoryEntry | AdmitRejected | BaseException | None]
+            got: Sequence[Pins | AdmitRejected | BaseException | None]
             if reads_in_place(transport):  # straight into new slots, concurrently (the transport bounds its I/O)
                 got = await asyncio.gather(*(self.promote_one(binding, transport, key, 0) for key in found),
                                            return_exceptions=True)
@@ -406,14 +415,14 @@ class Promoter:
         return [faults.get(i) if r is None else r for i, r in enumerate(results)]
 
     async def promote_one(self, binding: ModelBinding, transport: ReadsInPlace, key: ChunkKey,
-                          start: int) -> MemoryEntry | AdmitRejected | None:
+                          start: int) -> Pins | AdmitRejected | None:
         """One record read straight into a new memory slot, pinned (None: a miss); a corrupt record is
         discarded (:meth:`_discard`). Used for keyed chunks."""
         read = _PlacedRead(self, binding, key, (start, None), transport.name, None)
         return await self._once(key, lambda: self._settle(transport, read, transport.get_into(key, read.place)))
 
     async def _settle(self, transport: ReadsInPlace, read: _PlacedRead,
-                      pending: Awaitable[RecordHeader | None]) -> MemoryEntry | AdmitRejected | None:
+                      pending: Awaitable[RecordHeader | None]) -> Pins | AdmitRejected | None:
         """Wait for a placed read and admit it; a corrupt record is discarded (:meth:`_discard`); a read
         that fails is a miss (counted)."""
         try:
@@ -425,10 +434,10 @@ class Promoter:
         except BaseException:
             read.discard()
             raise
-        entry = await read.admit(header)
-        if entry is AdmitRejected.CORRUPT:
+        admitted = await read.admit(header)
+        if admitted is AdmitRejected.CORRUPT:
             await self._discard(transport, read.key, None)
-        return entry
+        return admitted
 
 
 class _PlacedRead:
@@ -472,8 +481,8 @@ class _PlacedRead:
             self.entry = entry
         return memoryview(promoter.memory.raw(self.entry).numpy().data)
 
-    async def admit(self, header: RecordHeader | None) -> MemoryEntry | AdmitRejected | None:
-        """The pinned entry, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""
+    async def admit(self, header: RecordHeader | None) -> Pins | AdmitRejected | None:
+        """The entry, pinned, or why not (None: a miss, or a corrupt record the transport counted and deleted)."""
         promoter = self.promoter
         if header is None:
             self.discard()
@@ -482,7 +491,7 @@ class _PlacedRead:
                                                    tier=self.tier)
                 return AdmitRejected.CORRUPT
             if isinstance(self.outcome, Prepared):  # present already (a concurrent promotion) or no room
-                return promoter.memory.pin(self.key) or AdmitRejected.NO_ROOM
+                return Pins.of(promoter.memory, self.key) or AdmitRejected.NO_ROOM
             return None
         entry, self.entry = self.entry, None
         if self.scratch is not None:  # an encoded payload: decode it into the slot
@@ -490,9 +499,8 @@ class _PlacedRead:
             return await asyncio.to_thread(promoter.admit_payload, self.binding, self.key, header, payload,
                                            self.tier, entry)
         assert entry is not None
-        promoter.memory.commit(entry, keep_pin=True)
         promoter.metrics.loaded_bytes.labels(tier=self.tier).inc(header.raw_length)
-        return entry
+        return Pins.commit(promoter.memory, (entry,))
 
     def discard(self) -> None:
         if self.entry is not None:

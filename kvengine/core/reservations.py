@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvengine.chunks.keys import ChunkKey, NamespaceDigest
 from kvengine.core.memory_tier import MemoryEntry
+from kvengine.core.pins import Pins
 
 
 class ReservationState(enum.Enum):
@@ -37,7 +38,8 @@ class Reservation:
     #: Identity of the question (the looked-up chain and cap) for idempotency.
     query: tuple[object, ...] = field(repr=False, default=())
     state: ReservationState = ReservationState.RESERVED
-    entries: list[MemoryEntry] = field(default_factory=list, repr=False)
+    #: The reserved chunks, pinned until the reservation ends (released by the engine that made it).
+    pins: Pins | None = field(default=None, repr=False)
     #: The table (of one engine) that made it: only that engine may load or release it.
     owner: object = field(default=None, repr=False, compare=False)
     #: ``time.perf_counter()`` at ``begin_load`` (the load's latency is measured from there).
@@ -51,13 +53,18 @@ class Reservation:
     read_bytes: int = field(default=0, repr=False, compare=False)
 
     @property
+    def entries(self) -> Sequence[MemoryEntry]:
+        """The reserved chunks' memory entries, in order (empty once it ended)."""
+        return () if self.pins is None else self.pins.entries
+
+    @property
     def num_chunks(self) -> int:
         return len(self.keys)
 
     @property
     def load_start(self) -> int:
         """The token a load of it starts at: ``first_token``, or 0 for a miss (nothing to load)."""
-        return self.first_token if self.entries else 0
+        return self.first_token if self.keys else 0
 
     @property
     def reserved_tokens(self) -> int:
@@ -115,7 +122,7 @@ class ReservationTable:
 
     def end_expired(self, now: float) -> list[tuple[Reservation, ReservationState]]:
         """End every reservation past its lease (never loaded, or a load never finished: see
-        CacheEngine.begin_load); each with the state it ended in. The caller unpins them."""
+        CacheEngine.begin_load); each with the state it ended in. The caller releases their pins."""
         with self._lock:
             ended = [(r, r.state) for r in self._live.values() if r.expires_at < now]
             for res, _ in ended:

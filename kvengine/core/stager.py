@@ -10,9 +10,9 @@ a store the caller fills itself (:meth:`CacheEngine.begin_store` /
   never served;
 * committing publishes the filled prefix, discards from memory the tails it
   supersedes (:mod:`.tails`) and aborts the rest; the committed
-  chunks come back pinned once each for the tier writer (or unpinned when
-  there are no lower tiers) -- also when the fill failed part-way, so the
-  committed prefix always reaches the tiers;
+  chunks come back in a :class:`~.pins.Pins` handle for the tier writer
+  (empty when there are no lower tiers) -- also when the fill failed
+  part-way, so the committed prefix always reaches the tiers;
 * a staged store left uncommitted past its deadline is committed as far as it
   was published, and the rest dropped (counted): nothing stays pinned forever.
 """
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from kvengine.chunks.keys import ChunkKey
 from kvengine.core.memory_tier import HostMemory, MemoryEntry, Prepared
+from kvengine.core.pins import Pins
 from kvengine.core.staging import StagedStore
 from kvengine.errors import InvalidRequestError
 from kvengine.metrics import EngineMetrics
@@ -64,11 +65,11 @@ class Stager:
         return StagedStore(binding, tuple(views), present, rejected, tuple(entries))
 
     def fill(self, staged: StagedStore, fill: FillChunk,
-             hand_off: Callable[[MemoryEntry], object] | None = None) -> tuple[int, BaseException | None]:
+             hand_off: Callable[[Pins], object] | None = None) -> tuple[int, BaseException | None]:
         """Fill the slots in order with ``fill``: how many were filled, and what it raised, if it did.
 
         With ``hand_off``, each chunk is committed as soon as it is filled and
-        passed (pinned) to ``hand_off``; :meth:`commit` then settles the rest.
+        its pin passed to ``hand_off``; :meth:`commit` then settles the rest.
         """
         filled = 0
         try:
@@ -77,14 +78,14 @@ class Stager:
                     break
                 filled += 1
                 if hand_off is not None:
-                    self.memory.commit(entry, keep_pin=True)
+                    pins = Pins.commit(self.memory, (entry,))
                     staged.published = filled
-                    hand_off(entry)
+                    hand_off(pins)
         except BaseException as exc:  # the caller raises it once the filled chunks are committed
             return filled, exc
         return filled, None
 
-    def commit(self, staged: StagedStore, filled: int) -> tuple[StoreResult, list[MemoryEntry]]:
+    def commit(self, staged: StagedStore, filled: int) -> tuple[StoreResult, Pins]:
         """Publish the first ``filled`` chunks, abort the rest; the result and the chunks to hand on.
 
         :raises InvalidRequestError: if ``staged`` was already committed (or abandoned and dropped).
@@ -94,9 +95,7 @@ class Stager:
         self._open.pop(staged, None)
         staged.committed = True
         filled = max(staged.published, min(filled, len(staged.entries)))
-        held = list(staged.entries[staged.published : filled])  # not handed on yet
-        for entry in held:
-            self.memory.commit(entry, keep_pin=True)
+        held = Pins.commit(self.memory, staged.entries[staged.published : filled])  # not handed on yet
         for entry in staged.entries[filled:]:
             self.memory.abort(entry)
         for keys in staged.supersedes[:filled]:
@@ -109,8 +108,7 @@ class Stager:
         unused = len(staged.entries) - filled
         result = StoreResult(filled, staged.present_chunks, staged.rejected_chunks + unused)
         if not self.hands_on:
-            self.memory.unpin(held)
-            held = []
+            held.release()
         return result, held
 
     def keep_open(self, staged: StagedStore, deadline: float) -> None:

@@ -7,8 +7,8 @@ once. ``write_through``: it returns once every tier took each chunk or
 failed it, with how many did not reach every tier. Either way each record
 is encoded once per codec, in one encoder thread (at most one core, so a
 store's copies keep a core on small machines), and put to every tier of that
-codec; a tier's failure is counted, never raised. The entries handed on are
-pinned once each, and the writer unpins them when their writes end.
+codec; a tier's failure is counted, never raised. The entries come with their
+pins (:class:`~.pins.Pins`), which the writer releases as each one's writes end.
 
 With KV events on, each entry may come with its BlockStored event (the
 memory tier's); every tier its write reaches publishes it again, with that
@@ -30,6 +30,7 @@ from kvengine.chunks.codecs import Codec, RawCodec
 from kvengine.chunks.keys import ChunkKey
 from kvengine.chunks.record import RecordFlag, descriptors_for, encode_header
 from kvengine.core.memory_tier import HostMemory, MemoryEntry
+from kvengine.core.pins import Pins, release_all
 from kvengine.core.tier_set import TierSet
 from kvengine.errors import InvalidRequestError
 from kvengine.events import BlockStored, KVEventPublisher, medium_of
@@ -58,7 +59,7 @@ class TierWriter:
         self.record_buffers = record_buffers
         self._raw_codec = RawCodec()
         self.events = events
-        self._queue: asyncio.Queue[tuple[ModelBinding, MemoryEntry, BlockStored | None]] | None = None
+        self._queue: asyncio.Queue[tuple[ModelBinding, Pins, BlockStored | None]] | None = None  # one entry each
         self._slots: asyncio.Semaphore | None = None
         self._writes: set[asyncio.Future[bool]] = set()  # write-behind tier writes in flight
         self._task: asyncio.Task[None] | None = None
@@ -84,8 +85,8 @@ class TierWriter:
                 await queue.join()
             else:
                 while not queue.empty():
-                    _, entry, _ = queue.get_nowait()
-                    self.memory.unpin([entry])
+                    _, pins, _ = queue.get_nowait()
+                    pins.release()
                     self.metrics.writes_dropped.labels(reason="shutdown").inc()
                     queue.task_done()
         if self._task is not None:
@@ -96,28 +97,28 @@ class TierWriter:
             await asyncio.wait(list(self._writes))
         self._encoder.shutdown(wait=False)
 
-    async def hand_off(self, binding: ModelBinding, entries: list[MemoryEntry],
-                       stored: Sequence[BlockStored] | None = None) -> int:
-        """Hand committed entries (pinned once each; the pins pass on) to the lower tiers per write_mode,
-        with each one's BlockStored event when KV events are on (``stored``, in the same order).
+    async def hand_off(self, binding: ModelBinding, held: Pins, stored: Sequence[BlockStored] | None = None) -> int:
+        """Hand committed entries and their pins (``held``, emptied: the writer releases them) to the lower
+        tiers per write_mode, with each one's BlockStored event when KV events are on (``stored``, in order).
 
         ``write_through``: returns once every write ended, with how many entries did not reach every
         tier. ``write_behind``: returns once every entry is queued (0); a full queue makes the caller
         wait for room (backpressure), so nothing acknowledged is ever dropped for lack of it.
         """
         assert self._queue is not None and self._slots is not None, "engine not started"
-        events: Sequence[BlockStored | None] = [None] * len(entries) if stored is None else stored
+        events: Sequence[BlockStored | None] = [None] * len(held) if stored is None else stored
+        each = held.split()
         if self.write_mode == "write_through":
-            written = await asyncio.gather(*(self.write_through(binding, e, s) for e, s in zip(entries, events)))
+            written = await asyncio.gather(*(self.write_through(binding, p, s) for p, s in zip(each, events)))
             return written.count(False)
-        for i, entry in enumerate(entries):
+        for i, pins in enumerate(each):
             if self._queue.full():
                 self.metrics.write_waits.inc()
                 self.metrics.log_once("backpressure", "kvengine: tier writes fall behind; stores wait for them")
             try:
-                await self._queue.put((binding, entry, events[i]))
+                await self._queue.put((binding, pins, events[i]))
             except BaseException:  # cancelled while waiting: these were never queued
-                self.memory.unpin(entries[i:])
+                release_all(each[i:])
                 raise
         return 0
 
@@ -138,24 +139,29 @@ class TierWriter:
         while True:
             await slots.acquire()  # before taking an entry: a cancelled writer holds none
             try:
-                binding, entry, stored = await queue.get()
+                binding, pins, stored = await queue.get()
             except BaseException:
                 slots.release()
                 raise
-            task = asyncio.ensure_future(self._write_entry(binding, entry, stored))
+            task = asyncio.ensure_future(self._write_entry(binding, pins, stored))
             self._writes.add(task)
             task.add_done_callback(done)
 
-    async def write_through(self, binding: ModelBinding, entry: MemoryEntry, stored: BlockStored | None = None) -> bool:
+    async def write_through(self, binding: ModelBinding, pins: Pins, stored: BlockStored | None = None) -> bool:
+        """Write the one entry of ``pins`` to the tiers now (its pin released after); whether all took it."""
         assert self._slots is not None, "engine not started"
-        async with self._slots:
-            return await self._write_entry(binding, entry, stored)
+        try:
+            async with self._slots:
+                return await self._write_entry(binding, pins, stored)
+        finally:
+            pins.release()  # also when cancelled before its write started
 
-    async def _write_entry(self, binding: ModelBinding, entry: MemoryEntry, stored: BlockStored | None) -> bool:
-        """Encode a pinned entry once per codec, put it to every tier of that codec; unpin. True if
-        every tier took it (a failure is counted, never raised). Each tier that took it publishes
-        ``stored`` with its medium (KV events on)."""
+    async def _write_entry(self, binding: ModelBinding, pins: Pins, stored: BlockStored | None) -> bool:
+        """Encode the one entry of ``pins`` once per codec, put it to every tier of that codec; release its
+        pin. True if every tier took it (a failure is counted, never raised). Each tier that took it
+        publishes ``stored`` with its medium (KV events on)."""
         complete = True
+        entry = pins[0]
         try:
             for codec, tiers in self.tiers.by_codec.items():
                 joined = not all(gathers for _, gathers in tiers)  # some tier needs whole records
@@ -189,7 +195,7 @@ class TierWriter:
                     self.metrics.writes_dropped.labels(reason=f"{transport.name}_failed").inc()
                 del record  # its buffers go back to the pool
         finally:
-            self.memory.unpin([entry])
+            pins.release()
         return complete
 
     async def _timed(self, tier: str, put: Awaitable[_T]) -> _T:

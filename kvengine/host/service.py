@@ -42,6 +42,7 @@ from kvengine.chunks.keys import ChunkKey, Namespace, NamespaceDigest
 from kvengine.chunks.layout import ChunkLayout
 from kvengine.config import MemoryConfig
 from kvengine.core.memory_tier import MemoryEntry, MemoryTier, Prepared
+from kvengine.core.pins import Pins
 from kvengine.errors import CapacityError, ConfigError
 from kvengine.events import AllBlocksCleared, KVEventPublisher
 from kvengine.host import wire
@@ -62,7 +63,7 @@ class LowerTiers(Protocol):
 
     def describe(self) -> str: ...
     def bind(self, namespace: Namespace, layout: ChunkLayout, digest: NamespaceDigest) -> str | None: ...
-    def written(self, memory: MemoryTier, entry: MemoryEntry) -> None: ...
+    def written(self, memory: MemoryTier, pins: Pins) -> None: ...
     def promote(self, memory: MemoryTier, digest: NamespaceDigest, keys: list[ChunkKey], first_chunk: int,
                 total_tokens: int) -> tuple[int, int]: ...
     def promote_each(self, memory: MemoryTier, digest: NamespaceDigest, keys: list[ChunkKey]) -> list[bool]: ...
@@ -286,13 +287,16 @@ class HostService:
                 tier.abort(entry)
                 return None
             lower = self.lower
-            tier.commit(entry, keep_pin=bool(keep_pin) or lower is not None)  # the writer's pin, if any
+            if lower is None:
+                tier.commit(entry, keep_pin=bool(keep_pin))  # the writer's pin, if kept, is the client's
+                if keep_pin:
+                    client.pin(entry)
+                return None
+            handed = Pins.commit(tier, (entry,))  # the writer's pin passes to the lower tiers' writer
             if keep_pin:
-                if lower is not None:
-                    tier.pin(entry.key)
+                tier.pin(entry.key)  # and the client holds one of its own
                 client.pin(entry)
-            if lower is not None:
-                lower.written(tier, entry)
+            lower.written(tier, handed)
             return None
         if op in (Op.DISCARD, Op.CONTAINS):
             key = wire.key_from(wire.unpack(wire.KEY, payload)[0])

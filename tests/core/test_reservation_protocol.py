@@ -2,11 +2,12 @@
 
 Random interleavings of lookup (async, or the synchronous memory-only
 ``lookup_resident``) / repeated lookup / load / partial load
-failure / release / store / eviction pressure / lease expiry. Invariants:
-no reserved chunk is evicted, pins equal what live reservations hold,
-capacity is never exceeded, a load never delivers more than promised and
-delivers exactly the stored bytes, and every pin is gone once all requests
-have ended.
+failure / release / store / caller-filled store (committed part-way, or
+abandoned to the reaper) / keyed put and get (a failing source or sink) /
+eviction pressure / lease expiry. Invariants: no reserved chunk is evicted,
+pins equal what live reservations and open stores hold, capacity is never
+exceeded, a load never delivers more than promised and delivers exactly the
+stored bytes, and every pin is gone once all requests have ended.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvengine import CacheEngine, Namespace
 from kvengine.core.reservations import ReservationState
+from kvengine.keyed import GetOutcome, KeyedStore, PutOutcome, keyed_namespace
 
 from ..conftest import CHUNK, make_config, make_layout
 from .test_tiering import DictTransport
@@ -56,8 +58,15 @@ class ReservationMachine(RuleBasedStateMachine):
         cfg = make_config(capacity=POOL_CHUNKS * LAYOUT.nbytes(), lease_seconds=10)
         self.engine = CacheEngine(cfg, transports=self.lower_tiers(), clock=self.clock)
         self.run(self.engine.start())
+        # Time passes only by the time_passes rule: the engine's reaper, woken by the real clock between steps,
+        # would end leases and drop abandoned stores at moments a replay cannot repeat.
+        for task in asyncio.all_tasks(self.loop):
+            if task.get_name() == "kvengine-reaper":
+                task.cancel()
         self.binding = self.engine.bind(Namespace(model="sm"), LAYOUT)
+        self.keyed = KeyedStore(self.engine, self.engine.bind(keyed_namespace(Namespace(model="sm"), "t"), LAYOUT))
         self.live: dict[str, tuple[object, list[int]]] = {}
+        self.open_stores: list[object] = []  # caller-filled stores not committed (pinned until then)
 
     def lower_tiers(self) -> list[object]:
         """The engine's tiers below memory: none here."""
@@ -69,6 +78,10 @@ class ReservationMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for res, _ in self.live.values():
             self.run(self.engine.release(res))
+        for staged in self.open_stores:
+            if not staged.committed:
+                self.run(self.engine.commit_store(staged, 0))
+        self.run(self.engine.flush())
         assert self.engine.memory.total_pins() == 0
         assert len(self.engine.reservations) == 0
         self.run(self.engine.close())
@@ -143,6 +156,47 @@ class ReservationMachine(RuleBasedStateMachine):
         res, _ = self.live.pop(req)
         self.run(self.engine.release(res))
 
+    @rule(family=st.integers(0, 2), variant=st.integers(0, 3), chunks=st.integers(1, 5), filled=st.integers(0, 5),
+          commit=st.booleans())
+    def caller_filled_store(self, family, variant, chunks, filled, commit):
+        """A store the caller fills itself (vLLM's layer-wise saves): committed part-way, or left open for the
+        reaper to drop once abandoned."""
+        toks = prompt(family, variant, chunks)
+        staged = self.run(self.engine.begin_store(self.binding, toks))
+        for view in staged.chunks[:filled]:
+            view.tensors[0].copy_(chunk_kv(toks, view.token_range[1]))
+        if commit:
+            self.run(self.engine.commit_store(staged, filled))
+        else:
+            self.open_stores.append(staged)
+
+    @rule(keys=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True), fail_at=st.integers(0, 4))
+    def keyed_put(self, keys, fail_at):
+        """Keyed chunks put; a source that raises part-way stores the chunks before it."""
+        def source(i):
+            if i == fail_at:
+                raise RuntimeError("injected")
+            return [chunk_kv([k], 1) for k in [keys[i]]]
+
+        try:
+            outcomes = self.run(self.keyed.put([bytes([k]) for k in keys], source))
+            assert all(o in (PutOutcome.STORED, PutOutcome.PRESENT, PutOutcome.NO_ROOM) for o in outcomes)
+        except RuntimeError:
+            assert fail_at < len(keys)
+
+    @rule(keys=st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True), sink_fails=st.booleans())
+    def keyed_get(self, keys, sink_fails):
+        """Keyed chunks read back exactly; a sink that raises is that chunk's failure, never a pin left."""
+        def sink(i, tensors):
+            if sink_fails:
+                raise RuntimeError("injected")
+            assert torch.equal(tensors[0], chunk_kv([keys[i]], 1))
+
+        outcomes = self.run(self.keyed.get([bytes([k]) for k in keys], sink))
+        allowed = {GetOutcome.MISS, GetOutcome.NO_ROOM, GetOutcome.CORRUPT}
+        allowed |= {GetOutcome.SINK_FAILED} if sink_fails else {GetOutcome.HIT}
+        assert set(outcomes) <= allowed
+
     @rule(seconds=st.sampled_from([1.0, 4.0, 11.0]))
     def time_passes(self, seconds):
         self.clock.now += seconds
@@ -163,7 +217,9 @@ class ReservationMachine(RuleBasedStateMachine):
         live = [r for r in self.engine.reservations.all()]
         for res in live:
             assert all(self.engine.memory.contains(k) for k in res.keys)
-        assert self.engine.memory.total_pins() == sum(r.num_chunks for r in live)
+        self.open_stores = [s for s in self.open_stores if not s.committed]  # the reaper commits abandoned ones
+        staged = sum(len(s.entries) for s in self.open_stores)
+        assert self.engine.memory.total_pins() == sum(r.num_chunks for r in live) + staged
 
 
 ReservationMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
