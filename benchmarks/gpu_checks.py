@@ -55,7 +55,7 @@ def _shifted(cache: torch.Tensor) -> torch.Tensor:
 
 def self_check_on_device(device: torch.device) -> list[dict[str, Any]]:
     from kvengine.compression import HAVE_BLOSC2, default_codecs
-    from kvengine.integrations.vllm.layout import GroupKind, GroupPlan, derive_layout
+    from kvengine.integrations.vllm.layout import GroupKind, GroupPlan, derive_layout, resolve_chunking
     from kvengine.integrations.vllm.paging import PagedCopier
     from kvengine.integrations.vllm.self_check import SelfCheckError, SelfCheckOutcome, run_self_check
 
@@ -75,8 +75,8 @@ def self_check_on_device(device: torch.device) -> list[dict[str, Any]]:
             blocks = 4 * chunk // block + 8  # the check's two chunks, loaded into two others, and spare blocks
             views = _logical_views(device, torch.bfloat16, len(layers), blocks, heads, block, content, order)
             caches = dict(zip(layers, views))
-            layout = derive_layout((plan,), caches, dict.fromkeys(layers, backend), order, num_blocks=blocks,
-                                   chunk_size=chunk, fingerprint="hand-built")
+            layout = derive_layout(resolve_chunking((plan,), chunk, world_size=1), caches,
+                                   dict.fromkeys(layers, backend), order, num_blocks=blocks, fingerprint="hand-built")
             order_ids = list(range(len(layout.tensors)))
             report = run_self_check(layout, caches, PagedCopier(layout, caches), order_ids, num_blocks=blocks,
                                     codecs=codecs)

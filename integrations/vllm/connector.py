@@ -52,7 +52,7 @@ from kvengine.addresses import split_host_port
 from kvengine.errors import ConfigError, UnsupportedModelError
 
 from .handoff import Role, handoff_sources
-from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunk_size, shares_one_copy, tail_step
+from .layout import AUTO_CHUNK_TARGET, GroupKind, GroupPlan, plan_groups, resolve_chunking, shares_one_copy
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .scheduler import LOOKUP_DEADLINE_MARGIN_S, SchedulerSide
@@ -203,36 +203,35 @@ class KVEngineConnector(KVConnectorBase_V1, SupportsHMA):
         kv_role = Role(vllm_config.kv_transfer_config.kv_role)
         check_roles(plans, options, kv_role, vllm_config.parallel_config.tensor_parallel_size)
         self._plans = plans
-        requested = options.chunk_size
-        options = options.with_chunk_size(resolve_chunk_size(plans, requested))
+        # hits to the last whole block (a cache's; a handoff moves the prompt less its last token instead)
+        chunking = resolve_chunking(plans, options.chunk_size, world_size=vllm_config.parallel_config
+                                    .tensor_parallel_size, tails=kv_role is Role.BOTH)
+        options = options.with_chunk_size(chunking.chunk_size)
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not per half
             logger.info("kvengine: chunk_size %d tokens (%s; block sizes of the KV cache groups: %s)",
-                        options.engine.chunk_size, "explicit" if requested is not None else
+                        chunking.chunk_size, "explicit" if chunking.explicit else
                         f"auto: least common multiple of the block sizes, at least {AUTO_CHUNK_TARGET}",
                         [p.block_size for p in plans])
         # vLLM maps failed blocks back to requests only for single-group models;
         # with several groups, loads are asynchronous so failures go per request.
         asynchronous = len(plans) > 1
-        # hits to the last whole block (a cache's; a handoff moves the prompt less its last token instead)
-        step = tail_step(plans, options.engine.chunk_size, vllm_config.parallel_config.tensor_parallel_size) \
-            if kv_role is Role.BOTH else 0
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         #: the block size the engine core resolved from the KV cache groups (see _keep_block_size)
         self._block_size = int(vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(chunk_size=options.engine.chunk_size, tail_step=step,
+            self._scheduler = SchedulerSide(chunk_size=chunking.chunk_size, tail_step=chunking.tail_step,
                                             asynchronous=asynchronous,
                                             lookup_wait_s=options.lookup_wait_s,
                                             lookup_deadline_s=options.handoff.fetch_timeout + LOOKUP_DEADLINE_MARGIN_S,
-                                            state_group=next((p for p in plans if p.kind is GroupKind.STATE), None),
+                                            state_group=chunking.state_group,
                                             role=kv_role,
                                             producers=handoff_sources(options.engine),
                                             fail_short_handoffs=vllm_config.kv_transfer_config.kv_load_failure_policy
                                             == "fail")
         else:
             self._worker = WorkerSide(vllm_config=vllm_config, kv_cache_config=kv_cache_config, options=options,
-                                      plans=plans, asynchronous=asynchronous, role=kv_role, tail_step=step)
+                                      chunking=chunking, asynchronous=asynchronous, role=kv_role)
         self._worker_stats: WorkerStatsSource | None = None
         self._scheduler_stats = SchedulerStatsSource(self._scheduler.stats) if self._scheduler is not None else None
         logger.info("kvengine: %s half ready (groups %s, %s loads)", role.name.lower(),

@@ -227,6 +227,37 @@ def plan_groups(kv_cache_config: object) -> tuple[GroupPlan, ...]:
 AUTO_CHUNK_TARGET = 256
 
 
+@dataclass(frozen=True, slots=True)
+class Chunking:
+    """How this instance cuts KV into chunks: decided once, when the connector starts
+    (:func:`resolve_chunking`), and trusted by everything below it (both halves, the layout)."""
+
+    #: vLLM's KV cache groups, in group id order.
+    plans: tuple[GroupPlan, ...]
+    #: Tokens per chunk: a whole number of blocks of every group.
+    chunk_size: int
+    #: Hits end at a multiple of this many tokens past the last whole chunk (0: whole chunks only).
+    tail_step: int
+    #: Whether the user set ``chunk_size`` (else "auto" chose it).
+    explicit: bool
+
+    @property
+    def state_group(self) -> GroupPlan | None:
+        """The recurrent-state group of a hybrid model, if any."""
+        return next((p for p in self.plans if p.kind is GroupKind.STATE), None)
+
+
+def resolve_chunking(plans: tuple[GroupPlan, ...], requested: int | None, *, world_size: int,
+                     tails: bool = True) -> Chunking:
+    """The chunking of ``plans``: ``requested`` chunk size or "auto" (None; :func:`resolve_chunk_size`),
+    and with ``tails`` (a cache, not a handoff role) its tail step (:func:`tail_step`).
+
+    :raises UnsupportedModelError: ``requested`` does not cover whole blocks of every group.
+    """
+    size = resolve_chunk_size(plans, requested)
+    return Chunking(plans, size, tail_step(plans, size, world_size) if tails else 0, requested is not None)
+
+
 def resolve_chunk_size(plans: Iterable[GroupPlan], requested: int | None) -> int:
     """The chunk size: ``requested`` if it covers whole blocks of every group (else refused, naming a
     valid value), or for ``None`` ("auto") the smallest multiple of every group's block size (their
@@ -353,23 +384,22 @@ def spec_fingerprint(kv_cache_config: object) -> str:
 
 
 def derive_layout(
-    plans: tuple[GroupPlan, ...],
+    chunking: Chunking,
     kv_caches: Mapping[str, torch.Tensor],
     backends: Mapping[str, str],
     kv_layout: str,
     *,
     num_blocks: int,
-    chunk_size: int,
     fingerprint: str,
     conv_state_layout: str | None = None,
 ) -> PagedLayout:
-    """The chunk layout of a model whose caches vLLM registered as ``kv_caches``.
+    """The chunk layout of a model whose caches vLLM registered as ``kv_caches``, cut as ``chunking`` says.
 
     ``backends`` maps each layer to its declared backend name; ``kv_layout``
     is the resolved :class:`KVCacheLayout` name; ``conv_state_layout`` is
     vLLM's conv state layout (``SD``/``DS``), required with a state group.
     """
-    resolve_chunk_size(plans, chunk_size)
+    plans, chunk_size = chunking.plans, chunking.chunk_size
     if kv_layout not in KV_LAYOUTS:
         raise _refuse("KV cache layout", f"{kv_layout!r} has not been validated (supported: {sorted(KV_LAYOUTS)})")
     specs: list[tuple[TensorSpec, PagedTensor]] = []

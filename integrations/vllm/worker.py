@@ -60,7 +60,7 @@ from .acceptance import accept_backends, publish_platform, vllm_platform
 from .channel import LookupService
 from .copy_specs import HandoffSpec, SaveSpec
 from .handoff import VIA_MOONCAKE, HandoffServer, PromptTail, PromptTails, Role
-from .layout import GroupKind, GroupPlan, PagedLayout, shares_one_copy
+from .layout import Chunking, PagedLayout, shares_one_copy
 from .metadata import ChannelAddress, StepMetadata
 from .options import ConnectorOptions
 from .paging import PagedCopier, blocks_in_range
@@ -331,14 +331,14 @@ class ReservationDesk:
 
 class WorkerSide:
     def __init__(self, *, vllm_config: object, kv_cache_config: object, options: ConnectorOptions,
-                 plans: tuple[GroupPlan, ...], asynchronous: bool, role: Role = Role.BOTH,
-                 tail_step: int = 0) -> None:
+                 chunking: Chunking, asynchronous: bool, role: Role = Role.BOTH) -> None:
         self._role = role
-        self._tail_step = tail_step
+        self._chunking = chunking
+        self._tail_step = chunking.tail_step
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._options = options
-        self._plans = plans
+        self._plans = chunking.plans
         self._async = asynchronous
         self.engine: KVEngine | None = None
         self.layout: PagedLayout | None = None
@@ -366,11 +366,10 @@ class WorkerSide:
         check_kernels(self._plans, vc.compilation_config.enabled_custom_ops)  # type: ignore[attr-defined]
         kv_layout = getattr(self._kv_cache_config, "kv_cache_layout", None) or vc.cache_config.kv_cache_layout  # type: ignore[attr-defined]
         self.layout = derive_layout(
-            self._plans, kv_caches, _layer_backends(vc, self._plans), str(kv_layout),
+            self._chunking, kv_caches, _layer_backends(vc, self._plans), str(kv_layout),
             num_blocks=self._kv_cache_config.num_blocks,  # type: ignore[attr-defined]
-            chunk_size=self._options.engine.chunk_size,
             fingerprint=spec_fingerprint(self._kv_cache_config),
-            conv_state_layout=_conv_state_layout() if any(p.kind is GroupKind.STATE for p in self._plans) else None,
+            conv_state_layout=_conv_state_layout() if self._chunking.state_group is not None else None,
         )
         self._copier = PagedCopier(self.layout, kv_caches)
         self._stage_of = {name: i for name in kv_caches if (i := self.layout.tensor_index(name)) is not None}

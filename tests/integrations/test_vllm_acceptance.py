@@ -26,13 +26,13 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 def _layout(backend: str):
     import vllm.v1.kv_cache_interface as kvi
 
-    from kvengine.integrations.vllm.layout import derive_layout, plan_groups
+    from kvengine.integrations.vllm.layout import derive_layout, plan_groups, resolve_chunking
 
     spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     plans = plan_groups(kvi.KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
         kvi.KVCacheGroupSpec(layer_names=["l0"], kv_cache_spec=spec)]))
-    return derive_layout(plans, {"l0": torch.zeros(16, 2, BS, 64)}, {"l0": backend}, "LBHNC", num_blocks=16,
-                         chunk_size=2 * BS, fingerprint="fp")
+    return derive_layout(resolve_chunking(plans, 2 * BS, world_size=1), {"l0": torch.zeros(16, 2, BS, 64)},
+                         {"l0": backend}, "LBHNC", num_blocks=16, fingerprint="fp")
 
 
 def _namespace(layout, fingerprint: str = "model-fp"):

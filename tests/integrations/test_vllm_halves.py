@@ -162,14 +162,14 @@ def test_connector_options_read_auto_explicit_and_environment_chunk_sizes(monkey
 
 
 def _derive(backend: str = "CPU_ATTN", layout: str = "LBHNC", chunk: int = 2 * BS, caches=None):
-    from kvengine.integrations.vllm.layout import derive_layout, plan_groups
+    from kvengine.integrations.vllm.layout import derive_layout, plan_groups, resolve_chunking
 
     plans = plan_groups(config_of(spec("SlidingWindowSpec", sliding_window=64), spec("FullAttentionSpec")))
     if caches is None:
         backing = torch.zeros(16, 2, BS, 64)
         caches = {"l0": backing, "l1": backing}  # groups overlay one allocation, as vLLM does
-    return derive_layout(plans, caches, {"l0": backend, "l1": backend}, layout, num_blocks=16, chunk_size=chunk,
-                         fingerprint="fp")
+    return derive_layout(resolve_chunking(plans, chunk, world_size=1), caches, {"l0": backend, "l1": backend},
+                         layout, num_blocks=16, fingerprint="fp")
 
 
 def test_overlaid_groups_are_stored_separately():
@@ -192,13 +192,13 @@ def _derive_hybrid(conv: str | None, *, block: int = BS, state_dtypes=(torch.bfl
     """A recurrent-state group next to a full-attention group, as vLLM registers Qwen3-Next's."""
     import vllm.v1.kv_cache_interface as kvi
 
-    from kvengine.integrations.vllm.layout import derive_layout, plan_groups
+    from kvengine.integrations.vllm.layout import derive_layout, plan_groups, resolve_chunking
 
     state = kvi.MambaSpec(block_size=block, shapes=shapes, dtypes=state_dtypes, mamba_cache_mode="align")
     plans = plan_groups(config_of(state, spec("FullAttentionSpec", block_size=block)))
     caches = {"l0": torch.zeros(16, 4096, dtype=torch.int8), "l1": torch.zeros(16, 2, block, 64)}
-    return derive_layout(plans, caches, {"l0": "GDN_ATTN", "l1": "CPU_ATTN"}, "LBHNC", num_blocks=16,
-                         chunk_size=block, fingerprint="fp", conv_state_layout=conv)
+    return derive_layout(resolve_chunking(plans, block, world_size=1), caches, {"l0": "GDN_ATTN", "l1": "CPU_ATTN"},
+                         "LBHNC", num_blocks=16, fingerprint="fp", conv_state_layout=conv)
 
 
 def test_every_per_platform_choice_is_named_in_the_layout_id():
@@ -252,7 +252,7 @@ def test_pages_round_trip_through_every_kv_cache_layout(layout_name, kernel_toke
     from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from kvengine.integrations.vllm.layout import derive_layout, plan_groups
+    from kvengine.integrations.vllm.layout import derive_layout, plan_groups, resolve_chunking
     from kvengine.integrations.vllm.paging import PagedCopier
 
     kv = spec("FullAttentionSpec")
@@ -280,8 +280,8 @@ def test_pages_round_trip_through_every_kv_cache_layout(layout_name, kernel_toke
     dst = caches(dst_layout, 2)
     before = {k: v.clone() for k, v in dst.items()}
     plans = (dataclasses.replace(plans[0], layer_names=layers),)
-    paged = derive_layout(plans, src, dict.fromkeys(layers, "CPU_ATTN"), layout_name, num_blocks=blocks_n,
-                          chunk_size=2 * BS, fingerprint="fp")
+    paged = derive_layout(resolve_chunking(plans, 2 * BS, world_size=1), src, dict.fromkeys(layers, "CPU_ATTN"),
+                          layout_name, num_blocks=blocks_n, fingerprint="fp")
     src_ids, dst_ids = ((5, 2, 9),), ((11, 0, 7),)
     out = [torch.empty(t.shape, dtype=t.dtype) for t in paged.chunk.tensors]
     reader, writer = PagedCopier(paged, src), PagedCopier(paged, dst)

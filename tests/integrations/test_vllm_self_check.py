@@ -75,14 +75,14 @@ def hybrid():
 
 def build(make, chunk: int = BS, num_blocks: int = NUM_BLOCKS):
     """The worker's pieces over ``make()``'s caches: layout, copier and forward order (as register_kv_caches)."""
-    from kvengine.integrations.vllm.layout import GroupKind, derive_layout
+    from kvengine.integrations.vllm.layout import GroupKind, derive_layout, resolve_chunking
     from kvengine.integrations.vllm.paging import PagedCopier
 
     plans, caches, backend = make()
     backends = {name: ("CPU_ATTN" if backend == "GDN_ATTN" and p.kind is not GroupKind.STATE else backend)
                 for p in plans for name in p.layer_names}
-    layout = derive_layout(plans, caches, backends, "LBHNC", num_blocks=num_blocks, chunk_size=chunk,
-                           fingerprint="fp", conv_state_layout="SD" if backend == "GDN_ATTN" else None)
+    layout = derive_layout(resolve_chunking(plans, chunk, world_size=1), caches, backends, "LBHNC",
+                           num_blocks=num_blocks, fingerprint="fp", conv_state_layout="SD" if backend == "GDN_ATTN" else None)
     return layout, caches, PagedCopier(layout, caches), list(range(len(layout.tensors)))
 
 
