@@ -65,7 +65,7 @@ class DeviceCase:
         capacity = self.layout.nbytes() * (tokens // CHUNK) + (256 << 20)
         self.engine = KVEngine({"chunk_size": CHUNK, "lease_seconds": 600,
                                 "memory": {"capacity_bytes": capacity, "prefault": True}}, transports=[])
-        self.arena_pinned = self.engine.core.memory.pinned
+        self.arena_pinned = self.engine._core.memory.pinned
         self.round = 0
         self.binding: Any = None
 

@@ -142,7 +142,7 @@ def cold_from_disk(config: dict[str, Any], layout: ChunkLayout, chunks: int, rep
         times = []
         for _ in range(repeats):
             for key in keys:
-                engine.core.memory.discard(key)
+                engine._core.memory.discard(key)
             t0 = time.perf_counter()
             cold_load()
             times.append(time.perf_counter() - t0)
@@ -155,11 +155,11 @@ def held_by_two(config: dict[str, Any], layout: ChunkLayout, chunks: int) -> int
     kv = [torch.zeros(2, 8, chunks * CHUNK, 128, dtype=torch.bfloat16) for _ in layout.tensors]
     with KVEngine(config) as a, KVEngine(config) as b:
         shared = "service" in config["memory"]
-        before = a.core.memory.used_bytes + (0 if shared else b.core.memory.used_bytes)
+        before = a._core.memory.used_bytes + (0 if shared else b._core.memory.used_bytes)
         for engine in (a, b):
             binding = engine.bind(Namespace(model="bench-host-two"), layout)
             engine.store(binding, list(range(chunks * CHUNK)), lambda _i, s, e: [t[:, :, s:e] for t in kv])
-        return a.core.memory.used_bytes + (0 if shared else b.core.memory.used_bytes) - before
+        return a._core.memory.used_bytes + (0 if shared else b._core.memory.used_bytes) - before
 
 
 def main() -> int:

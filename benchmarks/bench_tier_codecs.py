@@ -73,7 +73,7 @@ def store_then_load(tier: dict, kv: torch.Tensor, toks: torch.Tensor, layout: Ch
         eng.store(b, toks, lambda i, s, e: [kv[:, :, s:e]])
         store = time.perf_counter() - t0
         if sent is not None:
-            sent.append(sum(eng.metrics.value("kvengine_stored_bytes_total", tier=t.name) for t in eng.core.transports))
+            sent.append(sum(eng.metrics.value("kvengine_stored_bytes_total", tier=t.name) for t in eng._core.transports))
     if before_load is not None:
         before_load()
     out = torch.empty_like(kv)

@@ -139,7 +139,7 @@ class _KVDisk:
         stored = self.writer.store(tokens)  # write-through: durable (fsync="data") on return
         returned = durable = time.perf_counter() - t0
         assert stored == len(tokens) // self.args[0].chunk, stored
-        stats = self.writer.engine.core.transports[0].stats()
+        stats = self.writer.engine._core.transports[0].stats()
         assert stats.puts_failed == 0 and self.writer.engine.metrics is not None, stats
         return returned, durable
 

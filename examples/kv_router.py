@@ -25,7 +25,16 @@ import zmq
 
 from kvengine import ChunkLayout, KVCategory, KVEngine, Namespace, TensorSpec
 from kvengine.chunks.hashing import chunk_tails, prefix_hashes
-from kvengine.events import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, decode_batch
+from kvengine.events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventPublisher,
+    decode_batch,
+)
 
 
 @dataclass(frozen=True)
@@ -212,6 +221,13 @@ def _engine() -> KVEngine:
                                 "replay_endpoint": "tcp://127.0.0.1:0"}})
 
 
+def _events(engine: KVEngine) -> KVEventPublisher:
+    """The engine's KV event publisher (on: :func:`_engine` configures it)."""
+    events = engine.kv_events
+    assert events is not None
+    return events
+
+
 def _store(engine: KVEngine, binding, tokens: list[int]) -> None:
     kv = [torch.randn(2, 2, len(tokens), 8) for _ in range(2)]
     engine.store(binding, tokens, lambda i, start, end: [t[:, :, start:end] for t in kv])
@@ -223,8 +239,8 @@ def main() -> None:
     try:
         bindings = {name: engine.bind(namespace, _layout(), tail_step=STEP) for name, engine in engines.items()}
         router = KVRouter([
-            Instance(name, engine.core.events.endpoint, bindings[name].digest, CHUNK,
-                     engine.core.events.replay_endpoint, STEP)
+            Instance(name, _events(engine).endpoint, bindings[name].digest, CHUNK, _events(engine).replay_endpoint,
+                     STEP)
             for name, engine in engines.items()])
         document = list(range(1000, 1000 + 4 * CHUNK))  # a shared document, 4 chunks
         question = list(range(5000, 5000 + 2 * CHUNK))

@@ -29,6 +29,7 @@ from kvengine.core.engine import CacheEngine
 from kvengine.core.reservations import Reservation
 from kvengine.core.staging import StagedStore
 from kvengine.errors import CLOSED_MESSAGE, EngineClosedError, KVEngineError
+from kvengine.events import KVEventPublisher
 from kvengine.metrics import EngineMetrics
 from kvengine.threads import start_thread
 from kvengine.tiers import Tier, build_tiers
@@ -83,15 +84,15 @@ class KVEngine:
         try:
             if transports is None:
                 transports = build_tiers(self.config)
-            self.core = CacheEngine(self.config, transports=transports, codecs=codecs)
+            self._core = CacheEngine(self.config, transports=transports, codecs=codecs)
             self._stop_metrics: Callable[[], None] | None = None
-            self.run(self.core.start())
+            self.run(self._core.start())
             if self.config.metrics_port is not None:
                 try:
-                    self._stop_metrics = self.core.metrics.serve_http(self.config.metrics_port,
+                    self._stop_metrics = self._core.metrics.serve_http(self.config.metrics_port,
                                                                       self.config.metrics_host)
                 except BaseException:
-                    self.run(self.core.close(flush=False))
+                    self.run(self._core.close(flush=False))
                     raise
         except BaseException:
             self._stop_loop()
@@ -99,7 +100,7 @@ class KVEngine:
 
     # -- plumbing -------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of ``self.core`` (or of an extension such as :mod:`kvengine.keyed`) and wait.
+        """Run a coroutine of the engine (:func:`engine_of`; an extension's such as :mod:`kvengine.keyed`) and wait.
 
         A ``BaseException`` raised inside (``KeyboardInterrupt``, ``SystemExit`` from a caller's sink or
         source) reaches the caller here, in its own thread; the engine's loop keeps running.
@@ -115,7 +116,8 @@ class KVEngine:
         """:meth:`run`, also while :meth:`close` runs (which needs the loop one last time)."""
         if threading.current_thread() is self._thread:
             coro.close()
-            raise KVEngineError("KVEngine's blocking API was called from its own event loop; use .core")
+            raise KVEngineError("KVEngine's blocking API was called from its own event loop; use a CacheEngine "
+                                "(kvengine's asyncio API) there")
         with self._submit_lock:  # never submitted to a loop that is stopping: the future would never resolve
             if self._loop_stopping:
                 coro.close()
@@ -150,7 +152,7 @@ class KVEngine:
             return
         self._closed = True
         try:
-            self._run(self.core.close(flush=flush))
+            self._run(self._core.close(flush=flush))
         finally:
             if self._stop_metrics is not None:
                 self._stop_metrics()
@@ -170,29 +172,34 @@ class KVEngine:
 
     @property
     def metrics(self) -> EngineMetrics:
-        return self.core.metrics
+        return self._core.metrics
+
+    @property
+    def kv_events(self) -> KVEventPublisher | None:
+        """Where the engine publishes its KV events (its ``events`` section; None when off)."""
+        return self._core.events
 
     @property
     def tier_codecs(self) -> tuple[Codec, ...]:
         """The codecs the lower tiers write with (what a load from them decodes with); none without tiers."""
-        return tuple(self.core.tiers.by_codec)
+        return tuple(self._core.tiers.by_codec)
 
     def pinned_chunks(self) -> int:
         """Pins on memory-tier chunks now (reservations, loads and queued tier writes hold them)."""
-        return self.core.memory.total_pins()
+        return self._core.memory.total_pins()
 
     @property
     def lossy_codec(self) -> Codec | None:
         """The lossy codec the lower tiers write with (their records decode to other KV than was stored,
         so only namespaces with ``codec_family=codec_family(codec)`` bind); None when they are lossless
         or there are none. The memory tier always holds exact KV."""
-        return self.core.tiers.lossy_codec
+        return self._core.tiers.lossy_codec
 
     def bind(self, namespace: Namespace, layout: ChunkLayout, *, tail_step: int = 0) -> ModelBinding:
         """:meth:`CacheEngine.bind <kvengine.core.engine.CacheEngine.bind>`; ``tail_step``: hits end at the last
         whole step of this many tokens, not the last whole chunk (:mod:`kvengine.core.tails`)."""
         self._check_open()
-        return self.core.bind(namespace, layout, tail_step=tail_step)
+        return self._core.bind(namespace, layout, tail_step=tail_step)
 
     def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
@@ -200,12 +207,12 @@ class KVEngine:
     ) -> Reservation:
         """Reserve the longest cached chunk prefix of ``tokens`` (:meth:`CacheEngine.lookup`). An engine
         whose only tier is memory answers in the calling thread, with no hop to its loop."""
-        if not self.core.has_lower_tiers:
+        if not self._core.has_lower_tiers:
             self._check_open()
-            res = self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
+            res = self._core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
             if res is not None:  # None: the host service came back with lower tiers meanwhile
                 return res
-        return self.run(self.core.lookup(binding, request_id, tokens, max_tokens=max_tokens, reads=reads,
+        return self.run(self._core.lookup(binding, request_id, tokens, max_tokens=max_tokens, reads=reads,
                                          from_token=from_token))
 
     def lookup_resident(
@@ -215,57 +222,64 @@ class KVEngine:
         """:meth:`lookup` where memory alone answers it, in the calling thread (no hop to the engine's
         loop); None where lower tiers must be asked (call :meth:`lookup`)."""
         self._check_open()
-        return self.core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
+        return self._core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
 
     def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
-        return self.run(self.core.load(reservation, in_callers_mode(sink)))
+        return self.run(self._core.load(reservation, in_callers_mode(sink)))
 
     def begin_load(self, reservation: Reservation) -> tuple[ChunkView, ...]:
         """Views of every reserved chunk for a caller-driven load; :meth:`finish_load` must follow."""
-        return self.run(self.core.begin_load(reservation))
+        return self.run(self._core.begin_load(reservation))
 
     def finish_load(self, reservation: Reservation, loaded_chunks: int) -> LoadResult:
-        return self.run(self.core.finish_load(reservation, loaded_chunks))
+        return self.run(self._core.finish_load(reservation, loaded_chunks))
 
     def release(self, reservation: Reservation) -> None:
         """End a reservation without loading; in the calling thread (no hop to the engine's loop)."""
         self._check_open()
-        self.core.release_now(reservation)
+        self._core.release_now(reservation)
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         """:meth:`CacheEngine.store <kvengine.core.engine.CacheEngine.store>`. An engine with no lower tier of
         its own stores in the calling thread, with no hop to its loop."""
         self._check_open()
-        stored = self.core.store_resident(binding, tokens, source)
+        stored = self._core.store_resident(binding, tokens, source)
         if stored is not None:
             return stored
-        return self.run(self.core.store(binding, tokens, in_callers_mode(source)))
+        return self.run(self._core.store(binding, tokens, in_callers_mode(source)))
 
     def begin_store(self, binding: ModelBinding, tokens: TokenInput) -> StagedStore:
         """Slots for the new chunks of ``tokens``, for the caller to fill; :meth:`commit_store` must follow."""
-        return self.run(self.core.begin_store(binding, tokens))
+        return self.run(self._core.begin_store(binding, tokens))
 
     def commit_store(self, staged: StagedStore, filled_chunks: int) -> StoreResult:
-        return self.run(self.core.commit_store(staged, filled_chunks))
+        return self.run(self._core.commit_store(staged, filled_chunks))
 
     def flush(self) -> None:
         """Wait until queued tier writes are done."""
-        self.run(self.core.flush())
+        self.run(self._core.flush())
 
     def reclaim_expired(self) -> int:
-        return self.run(self.core.reclaim_expired())
+        return self.run(self._core.reclaim_expired())
 
     def is_quarantined(self, binding: ModelBinding) -> bool:
         """Whether ``binding``'s namespace failed a provenance check (nothing of it is served)."""
         self._check_open()
-        return self.core.is_quarantined(binding)
+        return self._core.is_quarantined(binding)
 
     def quarantine_namespace(self, binding: ModelBinding, reason: str, **details: str) -> None:
         """Never serve or store ``binding``'s namespace again (see :mod:`kvengine.trust.quarantine`)."""
         async def quarantine() -> None:
-            self.core.quarantine_namespace(binding, reason, **details)
+            self._core.quarantine_namespace(binding, reason, **details)
 
         self.run(quarantine())
+
+
+def engine_of(kv: KVEngine) -> CacheEngine:
+    """The asyncio engine behind ``kv``, for kvengine's own extensions of the facade (the keyed store, peer
+    sharing, provenance checks), which run on its loop through :meth:`KVEngine.run`. Not for callers: the
+    facade's methods are its contract, and a caller who wants the asyncio API builds a :class:`CacheEngine`."""
+    return kv._core
 
 
 def _closed_error() -> EngineClosedError:

@@ -271,7 +271,8 @@ class SyncKeyedStore:
 
     def __init__(self, kv: KVEngine, binding: ModelBinding) -> None:
         self.kv = kv
-        self.store = KeyedStore(kv.core, binding)
+        # the facade's engine (what kvengine.facade.engine_of returns; this layer is below the facade)
+        self.store = KeyedStore(kv._core, binding)
 
     @property
     def binding(self) -> ModelBinding:

@@ -7,7 +7,8 @@ and know nothing of the engine. This module sits above both:
   was told to share, encoded into records on demand, exactly as the engine writes them to its own tiers),
   in front of a backing store that keeps what other nodes put.
 * :class:`WireOptions` and :func:`peer_server` -- the one place a wire's name becomes its server, with
-  that wire's security (TLS on tcp, CURVE on zmq, none on ucx) and the loopback rule.
+  that wire's security (TLS on tcp, CURVE on zmq, none on ucx) and the loopback rules, refused in the
+  caller's own words (:class:`WireSettingNames`: a config key or a command-line flag).
 * :class:`EngineServer` -- an engine's memory tier served on a wire from a thread of its own (what the
   vLLM handoff runs on a producer).
 """
@@ -20,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from kvengine.addresses import is_loopback, split_host_port
 from kvengine.chunks.keys import ChunkKey, NamespaceDigest
 from kvengine.chunks.record import seal_record
 from kvengine.compression import codec_family
 from kvengine.config import MIN_MEMORY_BYTES
 from kvengine.core.engine import CacheEngine
 from kvengine.errors import ConfigError, InvalidRequestError
-from kvengine.facade import KVEngine
+from kvengine.facade import KVEngine, engine_of
 from kvengine.transport import Buffer
 from kvengine.types import ModelBinding
 
@@ -130,22 +132,50 @@ class WireOptions:
         return self.tls_cert is not None or self.curve_secret_key is not None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WireSettingNames:
+    """What the caller calls a peer server's settings (config keys, or a command's flags), so that a refusal
+    names what its user must change."""
+
+    bind: str
+    transport: str
+    secret: str
+    #: the tcp wire's TLS files (certificate, key, CA)
+    tls: str
+    #: the zmq wire's server keypair, and the clients it admits
+    curve_keys: str
+    curve_allow: str
+
+
 def peer_server(store: RecordStore, bind: str, served: ServerOptions, wire: WireOptions, *,
-                what: str) -> PeerServer:
+                names: WireSettingNames) -> PeerServer:
     """``store`` served on ``bind`` over ``wire`` (not started).
 
-    :raises ConfigError: another wire's security settings, ``bind`` off loopback with neither
-        ``served.secret`` nor an encrypted wire (named ``what``), or TLS files that do not load.
+    :raises ConfigError: naming the caller's setting (``names``): another wire's security settings, ``bind``
+        off loopback with neither ``served.secret`` nor an encrypted wire, a zmq server off loopback that
+        does not admit only listed clients, or TLS files that do not load.
     """
     from kvengine.transports.peers.client import require_protection
 
-    if wire.transport != "tcp" and (wire.tls_cert or wire.tls_key or wire.tls_ca or wire.message_timeout):
-        raise ConfigError(f"{what}: TLS and message_timeout are settings of the tcp wire, not {wire.transport}")
+    if wire.transport != "tcp" and (wire.tls_cert or wire.tls_key or wire.tls_ca):
+        raise ConfigError(f"{names.tls} are settings of the tcp wire; {names.transport} is {wire.transport!r}")
+    if wire.transport != "tcp" and wire.message_timeout:
+        raise ConfigError(f"a message timeout is a setting of the tcp wire; {names.transport} is "
+                          f"{wire.transport!r}")
     if wire.transport != "zmq" and (wire.curve_secret_key or wire.curve_allow):
-        raise ConfigError(f"{what}: CURVE is a setting of the zmq wire, not {wire.transport}")
+        raise ConfigError(f"{names.curve_keys} and {names.curve_allow} are settings of the zmq wire; "
+                          f"{names.transport} is {wire.transport!r}")
     if (wire.tls_key or wire.tls_ca) and wire.tls_cert is None:
-        raise ConfigError(f"{what}: a TLS key or CA needs the server's certificate")
-    require_protection([bind], secret=served.secret, encrypted=wire.encrypted, what=what)
+        raise ConfigError(f"{names.tls}: a TLS key or CA needs the server's certificate")
+    if wire.curve_secret_key is not None and wire.curve_public_key is None:
+        raise ConfigError(f"{names.curve_keys}: CURVE needs the server's public key with its secret key")
+    if wire.transport == "zmq" and wire.curve_allow is None and not is_loopback(split_host_port(bind)[0]):
+        # libzmq buffers a message whole before kvengine sees it: only listed clients may connect, secret or not
+        raise ConfigError(f"{names.bind} {bind} is off loopback: on the zmq wire a server admits only listed "
+                          f"clients ({names.curve_allow}, with {names.curve_keys}), or use the tcp wire")
+    require_protection([bind], secret=served.secret, encrypted=wire.encrypted, what=names.bind,
+                       remedy=f"Set {names.secret} (records authenticated with a keyed MAC; required for UCX), or "
+                              f"encrypt the wire ({names.tls} on tcp, {names.curve_keys} on zmq)")
     if wire.transport == "tcp":
         from kvengine.transports.peers.tcp import TcpPeerServer, TcpServerOptions, TlsConfig
 
@@ -163,8 +193,7 @@ def peer_server(store: RecordStore, bind: str, served: ServerOptions, wire: Wire
 
     curve = None
     if wire.curve_secret_key is not None:
-        if wire.curve_public_key is None:
-            raise ConfigError(f"{what}: CURVE needs the server's public key with its secret key")
+        assert wire.curve_public_key is not None
         curve = CurveConfig(public_key=wire.curve_public_key, secret_key=wire.curve_secret_key,
                             allowed_clients=wire.curve_allow)
     return ZmqPeerServer(store, bind, served, ZmqOptions(curve=curve))
@@ -175,14 +204,15 @@ class EngineServer:
     ``listen`` from a thread of its own; ``wrap`` may put a store of the caller's in front of it. Puts from
     peers go to a small memory store of their own (``backing_bytes``)."""
 
-    def __init__(self, engine: KVEngine, listen: str, wire: WireOptions, *, secret: bytes | None, what: str,
+    def __init__(self, engine: KVEngine, listen: str, wire: WireOptions, *, secret: bytes | None,
+                 names: WireSettingNames,
                  wrap: Callable[[RecordStore], RecordStore] = lambda store: store,
                  backing_bytes: int = MIN_MEMORY_BYTES) -> None:
         from kvengine.transports.peers.service import ServerOptions, ServerThread
         from kvengine.transports.peers.store import MemoryRecordStore
 
-        self._store = EngineStore(engine.core, MemoryRecordStore(backing_bytes), secret=secret)
-        server = peer_server(wrap(self._store), listen, ServerOptions(secret=secret), wire, what=what)
+        self._store = EngineStore(engine_of(engine), MemoryRecordStore(backing_bytes), secret=secret)
+        server = peer_server(wrap(self._store), listen, ServerOptions(secret=secret), wire, names=names)
         self._thread = ServerThread(server)
         #: the ``host:port`` bound, once :meth:`start` returned
         self.address = ""

@@ -64,7 +64,7 @@ def _call_sync(eng: KVEngine, binding, entry: str, tokens, **kwargs):
 
 
 def _assert_nothing_stored(eng: KVEngine | CacheEngine) -> None:
-    core = eng.core if isinstance(eng, KVEngine) else eng
+    core = eng._core if isinstance(eng, KVEngine) else eng
     assert len(core.memory) == 0 and core.memory.total_pins() == 0
     assert len(core.reservations) == 0
     assert core.metrics.value("kvengine_stored_bytes_total", tier="memory") == 0
@@ -100,7 +100,7 @@ def test_bad_max_tokens_is_refused_naming_it(kv, entry, max_tokens):
     eng.store(binding, list(range(N)), FakeKV(N).source)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         _call_sync(eng, binding, entry, list(range(N)), max_tokens=max_tokens)
-    assert len(eng.core.reservations) == 0 and eng.core.memory.total_pins() == 0
+    assert len(eng._core.reservations) == 0 and eng._core.memory.total_pins() == 0
 
 
 def test_integer_max_tokens_still_caps_the_lookup(kv):
@@ -151,7 +151,7 @@ def test_meta_tensors_midway_keep_the_chunks_before_and_commit_nothing_of_theirs
 
     with pytest.raises(InvalidRequestError, match="meta-device"):
         eng.store(binding, list(range(N)), source)
-    assert len(eng.core.memory) == 2
+    assert len(eng._core.memory) == 2
     res = eng.lookup(binding, "r", list(range(N)))
     assert res.matched_tokens == 2 * CHUNK
     out = [torch.zeros_like(t) for t in kv_data.layers]

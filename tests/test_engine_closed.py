@@ -46,7 +46,7 @@ def closed_kv() -> Iterator[tuple[KVEngine, dict[str, Callable[[], Any]]]]:
         "reclaim_expired": eng.reclaim_expired,
         "is_quarantined": lambda: eng.is_quarantined(b),
         "quarantine_namespace": lambda: eng.quarantine_namespace(b, "test"),
-        "run": lambda: eng.run(eng.core.flush()),
+        "run": lambda: eng.run(eng._core.flush()),
     }
     yield eng, calls
 

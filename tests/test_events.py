@@ -201,12 +201,12 @@ def test_config():
 def test_off_costs_nothing():
     """Events off: no publisher anywhere, no event is built."""
     with KVEngine(load_config({"chunk_size": CHUNK}, environ={})) as engine:
-        assert engine.core.events is None and engine.core.memory._events is None
-        assert engine.core.writer.events is None
+        assert engine._core.events is None and engine._core.memory._events is None
+        assert engine._core.writer.events is None
         b = engine.bind(Namespace(model="tiny"), make_layout())
         engine.store(b, tokens_of(3 * CHUNK, 1), FakeKV(3 * CHUNK).source)
-        assert not any(e.announced for e in engine.core.memory._entries.values())
-        assert "KV events off" in engine.core.describe()
+        assert not any(e.announced for e in engine._core.memory._entries.values())
+        assert "KV events off" in engine._core.describe()
 
 
 def test_an_endpoint_that_cannot_be_bound_is_a_config_error(ctx):
@@ -222,7 +222,7 @@ def test_an_endpoint_that_cannot_be_bound_is_a_config_error(ctx):
 # -- real engines ---------------------------------------------------------------------------------
 def test_stores_publish_chained_chunks_with_their_tokens(sub):
     with make_engine(sub.endpoint) as engine:
-        sub.sync(engine.core.events)
+        sub.sync(engine._core.events)
         binding = engine.bind(Namespace(model="tiny"), make_layout())
         first = tokens_of(3 * CHUNK + 5, 1)  # a trailing partial chunk is not stored, not announced
         assert engine.store(binding, first, FakeKV(len(first)).source).stored_chunks == 3
@@ -245,7 +245,7 @@ def test_stores_publish_chained_chunks_with_their_tokens(sub):
 
 def test_evictions_publish_removals(sub):
     with make_engine(sub.endpoint, capacity=4 * CHUNK_BYTES) as engine:
-        sub.sync(engine.core.events)
+        sub.sync(engine._core.events)
         binding = engine.bind(Namespace(model="tiny"), make_layout())
         a, b = tokens_of(3 * CHUNK, 1), tokens_of(3 * CHUNK, 2)
         engine.store(binding, a, FakeKV(len(a)).source)
@@ -257,7 +257,7 @@ def test_evictions_publish_removals(sub):
         a_hashes = prefix_hashes(a, CHUNK, binding.digest)
         assert set(removed) <= set(a_hashes)
         for h in a_hashes:  # what was announced removed is gone, the rest still held
-            assert engine.core.holds(ChunkKey(binding.digest, h)) == (h not in removed)
+            assert engine._core.holds(ChunkKey(binding.digest, h)) == (h not in removed)
         # Every removal follows its store, in stream order.
         order = [(type(e), h) for e in sub.events() for h in getattr(e, "block_hashes", ())]
         for h in removed:
@@ -268,7 +268,7 @@ def test_evictions_publish_removals(sub):
 def test_lower_tier_writes_publish_their_medium(sub, tmp_path, write_mode):
     with make_engine(sub.endpoint, disk={"path": str(tmp_path), "capacity_bytes": "16MiB"},
                      write_mode=write_mode) as engine:
-        sub.sync(engine.core.events)
+        sub.sync(engine._core.events)
         binding = engine.bind(Namespace(model="tiny"), make_layout())
         tokens = tokens_of(4 * CHUNK, 3)
         engine.store(binding, tokens, FakeKV(len(tokens)).source)
@@ -284,7 +284,7 @@ def test_promotions_and_staged_stores_are_announced(sub, tmp_path):
     disk = {"path": str(tmp_path), "capacity_bytes": "16MiB"}
     tokens = tokens_of(3 * CHUNK, 4)
     with make_engine(sub.endpoint, disk=disk) as writer:
-        sub.sync(writer.core.events)
+        sub.sync(writer._core.events)
         binding = writer.bind(Namespace(model="tiny"), make_layout())
         # begin_store/commit_store: the caller fills the slots itself (and may reuse its token buffer).
         buffer = list(tokens)
@@ -300,7 +300,7 @@ def test_promotions_and_staged_stores_are_announced(sub, tmp_path):
     sub.wait_for(lambda: isinstance(sub.messages[-1].batch.events[-1], AllBlocksCleared))
     # A fresh engine on the same disk: a lookup promotes the chunks into memory, which announces them.
     with make_engine(sub.endpoint, disk=disk) as reader:
-        sub.sync(reader.core.events)
+        sub.sync(reader._core.events)
         binding = reader.bind(Namespace(model="tiny"), make_layout())
         res = reader.lookup(binding, "r1", tokens)
         assert res.matched_tokens == 3 * CHUNK
@@ -316,7 +316,7 @@ def test_promotions_and_staged_stores_are_announced(sub, tmp_path):
 
 def test_int64_hashes_and_the_adapter(sub):
     with make_engine(sub.endpoint, events={"hash_format": "int64"}) as engine:
-        sub.sync(engine.core.events)
+        sub.sync(engine._core.events)
         binding = engine.bind(Namespace(model="tiny", adapter_id="my-lora"), make_layout())
         tokens = tokens_of(2 * CHUNK, 5)
         engine.store(binding, tokens, FakeKV(len(tokens)).source)
@@ -335,12 +335,12 @@ def test_replay_serves_missed_batches(ctx):
             tokens = tokens_of(2 * CHUNK, 10 + seed)
             engine.store(binding, tokens, FakeKV(len(tokens)).source)
         deadline = time.monotonic() + 10
-        while engine.core.events.stats().events < 6:  # one per chunk, all sent (a store does not wait for it)
+        while engine._core.events.stats().events < 6:  # one per chunk, all sent (a store does not wait for it)
             assert time.monotonic() < deadline
             time.sleep(0.01)
         client = ctx.socket(zmq.DEALER)
         client.setsockopt(zmq.LINGER, 0)
-        client.connect(engine.core.events.replay_endpoint)
+        client.connect(engine._core.events.replay_endpoint)
         client.send_multipart((b"", (0).to_bytes(8, "big")))
         replies = []
         while True:
@@ -385,6 +385,6 @@ def test_absent_or_slow_subscribers_never_block_a_store(ctx):
         started = time.perf_counter()
         engine.close()
         assert time.perf_counter() - started < 5
-        stats = engine.core.events.stats()
+        stats = engine._core.events.stats()
         assert stats.events + stats.dropped >= 1000
     silent.close()

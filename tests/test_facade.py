@@ -43,7 +43,7 @@ def test_many_threads_share_one_engine():
         for t in threads:
             t.join()
         assert not errors, errors
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
         assert eng.metrics.value("kvengine_loaded_tokens_total") > 0
 
 
@@ -67,20 +67,20 @@ def test_a_lookup_memory_alone_answers_runs_in_the_callers_thread(tmp_path, lowe
         eng.store(binding, tokens, FakeKV(len(tokens)).source)
         eng.flush()  # the disk tier's writes done: they held pins of their own
         threads: list[threading.Thread] = []
-        pin_prefix = eng.core.memory.pin_prefix
+        pin_prefix = eng._core.memory.pin_prefix
 
         def recording(keys):
             threads.append(threading.current_thread())
             return pin_prefix(keys)
 
-        eng.core.memory.pin_prefix = recording  # type: ignore[method-assign]
+        eng._core.memory.pin_prefix = recording  # type: ignore[method-assign]
         res = eng.lookup(binding, "r", tokens)
         assert res.matched_tokens == 2 * CHUNK
         assert eng.lookup(binding, "r", tokens) is res  # the same question: the same reservation
         assert len(threads) == 1  # pinned once
         assert (threads[0] is threading.current_thread()) is not lower_tier
         eng.release(res)
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 @pytest.mark.parametrize("lower_tier", [False, True])
@@ -110,7 +110,7 @@ def test_a_store_with_no_lower_tier_runs_in_the_callers_thread(tmp_path, lower_t
         assert eng.load(res, copier(out)).loaded_tokens == 2 * CHUNK
         assert all(torch.equal(o[:, :, :2 * CHUNK], k[:, :, :2 * CHUNK]) for o, k in zip(out, kv.layers))
         eng.flush()
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 def test_close_is_idempotent_and_releases_reservations():
@@ -121,12 +121,12 @@ def test_close_is_idempotent_and_releases_reservations():
     toks = list(range(2 * CHUNK))
     eng.store(b, toks, FakeKV(2 * CHUNK).source)
     eng.lookup(b, "never-loaded", toks)
-    assert eng.core.memory.total_pins() == 2
+    assert eng._core.memory.total_pins() == 2
     eng.close()
     eng.close()
-    assert len(eng.core.reservations) == 0
-    assert len(eng.core.memory) == 0 and eng.core.memory.capacity_bytes > 0
-    assert eng.core.memory._alloc.arena.numel() == 0  # memory returned at close, not at GC
+    assert len(eng._core.reservations) == 0
+    assert len(eng._core.memory) == 0 and eng._core.memory.capacity_bytes > 0
+    assert eng._core.memory._alloc.arena.numel() == 0  # memory returned at close, not at GC
 
 
 def test_metrics_http_exporter(unused_tcp_port):
@@ -195,7 +195,7 @@ def test_keyboard_interrupt_in_a_sink_or_source_reaches_the_caller_and_the_engin
 
         with pytest.raises(SystemExit):
             eng.load(res, exiting_sink)
-        assert eng.core.memory.total_pins() == 0 and len(eng.core.reservations) == 0
+        assert eng._core.memory.total_pins() == 0 and len(eng._core.reservations) == 0
         again = eng.lookup(b, "r2", toks)
         out = [torch.zeros_like(t) for t in kv.layers]
         assert eng.load(again, copier(out)).loaded_tokens == 3 * CHUNK

@@ -80,7 +80,7 @@ def test_put_get_exists_round_trip_in_memory() -> None:
         assert out == [GetOutcome.HIT, GetOutcome.MISS, GetOutcome.HIT]
         assert all(torch.equal(a, b) for a, b in zip(sink.got[0], data[2]))
         assert all(torch.equal(a, b) for a, b in zip(sink.got[2], data[0]))
-        assert kv.core.memory.total_pins() == 0
+        assert kv._core.memory.total_pins() == 0
     finally:
         kv.close()
 
@@ -106,7 +106,7 @@ def test_wrong_tensors_raise_and_store_nothing() -> None:
         with pytest.raises(InvalidRequestError):
             store.put([b"bad"], lambda i: [torch.zeros(PAGE, 2, 4, dtype=torch.float16)] * 2)
         assert store.exists([b"bad"]) == [False]
-        assert kv.core.memory.total_pins() == 0
+        assert kv._core.memory.total_pins() == 0
     finally:
         kv.close()
 
@@ -126,7 +126,7 @@ def test_a_source_that_fails_part_way_still_hands_the_stored_pages_to_the_lower_
         with pytest.raises(RuntimeError, match="went away"):
             store.put(keys(3), source)
         kv.flush()
-        assert kv.core.memory.total_pins() == 0
+        assert kv._core.memory.total_pins() == 0
         assert store.exists(keys(3)) == [True, True, False]
     finally:
         kv.close()
@@ -147,7 +147,7 @@ def test_full_memory_reports_no_room_for_the_rest() -> None:
         first_no_room = out.index(PutOutcome.NO_ROOM)
         assert set(out[first_no_room:]) == {PutOutcome.NO_ROOM}
         assert kv.metrics.value("kvengine_store_rejected_total", reason="no_room") == n - first_no_room
-        assert kv.core.memory.total_pins() == 0
+        assert kv._core.memory.total_pins() == 0
     finally:
         kv.close()
 
@@ -165,7 +165,7 @@ def test_pages_survive_a_restart_through_the_disk_tier(tmp_path: Path) -> None:
         assert store.get(keys(3), sink) == [GetOutcome.HIT] * 3
         for i in range(3):
             assert all(torch.equal(a, b) for a, b in zip(sink.got[i], data[i]))
-        assert kv.core.memory.contains(keyed_chunk_key(store.binding, keys(3)[0]))
+        assert kv._core.memory.contains(keyed_chunk_key(store.binding, keys(3)[0]))
         assert kv.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") > 0
     finally:
         kv.close()
@@ -212,7 +212,7 @@ def test_verified_exists_reads_below_memory_before_it_promises(tmp_path: Path) -
         assert kv.metrics.value("kvengine_integrity_failures_total", tier="local_disk",
                                 reason="payload_checksum") == 1
         assert not victim.exists()
-        memory = kv.core.memory
+        memory = kv._core.memory
         assert [memory.contains(keyed_chunk_key(store.binding, k)) for k in keys(3)] == [True, False, True]
         assert memory.total_pins() == 0
         assert kv.metrics.value("kvengine_loaded_bytes_total", tier="memory") == 0  # nothing handed out
@@ -237,7 +237,7 @@ def test_promotion_without_room_is_counted_and_leaves_nothing_pinned(tmp_path: P
         for i, outcome in enumerate(out):
             if outcome is GetOutcome.HIT:
                 assert all(torch.equal(a, b) for a, b in zip(sink.got[i], data[i]))
-        assert kv.core.memory.total_pins() == 0
+        assert kv._core.memory.total_pins() == 0
     finally:
         kv.close()
 
@@ -253,7 +253,7 @@ def test_keyed_chunks_never_meet_token_chunks() -> None:
     kv = KVEngine({"chunk_size": PAGE, "memory": {"capacity_bytes": "1MiB", "slab_bytes": "64KiB"}}, transports=[])
     try:
         with pytest.raises(InvalidRequestError):
-            KeyedStore(kv.core, kv.bind(plain, layout))
+            KeyedStore(kv._core, kv.bind(plain, layout))
         store = SyncKeyedStore(kv, kv.bind(keyed, layout))
         tokens = list(range(PAGE))
         token_bytes = torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()

@@ -54,7 +54,7 @@ def test_every_counter_family_is_present_at_zero_from_start(tmp_path):
                 assert samples[f'{family}{{tier="{tier}"}}'] == 0
         assert samples['kvengine_integrity_failures_total{reason="bad_magic",tier="local_disk"}'] == 0
         assert samples['kvengine_tier_errors_total{op="get",tier="local_disk"}'] == 0
-        assert samples['kvengine_tier_capacity_bytes{tier="memory"}'] == eng.core.memory.capacity_bytes > 0
+        assert samples['kvengine_tier_capacity_bytes{tier="memory"}'] == eng._core.memory.capacity_bytes > 0
         assert samples['kvengine_tier_used_bytes{tier="memory"}'] == 0
         assert samples['kvengine_tier_capacity_bytes{tier="local_disk"}'] == 16 << 20
         assert samples["kvengine_lookups_total"] == samples["kvengine_hit_tokens_total"] == 0

@@ -82,7 +82,7 @@ def test_a_registered_out_of_tree_transport_serves_as_a_tier(plugin) -> None:
     kv = FakeKV(2 * CHUNK, seed=3)
     toks = list(range(2 * CHUNK))
     with KVEngine(cfg) as a:
-        assert [t.name for t in a.core.transports] == ["dict_tier"]
+        assert [t.name for t in a._core.transports] == ["dict_tier"]
         assert a.store(a.bind(Namespace(model="m"), layout), toks, kv.source).stored_chunks == 2
     with KVEngine(cfg) as b:
         binding = b.bind(Namespace(model="m"), layout)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvengine.addresses import is_loopback, offset_port, split_host_port
+from kvengine.addresses import offset_port, split_host_port
 from kvengine.chunks.hashing import prefix_end_hash
 from kvengine.chunks.keys import ChunkKey
 from kvengine.config import EngineConfig
@@ -52,7 +52,7 @@ from kvengine.core.reservations import Reservation
 from kvengine.errors import ConfigError, InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore, keyed_chunk_key, keyed_namespace
-from kvengine.sharing import EngineServer, WireOptions
+from kvengine.sharing import EngineServer, WireOptions, WireSettingNames
 from kvengine.transport import Buffer, ReadScope
 from kvengine.types import ModelBinding
 
@@ -318,7 +318,7 @@ class HandoffServer:
         holds = HandoffHolds(engine, float(engine.config.lease_seconds),
                              lambda event: events.labels(event=event).inc())
         server = EngineServer(engine, options.listen, _wire(options, engine.config.peers), secret=secret,
-                              what="handoff.listen", wrap=lambda store: HandoffStore(store, holds))
+                              names=HANDOFF_SETTINGS, wrap=lambda store: HandoffStore(store, holds))
         bound = server.start()
         logger.info("kvengine: handoff server for decode instances on %s (%s)", bound, engine.config.peers.transport)
         return cls(server, holds, options.advertise or bound)
@@ -332,30 +332,25 @@ class HandoffServer:
         self.holds.release_all()
 
 
+#: A producer's names of its handoff server's settings (its wire is the consumers': ``peers.transport``).
+HANDOFF_SETTINGS = WireSettingNames(
+    bind="handoff.listen", transport="this producer's peers.transport", secret="peers.secret_file",
+    tls="handoff.tls_cert/tls_key", curve_keys="peers.curve_public_key/curve_secret_key",
+    curve_allow="handoff.curve_allow (the consumers' CURVE public keys)")
+
+
 def _wire(options: HandoffOptions, peers: PeersConfig) -> WireOptions:
-    """The producer's wire: its ``peers.transport``, with the handoff settings of that wire (another wire's
-    refused), and a zmq server off loopback only with its consumers listed. :raises ConfigError: naming the
-    setting."""
-    wire = peers.transport
-    assert options.listen is not None
-    if wire != "tcp" and (options.tls_cert or options.tls_key):
-        raise ConfigError(f"handoff.tls_cert/tls_key are options of the tcp wire; this producer's "
-                          f"peers.transport is {wire!r}")
-    if wire != "zmq" and options.curve_allow:
-        raise ConfigError(f"handoff.curve_allow is an option of the zmq wire; this producer's peers.transport "
-                          f"is {wire!r}")
-    if wire != "zmq":
-        return WireOptions(transport=wire, tls_cert=options.tls_cert, tls_key=options.tls_key)
-    if not options.curve_allow:
-        if not is_loopback(split_host_port(options.listen)[0]):
-            # libzmq buffers a message whole before kvengine sees it: only listed clients may connect
-            raise ConfigError(f"handoff.listen {options.listen} is off loopback: on the zmq wire a producer admits "
-                              "only listed consumers (handoff.curve_allow: their CURVE public keys, with "
-                              "peers.curve_public_key / curve_secret_key), or use the tcp wire")
-        return WireOptions(transport=wire)
-    if not (peers.curve_public_key and peers.curve_secret_key):
-        raise ConfigError("handoff.curve_allow needs this producer's CURVE keys: peers.curve_public_key and "
-                          "peers.curve_secret_key (consumers set its public key as peers.curve_server_key)")
-    return WireOptions(transport=wire, curve_public_key=peers.curve_public_key.encode(),
-                       curve_secret_key=peers.curve_secret_key.encode(),
-                       curve_allow=frozenset(k.encode() for k in options.curve_allow))
+    """The producer's wire: its ``peers.transport``, with every handoff security setting given (the server
+    refuses another wire's, naming them: :data:`HANDOFF_SETTINGS`); CURVE with this producer's keys where
+    consumers are listed. :raises ConfigError: consumers listed without the producer's keys."""
+    curve: dict[str, Any] = {}
+    if options.curve_allow:
+        curve["curve_allow"] = frozenset(k.encode() for k in options.curve_allow)
+        if peers.transport == "zmq":
+            if not (peers.curve_public_key and peers.curve_secret_key):
+                raise ConfigError("handoff.curve_allow needs this producer's CURVE keys: peers.curve_public_key "
+                                  "and peers.curve_secret_key (consumers set its public key as "
+                                  "peers.curve_server_key)")
+            curve.update(curve_public_key=peers.curve_public_key.encode(),
+                         curve_secret_key=peers.curve_secret_key.encode())
+    return WireOptions(transport=peers.transport, tls_cert=options.tls_cert, tls_key=options.tls_key, **curve)

@@ -52,7 +52,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         print(f"tokens loaded      {loaded.loaded_tokens}  failed chunks {list(loaded.failed_chunks)}")
         print(f"bytes identical    {exact}")
         print(f"store {1e3 * (t1 - t0):.2f} ms, lookup+load {1e3 * (t2 - t1):.2f} ms")
-        print(f"pins after load    {engine.core.memory.total_pins()}")
+        print(f"pins after load    {engine.pinned_chunks()}")
         return 0 if exact and loaded.ok else 1
 
 

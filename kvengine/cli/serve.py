@@ -49,7 +49,7 @@ from kvengine.cli.arguments import EXIT_USAGE, OneLineParser, byte_size, one_lin
 from kvengine.errors import ConfigError, KVEngineError
 
 if TYPE_CHECKING:
-    from kvengine.sharing import WireOptions
+    from kvengine.sharing import WireOptions, WireSettingNames
 
 
 class FileOptionError(ConfigError):
@@ -107,6 +107,15 @@ def _store(args: argparse.Namespace) -> tuple[Any, str]:
     return MemoryRecordStore(args.capacity), f"memory ({args.capacity / 2**30:.1f} GiB)"
 
 
+def _flags() -> WireSettingNames:
+    """``kvengine serve``'s flags, as a peer server's refusals name them."""
+    from kvengine.sharing import WireSettingNames
+
+    return WireSettingNames(bind="--bind", transport="--transport", secret="--secret-file",
+                            tls="--tls-cert/--tls-key/--tls-ca", curve_keys="--curve-cert",
+                            curve_allow="--curve-allow or --tenants")
+
+
 def _server(args: argparse.Namespace, store: Any) -> Any:
     from pathlib import Path
 
@@ -115,15 +124,15 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
     from kvengine.trust.secrets import read_secret_file
 
     try:
-        secret = read_secret_file(args.secret_file, "peers.secret_file")
+        secret = read_secret_file(args.secret_file, "--secret-file")
     except ConfigError as exc:
-        raise FileOptionError(f"--secret-file: {exc}") from None
+        raise FileOptionError(str(exc)) from None
     gate = _gatekeeper(args)
     options = ServerOptions(namespaces=frozenset(args.namespace) if args.namespace else None,
                             verify_puts=not args.no_verify_puts, max_concurrent=args.max_concurrent, secret=secret,
                             tenants=gate)
     if args.transport == "zmq":
-        return peer_server(store, args.bind, options, _curve_wire(args, gate), what="--bind")
+        return peer_server(store, args.bind, options, _curve_wire(args, gate), names=_flags())
     cert, key, ca = (Path(v) if v else None for v in (args.tls_cert, args.tls_key, args.tls_ca))
     if cert is not None:
         from kvengine.transports.peers.tcp import TlsConfig
@@ -134,7 +143,7 @@ def _server(args: argparse.Namespace, store: Any) -> Any:
             raise FileOptionError(f"--tls-cert/--tls-key/--tls-ca: {one_line(exc)}") from None
     wire = WireOptions(transport=args.transport, tls_cert=cert, tls_key=key, tls_ca=ca,
                        message_timeout=args.message_timeout if args.transport == "tcp" else None)
-    return peer_server(store, args.bind, options, wire, what="--bind")
+    return peer_server(store, args.bind, options, wire, names=_flags())
 
 
 def _curve_wire(args: argparse.Namespace, gate: Any) -> WireOptions:

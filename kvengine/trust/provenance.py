@@ -32,7 +32,7 @@ import xxhash
 
 from kvengine.compression import LOSSLESS_FAMILY, codec_family, error_bound
 from kvengine.config import ShadowConfig
-from kvengine.facade import KVEngine
+from kvengine.facade import KVEngine, engine_of
 from kvengine.keyed import GetOutcome, SyncKeyedStore, keyed_namespace
 from kvengine.types import ModelBinding
 
@@ -139,7 +139,7 @@ def check_namespace_canary(engine: KVEngine, binding: ModelBinding, probe: Seque
     chunk in ``binding``'s layout) with the canary stored for ``binding``'s namespace, or store it
     there if there is none. A mismatch quarantines the namespace before anything of it is served.
     """
-    core = engine.core
+    core = engine_of(engine)
     if core.is_quarantined(binding):
         return CanaryResult(CanaryOutcome.QUARANTINED)
     if not core.transports:

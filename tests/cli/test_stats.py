@@ -34,7 +34,7 @@ def test_stats_shows_hit_tokens_and_memory_fill(engine, capsys):
     tier's fill (used / capacity bytes) as the engine counts them; ``--json`` gives the same numbers."""
     assert main(["stats", "--url", engine.url]) == 0
     text = capsys.readouterr().out
-    used, capacity = engine.core.memory.used_bytes, engine.core.memory.capacity_bytes
+    used, capacity = engine._core.memory.used_bytes, engine._core.memory.capacity_bytes
     assert "hit rate        76.2%  (48 hit tokens of 63 asked, 1 lookups)" in text  # 3 of 4 chunks: 48 of 63
     assert "tokens saved    48" in text
     assert f"memory fill     {100 * used / capacity:.1f}%" in text

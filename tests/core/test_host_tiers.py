@@ -98,7 +98,7 @@ def test_a_restarted_service_serves_what_its_disk_tier_holds_to_a_new_engine_exa
         assert len(list(disk.rglob("*.kvc"))) == 3
         host.start("--config", str(tmp_path / "host.yaml"))
         with KVEngine(config(str(sock))) as engine:
-            assert engine.core.has_lower_tiers and not engine.core.transports
+            assert engine._core.has_lower_tiers and not engine._core.transports
             binding = engine.bind(Namespace(model="shared"), LAYOUT)
             assert engine.lookup_resident(binding, "cold", TOKENS) is None  # short in memory: ask the service
             assert _load_all(engine, 5) == (len(TOKENS), len(TOKENS), True)
@@ -195,7 +195,7 @@ def test_keyed_pages_a_restarted_service_holds_on_disk_are_found_and_read_exactl
             sink = Collect()
             assert store.get(keys(3), sink) == [GetOutcome.HIT] * 3
             assert all(torch.equal(a, b) for i in range(3) for a, b in zip(sink.got[i], data[i]))
-            assert kv.core.memory.total_pins() == 0
+            assert kv._core.memory.total_pins() == 0
 
 
 class _SlowTier(DictTransport):
@@ -232,7 +232,7 @@ def test_a_slow_promotion_holds_up_neither_the_engines_other_requests_nor_anothe
                 time.sleep(0.05)
             assert len(slow.blobs) == 6
             for key in list(slow.blobs):
-                engine.core.memory.discard(key)  # only the slow tier holds them now
+                engine._core.memory.discard(key)  # only the slow tier holds them now
             with ThreadPoolExecutor(2) as pool:
                 t0 = time.monotonic()
                 lookups = {seed: pool.submit(engine.lookup, binding, f"r{seed}", tokens)

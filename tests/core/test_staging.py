@@ -43,7 +43,7 @@ def test_store_filled_layer_by_layer_is_served_exactly():
         result = eng.commit_store(staged, 3)
         assert (result.stored_chunks, result.present_chunks, result.rejected_chunks) == (3, 0, 0)
         assert load_all(eng, binding, toks, kv) == (3 * CHUNK, True)
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 def test_staged_chunks_are_invisible_until_committed_and_unfilled_ones_never_served():
@@ -60,7 +60,7 @@ def test_staged_chunks_are_invisible_until_committed_and_unfilled_ones_never_ser
         result = eng.commit_store(staged, 2)
         assert (result.stored_chunks, result.rejected_chunks) == (2, 1)
         assert load_all(eng, binding, toks, kv) == (2 * CHUNK, True)
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
         with pytest.raises(InvalidRequestError, match="already committed"):
             eng.commit_store(staged, 2)
 
@@ -104,11 +104,11 @@ def test_load_layer_by_layer_then_finish():
             for view in views:
                 s, e = view.token_range
                 out[layer][:, :, s:e].copy_(view.tensors[layer])
-        assert eng.core.memory.total_pins() == 3  # held while the caller copies
+        assert eng._core.memory.total_pins() == 3  # held while the caller copies
         result = eng.finish_load(res, len(views))
         assert result.ok and result.loaded_tokens == 3 * CHUNK
         assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
         assert eng.metrics.value("kvengine_loaded_tokens_total") == 3 * CHUNK
 
 

@@ -56,7 +56,7 @@ def test_a_tenants_flood_evicts_only_its_own_share(service):
             out = [torch.zeros_like(t) for t in kv.layers]
             assert eng.load(res, copier(out)).loaded_tokens == len(tokens)
             assert all(torch.equal(o, k) for o, k in zip(out, kv.layers)), name
-        stats = a.core.memory.service_stats()
+        stats = a._core.memory.service_stats()
         assert (stats.capacity_bytes, stats.chunks) == (4 * SLAB, 8)  # a client sees its own pool
 
 
@@ -106,7 +106,7 @@ def test_each_tenants_pool_is_counted_in_the_services_metrics(service):
             binding = a.bind(Namespace(model="m"), LAYOUT)
             for i in range(4):  # 12 chunks into a share of 8
                 a.store(binding, [1000 + i, *range(1, 3 * CHUNK)], FakeKV(3 * CHUNK, seed=i).source)
-            a.core.memory.service_stats()  # answered once the service has handled every earlier frame of a's
+            a._core.memory.service_stats()  # answered once the service has handled every earlier frame of a's
             m = scrape(port)
         assert m['kvengine_host_capacity_bytes{tenant="a"}'] == 4 * SLAB
         assert m['kvengine_host_used_bytes{tenant="a"}'] == 4 * SLAB and m['kvengine_host_chunks{tenant="a"}'] == 8

@@ -80,7 +80,7 @@ def test_two_engine_processes_share_one_copy_and_the_second_loads_it_exactly(hos
         assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
         again = engine.store(binding, TOKENS, FakeKV(len(TOKENS), seed=5).source)
         assert (again.stored_chunks, again.present_chunks) == (0, 3)
-        stats = engine.core.memory.service_stats()
+        stats = engine._core.memory.service_stats()
         assert (stats.chunks, stats.all_pins) == (3, 0)
     assert "3 chunks" in host.stop()
 
@@ -150,7 +150,7 @@ def test_the_service_killed_mid_traffic_is_a_miss_and_the_engine_reattaches(host
         worker.join(timeout=30)
         assert not errors, errors
         assert misses and max(misses) < 0.5, misses
-        assert engine.core.memory.outages == 1
+        assert engine._core.memory.outages == 1
         host.start()
         deadline = time.monotonic() + 10
         while engine.lookup(binding, "back", TOKENS).matched_tokens == 0 and time.monotonic() < deadline:
@@ -232,7 +232,7 @@ def test_a_malformed_frame_costs_only_its_own_connection(tmp_path):
             rogue.close()
             assert service.stats().pins == 3
             assert engine.load(held, copier([torch.zeros_like(t) for t in FakeKV(len(TOKENS)).layers])).ok
-            assert engine.core.memory.service_stats().all_pins == 0  # answered after the load's releases
+            assert engine._core.memory.service_stats().all_pins == 0  # answered after the load's releases
     finally:
         service.close()
 
@@ -246,9 +246,9 @@ def test_a_connection_cannot_release_another_ones_pins(tmp_path):
             b.bind(Namespace(model="m"), LAYOUT)
             a.store(ba, TOKENS, FakeKV(len(TOKENS)).source)
             res = a.lookup(ba, "a", TOKENS)
-            b.core.memory.unpin(b.core.memory.pin_prefix(res.keys) + a.core.memory.pin_prefix(res.keys))
-            assert b.core.memory.total_pins() == 0  # answered after b's unpins (one connection is in order)
-            stats = a.core.memory.service_stats()
+            b._core.memory.unpin(b._core.memory.pin_prefix(res.keys) + a._core.memory.pin_prefix(res.keys))
+            assert b._core.memory.total_pins() == 0  # answered after b's unpins (one connection is in order)
+            stats = a._core.memory.service_stats()
             assert (stats.own_pins, stats.all_pins) == (6, 6)  # a's lookup and a's pins above; b released its own
     finally:
         service.close()
@@ -281,7 +281,7 @@ def test_chunks_a_broken_service_places_outside_the_arena_are_misses_not_views(t
             again = engine.lookup(binding, "again", TOKENS)
             assert again.matched_tokens == len(TOKENS)
             engine.release(again)
-            stats = engine.core.memory.service_stats()  # answered after every frame this engine sent before
+            stats = engine._core.memory.service_stats()  # answered after every frame this engine sent before
             assert (stats.chunks, stats.all_pins) == (3, 0)  # the refused stores were aborted
     finally:
         service.close()

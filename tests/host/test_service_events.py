@@ -32,7 +32,7 @@ def test_the_service_publishes_what_engines_store_and_what_it_evicts(tmp_path):
     try:
         sub.sync(events)
         with KVEngine(config(str(tmp_path / "kvengine.sock"))) as engine:
-            assert engine.core.memory.publishes_events
+            assert engine._core.memory.publishes_events
             binding = engine.bind(Namespace(model="tiny"), LAYOUT)
             first, second = tokens_of(3 * CHUNK, 1), tokens_of(3 * CHUNK, 2)
             assert engine.store(binding, first, FakeKV(len(first)).source).stored_chunks == 3

@@ -94,7 +94,7 @@ def test_lossy_hit_from_disk_through_a_fresh_engine(tmp_path, tiny_llama):
         reader = attach(tiny_llama, fresh, lossy_kv=True)
         assert reader.proof is not None and reader.proof.serving
         assert reader.proof.outcome in (CanaryOutcome.EXACT, CanaryOutcome.CLOSE)
-        disk_reads = fresh.metrics.loaded_bytes.labels(tier=fresh.core.transports[0].name)
+        disk_reads = fresh.metrics.loaded_bytes.labels(tier=fresh._core.transports[0].name)
         before = disk_reads._value.get()
         plain = reader.generate(ids, max_new_tokens=8, use_cache=False, store=False)
         hit = reader.generate(ids, max_new_tokens=8, store=False)

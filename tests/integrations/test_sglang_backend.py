@@ -665,7 +665,7 @@ def test_pages_stored_through_the_host_service_are_read_by_another_process_and_h
         backend = KVEngineHiCacheStorage(sglang_env.storage_config(layout=layout,
                                                                    extra=extra_config(kvengine_config=kv)), {})
         backend.register_mem_pool_host(host)
-        assert isinstance(backend.kv.core.memory, ServiceMemory)
+        assert isinstance(backend.kv._core.memory, ServiceMemory)
         assert backend.batch_exists(keys) == 5
         dst = torch.arange(8 * PAGE, 13 * PAGE)
         assert backend.batch_get_v1(keys, dst) == [True] * 5
@@ -679,7 +679,7 @@ def test_pages_stored_through_the_host_service_are_read_by_another_process_and_h
         expected = torch.load(tmp_path / "exp.pt")
         backend = read_all(expected)
         try:
-            memory = backend.kv.core.memory
+            memory = backend.kv._core.memory
             held = memory.service_stats()
             assert held.chunks == 5
             dst = torch.arange(8 * PAGE, 13 * PAGE)
@@ -713,7 +713,7 @@ MOONCAKE_NODE = textwrap.dedent("""
         model_fingerprint="tiny-test-weights"))
     backend = KVEngineHiCacheStorage(config, {})
     backend.register_mem_pool_host(host)
-    (tier,) = [t for t in backend.kv.core.tiers.transports if isinstance(t, MooncakeStoreTransport)]
+    (tier,) = [t for t in backend.kv._core.tiers.transports if isinstance(t, MooncakeStoreTransport)]
     assert tier.wait_connected(30.0), "no connection to the mooncake master"
     value = backend.kv.metrics.value
     if args["role"] == "writer":

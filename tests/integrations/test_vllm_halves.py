@@ -468,10 +468,10 @@ def test_repeated_asks_return_the_same_reservation(halves):
     """vLLM asks again while a request waits for blocks: same answer, no new pins or lookups counted."""
     req = request("a", halves.tokens)
     assert halves.sched.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
-    pins = halves.engine.core.memory.total_pins()
+    pins = halves.engine._core.memory.total_pins()
     assert pins == 3
     assert halves.sched.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
-    assert halves.engine.core.memory.total_pins() == pins
+    assert halves.engine._core.memory.total_pins() == pins
     assert halves.engine.metrics.value("kvengine_lookups_total") == 1
 
 
@@ -481,7 +481,7 @@ def test_hit_not_taken_by_vllm_is_released_at_once(halves):
     halves.sched.get_num_new_matched_tokens(req, 0)
     halves.sched.update_state_after_alloc(req, blocks(1, 2, 3), 0)
     settle(halves, 0)
-    assert halves.engine.core.memory.total_pins() == 0 and len(halves.desk) == 0
+    assert halves.engine._core.memory.total_pins() == 0 and len(halves.desk) == 0
 
 
 def test_request_finished_before_being_scheduled_leaves_nothing_pinned(halves):
@@ -490,7 +490,7 @@ def test_request_finished_before_being_scheduled_leaves_nothing_pinned(halves):
     halves.sched.get_num_new_matched_tokens(req, 0)
     assert halves.sched.request_finished(req) == (False, None)
     settle(halves, 0)
-    assert halves.engine.core.memory.total_pins() == 0 and len(halves.desk) == 0
+    assert halves.engine._core.memory.total_pins() == 0 and len(halves.desk) == 0
 
 
 def test_local_hit_covering_the_match_releases(halves):
@@ -498,7 +498,7 @@ def test_local_hit_covering_the_match_releases(halves):
     req = request("a", halves.tokens)
     assert halves.sched.get_num_new_matched_tokens(req, 3 * CHUNK) == (0, False)
     settle(halves, 0)
-    assert halves.engine.core.memory.total_pins() == 0
+    assert halves.engine._core.memory.total_pins() == 0
 
 
 def test_committed_load_is_handed_to_the_worker_with_its_blocks_and_stores_follow(halves):
@@ -600,9 +600,9 @@ def test_handoff_roles_at_two_ranks_refuse_mla_and_an_unfixed_port():
 
 def _pins_settle(ranks, expected):
     deadline = time.monotonic() + 5
-    while [r.engine.core.memory.total_pins() for r in ranks] != expected and time.monotonic() < deadline:
+    while [r.engine._core.memory.total_pins() for r in ranks] != expected and time.monotonic() < deadline:
         time.sleep(0.01)
-    return [r.engine.core.memory.total_pins() for r in ranks]
+    return [r.engine._core.memory.total_pins() for r in ranks]
 
 
 def test_a_hit_across_ranks_is_what_every_rank_holds_and_releases_reach_every_rank():
@@ -611,10 +611,10 @@ def test_a_hit_across_ranks_is_what_every_rank_holds_and_releases_reach_every_ra
     with make_halves(held_chunks=(3, 2)) as h:
         req = request("a", h.tokens)
         assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
-        pins = [r.engine.core.memory.total_pins() for r in h.ranks]
+        pins = [r.engine._core.memory.total_pins() for r in h.ranks]
         assert pins == [3, 2]  # each rank holds its own reservation until its load ends
         assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
-        assert [r.engine.core.memory.total_pins() for r in h.ranks] == pins
+        assert [r.engine._core.memory.total_pins() for r in h.ranks] == pins
         h.sched.request_finished(req)
         assert _pins_settle(h.ranks, [0, 0]) == [0, 0]
 
@@ -676,10 +676,10 @@ def test_with_tails_hits_and_stores_end_at_whole_blocks():
     with make_halves(tail_step=BS, held_tokens=2 * CHUNK + BS + 5) as h:
         req = request("t", h.tokens[: 3 * CHUNK])
         assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK + BS, False)
-        pins = h.engine.core.memory.total_pins()
+        pins = h.engine._core.memory.total_pins()
         assert pins == 3  # two chunks and the tail
         assert h.sched.get_num_new_matched_tokens(req, 0) == (2 * CHUNK + BS, False)
-        assert h.engine.core.memory.total_pins() == pins
+        assert h.engine._core.memory.total_pins() == pins
         assert h.sched.request_finished(req) == (False, None)
         settle(h, 0)
         prompt = h.tokens[3 * CHUNK : 3 * CHUNK + BS + 10]  # unrelated to what is held
@@ -707,7 +707,7 @@ def test_a_hit_sampled_for_a_shadow_check_is_computed_by_vllm_and_compared_by_th
         for _ in range(2):
             assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)
         settle(h, 0)
-        assert h.engine.core.memory.total_pins() == 0 and h.desk.take("a") is None
+        assert h.engine._core.memory.total_pins() == 0 and h.desk.take("a") is None
         out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=0)],
                               scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
                               num_scheduled_tokens={"a": 2 * CHUNK})
@@ -764,14 +764,14 @@ def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
     assert h.states.save(h.desk.binding(""), ids[:2 * CHUNK], block_id=5)
     for _ in range(2):
         assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).loadable == 2 * CHUNK
-        assert h.engine.core.memory.total_pins() == 2
+        assert h.engine._core.memory.total_pins() == 2
     taken = h.desk.take("r")
     res, state = taken.reservation, taken.state
     assert res.matched_tokens == 2 * CHUNK and state[0].eq(7).all()
     h.states.install(state, 3)
     assert torch.equal(h.cache[3], h.cache[5])
     h.engine.release(res)
-    assert h.engine.core.memory.total_pins() == 0
+    assert h.engine._core.memory.total_pins() == 0
 
 
 def test_hybrid_load_offered_less_than_this_ranks_hit_gets_the_state_at_the_offered_end(state_desk):
@@ -794,7 +794,7 @@ def test_hybrid_load_offered_less_than_this_ranks_hit_gets_the_state_at_the_offe
         assert res.matched_tokens == 2 * CHUNK
         assert (state is None) if want is None else state[0].eq(want).all()
         h.engine.release(res)
-    assert h.engine.core.memory.total_pins() == 0
+    assert h.engine._core.memory.total_pins() == 0
 
 
 def test_hybrid_hit_without_any_stored_state_is_a_miss(state_desk):
@@ -803,7 +803,7 @@ def test_hybrid_hit_without_any_stored_state_is_a_miss(state_desk):
 
     h = state_desk
     assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).loadable == 0
-    assert h.engine.core.memory.total_pins() == 0 and h.desk.take("r") is None
+    assert h.engine._core.memory.total_pins() == 0 and h.desk.take("r") is None
 
 
 class _HungWorker:

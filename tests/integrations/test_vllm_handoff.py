@@ -151,11 +151,11 @@ def test_a_hold_pins_the_prompt_until_the_consumer_fetches_its_last_record(setup
     holds = HandoffHolds(eng, 60.0, events.append)
     last = tails.last_key(binding, TOKENS, 2 * CHUNK)
     holds.hold(last, binding, "r", TOKENS, 2 * CHUNK)
-    assert len(holds) == 1 and eng.core.memory.total_pins() == 2
+    assert len(holds) == 1 and eng._core.memory.total_pins() == 2
     holds.confirm([tails.last_key(binding, TOKENS, CHUNK)])  # another record: the hold stays
     assert len(holds) == 1
     holds.confirm([last])
-    assert len(holds) == 0 and eng.core.memory.total_pins() == 0 and events == ["hold_confirmed"]
+    assert len(holds) == 0 and eng._core.memory.total_pins() == 0 and events == ["hold_confirmed"]
 
 
 def test_an_unclaimed_hold_expires_and_is_counted(setup):
@@ -165,10 +165,10 @@ def test_an_unclaimed_hold_expires_and_is_counted(setup):
     events: list[str] = []
     holds = HandoffHolds(eng, 0.2, events.append)
     holds.hold(tails.last_key(binding, TOKENS, CHUNK), binding, "r", TOKENS, CHUNK)
-    assert eng.core.memory.total_pins() == 1
+    assert eng._core.memory.total_pins() == 1
     time.sleep(0.3)
     holds.sweep()
-    assert len(holds) == 0 and events == ["hold_expired"] and eng.core.memory.total_pins() == 0
+    assert len(holds) == 0 and events == ["hold_expired"] and eng._core.memory.total_pins() == 0
 
 
 def test_a_fetch_after_the_lease_counts_as_expired_not_confirmed(setup):
@@ -220,7 +220,7 @@ def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(se
     assert desk.lookup("gone", "", data, end - 1, producer=PRODUCER).loadable == CHUNK  # no tail of that length
     desk.release("gone")
     desk.release("plain")
-    assert eng.core.memory.total_pins() == 0 and len(desk) == 0
+    assert eng._core.memory.total_pins() == 0 and len(desk) == 0
 
 
 def test_the_desk_waits_for_a_prompt_handed_off_through_mooncake_until_the_fetch_timeout(setup):
@@ -247,7 +247,7 @@ def test_the_desk_waits_for_a_prompt_handed_off_through_mooncake_until_the_fetch
     assert missing.loadable == CHUNK  # what is there, once the wait ends
     assert 1.4 <= time.monotonic() - t < 3.0
     desk.release("never")
-    assert eng.core.memory.total_pins() == 0 and len(desk) == 0
+    assert eng._core.memory.total_pins() == 0 and len(desk) == 0
 
 # ------------------------------------------------------------------ wires --
 class _Events:
@@ -300,7 +300,7 @@ def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tm
             assert tails.save(binding, TOKENS, end, SRC, 0)
             server.share(binding, tails.binding(binding))
             server.holds.hold(tails.last_key(binding, TOKENS, end), binding, "r", TOKENS, CHUNK)
-            assert producer.core.memory.total_pins() == 1
+            assert producer._core.memory.total_pins() == 1
             if wire == "zmq-curve":  # a key the producer does not list: nothing read, the hold stands
                 stranger = {**consumer_peers, "curve_public_key": stranger_pub, "curve_secret_key": stranger_sec,
                             "peers": [server.address], "replicas": 1, "request_timeout": 0.3, "read_deadline": 0.5}
@@ -308,7 +308,7 @@ def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tm
                     outsider = PromptTails(other, layout, copier, fetch_timeout=1.0)
                     assert outsider.find(other.bind(namespace, layout.chunk), TOKENS, end,
                                          outsider.reads(server.address)) is None
-                assert events.seen == [] and producer.core.memory.total_pins() == 1
+                assert events.seen == [] and producer._core.memory.total_pins() == 1
             with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"},
                            "peers": {**consumer_peers, "peers": [server.address], "replicas": 1}}) as consumer:
                 theirs = consumer.bind(namespace, layout.chunk)
@@ -323,15 +323,16 @@ def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tm
                 want = tails.find(binding, TOKENS, end, None)
                 assert want is not None
                 assert all(torch.equal(a, b) for a, b in zip(tail.tensors, want.tensors))
-            assert events.seen == ["hold_confirmed"] and producer.core.memory.total_pins() == 0
+            assert events.seen == ["hold_confirmed"] and producer._core.memory.total_pins() == 0
         finally:
             server.stop()
 
 
 @pytest.mark.parametrize("wire, handoff, message", [
-    ("zmq", {"tls_cert": "/x.pem"}, "handoff.tls_cert/tls_key are options of the tcp wire; this producer's "
+    ("zmq", {"tls_cert": "/x.pem"}, "handoff.tls_cert/tls_key are settings of the tcp wire; this producer's "
                                     "peers.transport is 'zmq'"),
-    ("tcp", {"curve_allow": ["k" * 40]}, "handoff.curve_allow is an option of the zmq wire"),
+    ("tcp", {"curve_allow": ["k" * 40]}, r"handoff.curve_allow .*are settings of the zmq wire; this producer's "
+                                         "peers.transport is 'tcp'"),
     ("zmq", {"curve_allow": ["k" * 40]}, "handoff.curve_allow needs this producer's CURVE keys"),
     ("zmq", {"listen": "10.1.2.3:0"}, "handoff.listen 10.1.2.3:0 is off loopback: on the zmq wire"),
     ("ucx", {"listen": "10.1.2.3:0"}, "handoff.listen 10.1.2.3:0 is not on loopback"),

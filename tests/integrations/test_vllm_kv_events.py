@@ -55,7 +55,7 @@ class RawSubscriber:
         deadline = time.monotonic() + 10
         while not self.sock.poll(50):
             assert time.monotonic() < deadline, "the subscription never reached the publisher"
-            engine.core.events.publish(AllBlocksCleared())
+            engine._core.events.publish(AllBlocksCleared())
         self.drain(0.2)
         self.frames.clear()
 

@@ -83,7 +83,7 @@ def test_pages_saved_layer_by_layer_load_back_into_other_blocks(setup, beside):
     assert order == [1, 1, 0, 0]  # stage by stage, in forward order
     assert torch.equal(backing[10 * RATIO:14 * RATIO], backing[1 * RATIO:5 * RATIO])  # full attention
     assert torch.equal(backing[14 * RATIO:16 * RATIO], backing[7 * RATIO:9 * RATIO])  # window of chunk 1
-    assert eng.core.memory.total_pins() == 0
+    assert eng._core.memory.total_pins() == 0
 
 
 def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(setup, beside):
@@ -105,7 +105,7 @@ def test_a_failing_layer_copy_fails_that_chunk_and_later_ones_without_raising(se
         pipe.close()
     assert job.loaded == 1
     assert eng.metrics.value("kvengine_loaded_tokens_total") == CHUNK
-    assert eng.core.memory.total_pins() == 0
+    assert eng._core.memory.total_pins() == 0
 
 
 def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup, beside):

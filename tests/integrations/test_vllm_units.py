@@ -356,7 +356,7 @@ def test_the_worker_engine_builds_every_configured_tier(tmp_path):
     for options, names in ((peers_only, ["peers_tcp"]), (both, ["local_disk", "peers_tcp"])):
         engine = build_engine(options)
         try:
-            assert [t.name for t in engine.core.transports] == names
+            assert [t.name for t in engine._core.transports] == names
         finally:
             engine.close(flush=False)
 

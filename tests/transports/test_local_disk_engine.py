@@ -42,7 +42,7 @@ def test_one_lookup_spans_memory_and_disk(tmp_path):
         matched, result, exact = load_all(eng, b, toks1, kv1)
         assert matched == 4 * CHUNK and result.ok and exact
         assert eng.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") > 0
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 def test_restarted_engine_reuses_the_directory(tmp_path):
@@ -160,7 +160,7 @@ def test_long_prompt_is_promoted_from_disk_window_by_window(tmp_path):
         matched, result, exact = load_all(eng, eng.bind(Namespace(model="m"), layout), toks, kv)
         assert matched == n * CHUNK and result.ok and exact
         assert eng.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") == n * layout.nbytes()
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
@@ -183,7 +183,7 @@ def test_promotion_stops_at_a_record_gone_in_a_later_window(tmp_path):
         (tmp_path / record_name(key)).unlink()
         matched, result, exact = load_all(eng, b, toks, kv)
         assert matched == gone * CHUNK and result.ok and exact
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 def _chunk_keys(b, toks):
@@ -214,10 +214,10 @@ def test_promotion_reads_records_straight_into_memory_verifying_each_once(tmp_pa
         matched, result, exact = load_all(eng, b, toks, kv)
         assert matched == n * CHUNK and result.ok and exact
         assert len(verified) == n and set(verified) == set(_chunk_keys(b, toks)) and not unpacked
-        disk = eng.core.transports[0]
+        disk = eng._core.transports[0]
         assert disk.stats().hits == n and disk._files.buffers.idle_bytes == 0  # no read buffer was used
         assert eng.metrics.value("kvengine_loaded_bytes_total", tier="local_disk") == n * layout.nbytes()
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 def test_placed_promotion_stops_at_a_corrupt_record_and_frees_its_slot(tmp_path):
@@ -241,8 +241,8 @@ def test_placed_promotion_stops_at_a_corrupt_record_and_frees_its_slot(tmp_path)
         b = eng.bind(Namespace(model="m"), layout)
         matched, result, exact = load_all(eng, b, toks, kv)
         assert matched == bad * CHUNK and result.ok and exact
-        assert len(eng.core.memory) == bad and eng.core.memory.total_pins() == 0
-        assert eng.core.transports[0].stats().integrity_reasons == {"payload_checksum": 1}
+        assert len(eng._core.memory) == bad and eng._core.memory.total_pins() == 0
+        assert eng._core.transports[0].stats().integrity_reasons == {"payload_checksum": 1}
         assert not path.exists()
 
 
@@ -267,7 +267,7 @@ def test_placed_promotion_refuses_a_record_at_the_wrong_position(tmp_path):
         matched, result, exact = load_all(eng, b, toks, kv)
         assert matched == CHUNK and result.ok and exact
         assert eng.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 1
-        assert len(eng.core.memory) == 1 and eng.core.memory.total_pins() == 0
+        assert len(eng._core.memory) == 1 and eng._core.memory.total_pins() == 0
     assert not path.exists()
 
 
@@ -282,7 +282,7 @@ def test_placed_promotion_stops_where_memory_is_full(tmp_path):
         b = eng.bind(Namespace(model="m"), layout)
         matched, result, exact = load_all(eng, b, toks, kv)
         assert matched == 3 * CHUNK and result.ok and exact
-        assert len(eng.core.memory) == 3 and eng.core.memory.total_pins() == 0
+        assert len(eng._core.memory) == 3 and eng._core.memory.total_pins() == 0
         assert len(list(tmp_path.glob("*.kvc"))) == 6  # refused for room, not for corruption
 
 
@@ -312,7 +312,7 @@ def test_placed_reads_take_memory_slots_in_prompt_order(tmp_path, monkeypatch):
         b = eng.bind(Namespace(model="m"), layout)
         matched, result, exact = load_all(eng, b, toks, kv)
         assert matched == 3 * CHUNK and result.ok and exact
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
 
 
 def test_placed_promotion_of_a_partial_last_chunk(tmp_path):

@@ -53,7 +53,7 @@ def node_main(host: str, master: str, segment: str, secret_file: str, replicas: 
         "replicas": int(replicas),
         "secret_file": secret_file})
     engine = KVEngine(config)
-    (tier,) = [t for t in engine.core.tiers.transports if isinstance(t, MooncakeStoreTransport)]
+    (tier,) = [t for t in engine._core.tiers.transports if isinstance(t, MooncakeStoreTransport)]
     assert tier.wait_connected(30.0), "the node could not reach the master"
     binding = engine.bind(Namespace(model="tiny-test"), make_layout())
 
@@ -73,13 +73,13 @@ def node_main(host: str, master: str, segment: str, secret_file: str, replicas: 
             engine.flush()
             if cmd.get("forget"):  # keep it in the cluster only
                 for key in keys_of(tokens):
-                    engine.core.memory.discard(key)
+                    engine._core.memory.discard(key)
             reply = {"stored": stored.stored_chunks}
         elif cmd["op"] == "lookup":
             reply = lookup_and_load(engine, binding, cmd.get("request", "r"), tokens, kv)
             if cmd.get("forget"):
                 for key in keys_of(tokens):
-                    engine.core.memory.discard(key)
+                    engine._core.memory.discard(key)
         elif cmd["op"] == "exists":
             reply = {"exists": engine.run(tier.exists(keys_of(tokens)))}
         elif cmd["op"] == "get":  # the tier's own read, as a lookup window makes it

@@ -95,7 +95,7 @@ def test_a_check_that_compared_nothing_counts_as_skipped_never_as_exact():
         settle(engine, binding, "shadow", worst([]), "unused")
         assert engine.metrics.value("kvengine_provenance_checks_total", check="shadow", outcome="skipped") == 1
         assert engine.metrics.value("kvengine_provenance_checks_total", check="shadow", outcome="exact") == 0
-        assert not engine.core.is_quarantined(binding)
+        assert not engine._core.is_quarantined(binding)
         a = torch.zeros(4)
         settle(engine, binding, "shadow", compare_kv([a], [a + 1]), "differs")
-        assert engine.core.is_quarantined(binding)
+        assert engine._core.is_quarantined(binding)

@@ -58,7 +58,7 @@ def test_a_quarantined_namespace_serves_and_stores_nothing_and_withdraws_what_it
         assert m.value("kvengine_quarantined_namespaces") == 1
         assert m.value("kvengine_quarantine_refusals_total", op="lookup") == 1
         assert m.value("kvengine_quarantine_refusals_total", op="store") == 1
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
         other = eng.bind(Namespace(model="other"), layout)
         eng.store(other, TOKENS, kv.source)
         assert eng.lookup(other, "o", TOKENS).matched_tokens == 3 * CHUNK  # others are untouched
@@ -79,7 +79,7 @@ def test_the_quarantine_outlives_the_process_and_reaches_every_engine_on_the_dis
             binding = eng.bind(ns, layout)
             eng.quarantine_namespace(binding, "shadow mismatch", tokens="0-48")
         assert [e.model for e in read_markers(tmp_path)] == ["m"]
-        other.core.quarantine.refresh()  # what its periodic refresh does
+        other._core.quarantine.refresh()  # what its periodic refresh does
         assert other.lookup(other.bind(ns, layout), "r", TOKENS).matched_tokens == 0
     finally:
         other.close()

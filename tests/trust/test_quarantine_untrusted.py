@@ -95,7 +95,7 @@ def test_a_fifo_planted_while_running_does_not_stop_the_lease_reaper(tmp_path: P
         while eng.metrics.value("kvengine_reservations_reclaimed_total") == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert eng.metrics.value("kvengine_reservations_reclaimed_total") == 1
-        assert eng.core.memory.total_pins() == 0
+        assert eng._core.memory.total_pins() == 0
     finally:
         with releasing([fifo]):  # a blocked reader (the regression) must end for the engine to close
             eng.close()

@@ -115,16 +115,21 @@ class PeerClientOptions:
             raise ValueError("peer timeouts and cool-down must be > 0")
 
 
-def require_protection(addresses: Sequence[str], *, secret: bytes | None, encrypted: bool, what: str) -> None:
+#: How an engine's ``peers`` section protects its peers (the default remedy of :func:`require_protection`).
+PEERS_REMEDY = ("Set peers.secret_file (records authenticated with a keyed MAC; required for UCX, which has no "
+                "transport security) or the peers.curve_* keys (ZeroMQ CURVE) or peers.tls_ca (tcp with TLS)")
+
+
+def require_protection(addresses: Sequence[str], *, secret: bytes | None, encrypted: bool, what: str,
+                       remedy: str = PEERS_REMEDY) -> None:
     """Fail closed: ``host:port`` addresses off loopback need a shared secret (records authenticated) or an
-    encrypted, authenticated wire (CURVE, TLS)."""
+    encrypted, authenticated wire (CURVE, TLS). The refusal names the caller's setting ``what`` and says
+    ``remedy`` (the caller's settings that protect it)."""
     remote = [a for a in addresses if not is_loopback(a.rpartition(":")[0].strip("[]"))]
     if remote and secret is None and not encrypted:
         raise ConfigError(
             f"{what} {', '.join(remote[:3])} {'is' if len(remote) == 1 else 'are'} "
-            "not on loopback: anyone who reaches them could serve or plant KV. Set peers.secret_file (records "
-            "authenticated with a keyed MAC; required for UCX, which has no transport security) or the "
-            "peers.curve_* keys (ZeroMQ CURVE) or peers.tls_ca (tcp with TLS), or keep peers on 127.0.0.0/8")
+            f"not on loopback: anyone who reaches them could serve or plant KV. {remedy}, or stay on 127.0.0.0/8")
 
 
 def client_from_section(peers: PeersConfig, *, encrypted: bool) -> tuple[Membership, PeerClientOptions]:

@@ -335,9 +335,8 @@ class ZmqPeerServer:
         if not is_loopback(self.host) and (curve is None or curve.allowed_clients is None):
             raise ConfigError(
                 f"a ZeroMQ peer server on {bind} (off loopback) must admit only listed clients (CURVE with "
-                "allowed_clients; kvengine serve --curve-allow or --tenants): libzmq buffers each message whole "
-                "before kvengine can check it, so any client that connects could stall the server. For clients "
-                "you do not all trust, use the tcp wire (kvengine serve's default, --transport tcp)")
+                "allowed_clients): libzmq buffers each message whole before kvengine can check it, so any client "
+                "that connects could stall the server. For clients you do not all trust, use the tcp wire")
         if self.service.options.tenants is not None and (
                 self.zmq_options.curve is None or self.zmq_options.curve.allowed_clients is None):
             raise ConfigError("tenants need CURVE with an allow-list (the wire must prove each client's key); "

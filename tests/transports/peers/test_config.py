@@ -28,7 +28,7 @@ def test_engines_share_chunks_through_a_configured_peer():
     toks = list(range(2 * CHUNK))
     try:
         with KVEngine(cfg) as a:
-            assert [t.name for t in a.core.transports] == ["peers_tcp"]
+            assert [t.name for t in a._core.transports] == ["peers_tcp"]
             a.store(a.bind(Namespace(model="m"), layout), toks, kv.source)
         with KVEngine(cfg) as b:
             binding = b.bind(Namespace(model="m"), layout)
@@ -99,7 +99,7 @@ def test_engine_store_refuses_to_serve_another_codec_family():
     layout = make_layout()
     with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": 8 * layout.nbytes()},
                    "peers": {"codec": "int8-token"}}, transports=[]) as eng:
-        store = EngineStore(eng.core, MemoryRecordStore(1 << 20))
+        store = EngineStore(eng._core, MemoryRecordStore(1 << 20))
         with pytest.raises(InvalidRequestError, match="int8-token"):
             store.share(eng.bind(Namespace(model="m"), layout))
         store.share(eng.bind(Namespace(model="m", codec_family="lossy:int8-token"), layout))

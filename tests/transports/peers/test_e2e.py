@@ -94,7 +94,7 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
     membership = Membership(path=peers_file, reload_interval=0.05)
     transport = PeerTransport(_connector(wire), membership, options)
     engine = KVEngine(make_config(capacity=1 << 20), transports=[transport])
-    store = EngineStore(engine.core, MemoryRecordStore(16 << 20))
+    store = EngineStore(engine._core, MemoryRecordStore(16 << 20))
     server = ServerThread(_server(wire, store, bind))
     address = server.start()
     fakes = _start_fakes(wire, fakes_host) if fakes_host else {}
@@ -124,7 +124,7 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
                 res = engine.lookup(binding, "forget", tokens)
                 keys = res.keys
                 engine.release(res)
-                assert all(engine.core.memory.discard(k) for k in keys)
+                assert all(engine._core.memory.discard(k) for k in keys)
             reply: dict[str, Any] = {"stored": stored.stored_chunks}
         else:
             reply = lookup_and_load(engine, binding, cmd["request"], tokens, kv)

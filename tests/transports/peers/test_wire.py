@@ -459,15 +459,18 @@ async def test_writes_in_flight_are_bounded_and_excess_is_dropped(make_record: A
         assert took < options.write_timeout + 0.5, seen
         assert results == [[False]] * 6, seen
         assert most[0] == 2 * len(items[0][1]) <= options.max_inflight_write_bytes, seen  # two fit at once, never more
-        # Never sent: those still waiting for budget at their own deadline (counted from their own start). How many
-        # is a race, not a bound: when the first two time out and give their bytes back, a waiter that started a
-        # moment later may still be within its deadline and go out (3 or 4 dropped on an idle machine, 2 seen on a
-        # loaded one). What the budget guarantees is asserted above: never more than two records in flight, every
-        # put ended by its deadline; and below, that what was not sent was dropped, none lost or queued.
-        dropped = transport.counts["writes_dropped_backpressure"]
-        assert 1 <= dropped <= 4, seen
+        # Never sent: those still waiting for budget at their own deadline (counted from their own start), and
+        # those that got budget only once their deadline had passed. How many is a race, not a bound: when the
+        # first two time out and give their bytes back, a waiter that started a moment later may still be within
+        # its deadline and go out (3 or 4 unsent on an idle machine, 2 seen on a loaded one; a CI run saw 1
+        # dropped waiting and 2 past their deadline with budget in hand). What the budget guarantees is asserted
+        # above: never more than two records in flight, every put ended by its deadline; and below, that what was
+        # not sent was counted, none lost or queued.
+        unsent = transport.counts["writes_dropped_backpressure"] + transport.counts["deadline_passed"]
+        assert 1 <= unsent <= 4, seen
         await asyncio.sleep(0.3)  # let the server take in whatever was sent
-        assert server.counts["op_put"] == 6 - dropped, f"{seen}, server counts {dict(server.counts)}"
+        assert server.counts["op_put"] == transport.counts["requests_put"] == 6 - unsent, \
+            f"{seen}, server counts {dict(server.counts)}"
     finally:
         await transport.close()
         await server.close()
@@ -773,7 +776,8 @@ def test_serving_off_loopback_without_a_secret_or_curve_refuses_to_start(capsys,
     (tmp_path / "secret").write_bytes(SECRET)
     args = serve.__globals__["build_parser"]().parse_args(["--bind", "0.0.0.0:0", "--transport", "zmq",
                                                            "--secret-file", str(tmp_path / "secret")])
-    with pytest.raises(ConfigError, match="must admit only listed clients.*use the tcp wire"):
+    with pytest.raises(ConfigError, match=r"--bind 0.0.0.0:0 is off loopback: on the zmq wire a server admits only "
+                                          r"listed clients \(--curve-allow or --tenants, with --curve-cert\)"):
         serve.__globals__["_server"](args, MemoryRecordStore(MiB))  # zmq: a secret alone does not admit
     args.transport = "tcp"
     server = serve.__globals__["_server"](args, MemoryRecordStore(MiB))  # built, not started: allowed
