@@ -9,8 +9,8 @@ engine calls the memory tier's pin methods):
 
 * acquired by :meth:`Pins.prefix` / :meth:`Pins.of` (resident chunks) or
   :meth:`Pins.commit` (a filled slot whose writer's pin becomes the handle's);
-* passed on whole, or entry by entry (:meth:`Pins.take`, :meth:`Pins.split`),
-  which moves the pins out of the handle: one owner at a time;
+* passed on whole, joined (:meth:`Pins.add`) or split per entry
+  (:meth:`Pins.split`), each of which moves the pins: one owner at a time;
 * released by :meth:`Pins.release`, which is idempotent, and by leaving a
   ``with`` block, so every exit path of a scoped use releases them.
 
@@ -87,12 +87,6 @@ class Pins:
         self._entries += other._entries
         other._entries = []
         return self
-
-    def take(self, start: int = 0, stop: int | None = None) -> Pins:
-        """Move the pins of entries ``start:stop`` to a new handle, which the caller now owns."""
-        taken = self._entries[start:stop]
-        del self._entries[start:stop]
-        return Pins(self._memory, taken)
 
     def split(self) -> list[Pins]:
         """One handle per entry, in order; this handle is left empty."""

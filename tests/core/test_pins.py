@@ -36,19 +36,17 @@ def test_a_handle_releases_its_pins_once():
 
 
 def test_passing_pins_on_moves_them_and_leaves_one_owner():
-    """take() and split() move pins to new handles, add() moves them back: each pin is released by whichever
-    handle holds it, once, and the count never goes below zero (an unbalanced unpin asserts)."""
+    """split() moves pins to a handle per entry, add() moves them on: each pin is released by whichever handle
+    holds it, once, and the count never goes below zero (an unbalanced unpin asserts)."""
     t = tier(3)
     for i in range(3):
         assert put(t, i)
     pins = Pins.prefix(t, [key(0), key(1), key(2)])
-    head = pins.take(0, 1)
-    assert [e.key for e in head] == [key(0)] and [e.key for e in pins] == [key(1), key(2)]
     each = pins.split()
-    assert len(pins) == 0 and [len(p) for p in each] == [1, 1]
-    head.add(each[0])
-    assert len(each[0]) == 0 and len(head) == 2
-    for handle in (pins, head, *each, head):
+    assert len(pins) == 0 and [[e.key for e in p] for p in each] == [[key(0)], [key(1)], [key(2)]]
+    each[0].add(each[1])
+    assert len(each[1]) == 0 and [e.key for e in each[0]] == [key(0), key(1)]
+    for handle in (pins, *each, each[0]):
         handle.release()
     assert t.total_pins() == 0
 
