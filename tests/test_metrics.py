@@ -83,7 +83,8 @@ def test_one_family_per_concept_with_a_tier_label(tmp_path):
 def test_latency_histograms_observe_lookup_load_store_and_tier_traffic(tmp_path):
     """A store observes kvengine_store_seconds and, per lower tier, kvengine_tier_write_seconds; a lookup
     that promotes from disk (a fresh engine on the same directory) observes kvengine_lookup_seconds and
-    kvengine_tier_read_seconds{tier="local_disk"}; a load observes kvengine_load_seconds."""
+    kvengine_tier_read_seconds{tier="local_disk"}; a load observes kvengine_load_seconds and counts the bytes it
+    handed out from memory."""
     layout = make_layout()
     with KVEngine(_config(tmp_path, layout.nbytes())) as eng:
         binding = eng.bind(Namespace(model="latency"), layout)
@@ -103,6 +104,7 @@ def test_latency_histograms_observe_lookup_load_store_and_tier_traffic(tmp_path)
     assert samples['kvengine_tier_read_seconds_count{tier="local_disk"}'] == 1
     assert samples["kvengine_load_seconds_count"] == 1
     assert samples['kvengine_loaded_bytes_total{tier="local_disk"}'] == 4 * layout.nbytes()
+    assert samples['kvengine_loaded_bytes_total{tier="memory"}'] == 4 * layout.nbytes()  # what the load handed out
     assert samples["kvengine_store_seconds_count"] == 0
 
 

@@ -430,7 +430,7 @@ class CacheEngine:
                  started: float, sources: dict[str, int], read_bytes: int = 0) -> Reservation:
         """The reservation of ``held`` (its pins are the reservation's until it ends)."""
         first_token = question.first * binding.chunk_size
-        entries = held.entries
+        entries = tuple(held.entries)
         res = Reservation(
             owner=self.reservations,
             request_id=request_id,
@@ -439,6 +439,7 @@ class CacheEngine:
             keys=tuple(e.key for e in entries),
             expires_at=question.asked_at + self.config.lease_seconds,
             query=question.query,
+            entries=entries,
             pins=held,
             model=binding.namespace.model,
             first_token=first_token,

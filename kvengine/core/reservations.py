@@ -38,7 +38,10 @@ class Reservation:
     #: Identity of the question (the looked-up chain and cap) for idempotency.
     query: tuple[object, ...] = field(repr=False, default=())
     state: ReservationState = ReservationState.RESERVED
-    #: The reserved chunks, pinned until the reservation ends (released by the engine that made it).
+    #: The reserved chunks' memory entries, in order: their views are read only while ``pins`` holds them (a
+    #: load, between ``begin_load`` and its end); their extents stay readable after (a load's result, metrics).
+    entries: tuple[MemoryEntry, ...] = field(default=(), repr=False)
+    #: The pins on ``entries``, released once when the reservation ends (by the engine that made it).
     pins: Pins | None = field(default=None, repr=False)
     #: The table (of one engine) that made it: only that engine may load or release it.
     owner: object = field(default=None, repr=False, compare=False)
@@ -51,11 +54,6 @@ class Reservation:
     first_token: int = 0
     #: Bytes the lookup read from lower tiers into memory for it (counted as unused if it ends unloaded).
     read_bytes: int = field(default=0, repr=False, compare=False)
-
-    @property
-    def entries(self) -> Sequence[MemoryEntry]:
-        """The reserved chunks' memory entries, in order (empty once it ended)."""
-        return () if self.pins is None else self.pins.entries
 
     @property
     def num_chunks(self) -> int:

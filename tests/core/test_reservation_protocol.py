@@ -192,7 +192,11 @@ class ReservationMachine(RuleBasedStateMachine):
                 raise RuntimeError("injected")
             assert torch.equal(tensors[0], chunk_kv([keys[i]], 1))
 
-        outcomes = self.run(self.keyed.get([bytes([k]) for k in keys], sink))
+        # One key per get: a get's promotions from below admit concurrently, in an order a replay cannot repeat
+        # (which one finds room first), and the machine's steps must replay exactly.
+        outcomes: list[GetOutcome] = []
+        for i, k in enumerate(keys):
+            outcomes += self.run(self.keyed.get([bytes([k])], lambda _j, tensors, i=i: sink(i, tensors)))
         allowed = {GetOutcome.MISS, GetOutcome.NO_ROOM, GetOutcome.CORRUPT}
         allowed |= {GetOutcome.SINK_FAILED} if sink_fails else {GetOutcome.HIT}
         assert set(outcomes) <= allowed
@@ -207,6 +211,9 @@ class ReservationMachine(RuleBasedStateMachine):
         for j in range(n):
             toks = [900_000 + j * 10 * CHUNK + t for t in range(CHUNK)]
             self.run(self.engine.store(self.binding, toks, lambda i, s, e, toks=toks: [chunk_kv(toks, e)]))
+            # Queued tier writes pin their chunks until written: whether the next store may evict one would
+            # depend on thread timing, and the machine's steps must replay exactly.
+            self.run(self.engine.flush())
 
     @invariant()
     def capacity_never_exceeded(self):
