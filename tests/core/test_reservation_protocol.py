@@ -159,8 +159,8 @@ class ReservationMachine(RuleBasedStateMachine):
     @rule(family=st.integers(0, 2), variant=st.integers(0, 3), chunks=st.integers(1, 5), filled=st.integers(0, 5),
           commit=st.booleans())
     def caller_filled_store(self, family, variant, chunks, filled, commit):
-        """A store the caller fills itself (vLLM's layer-wise saves): committed part-way, or left open for the
-        reaper to drop once abandoned."""
+        """A store the caller fills itself (vLLM's layer-wise saves): committed part-way, or left open until
+        a lease reclaim drops it as abandoned (time_passes)."""
         toks = prompt(family, variant, chunks)
         staged = self.run(self.engine.begin_store(self.binding, toks))
         for view in staged.chunks[:filled]:
@@ -176,7 +176,7 @@ class ReservationMachine(RuleBasedStateMachine):
         def source(i):
             if i == fail_at:
                 raise RuntimeError("injected")
-            return [chunk_kv([k], 1) for k in [keys[i]]]
+            return [chunk_kv([keys[i]], 1)]
 
         try:
             outcomes = self.run(self.keyed.put([bytes([k]) for k in keys], source))
