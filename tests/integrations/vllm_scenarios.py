@@ -1118,6 +1118,53 @@ def scenario_disagg_hybrid(work: Path) -> dict[str, Any]:
     return report
 
 
+def scenario_disagg_mla(work: Path) -> dict[str, Any]:
+    """The handoff of DeepSeek-V2 (MLA latent pages, bf16, AMX_MLA; one request at a time and vLLM's plain-torch
+    rotary embedding, as ``scenario_mla``), alive at once: a prompt with a partial last chunk, one shorter than a
+    chunk, one whose last token but one ends a chunk, then a second turn extending the first and its reply.
+    Skipped (a report saying why) without AMX: vLLM then picks the refused CPU_MLA backend."""
+    import torch
+
+    from kvengine.integrations.vllm.tiny_models import build_model_dir
+
+    if not torch.cpu._is_amx_tile_supported():
+        return {"skipped": "no AMX: vLLM picks the refused CPU_MLA backend"}
+    model = str(build_model_dir(work / "deepseek_v2", "deepseek_v2", dtype="bfloat16"))
+    over = dict(max_num_seqs=1, compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    prompts = [prompt(801, 600), prompt(802, 100), prompt(803, 513)]
+    report: dict[str, Any] = {"prompts": prompts}
+    set_topology(in_process=True)
+    engine = start(engine_args(model, dtype="bfloat16", **over))
+    try:
+        report["backend"] = _backend_of(engine, "model.layers.0.self_attn.attn")
+        report["block"] = int(engine.vllm_config.cache_config.block_size)
+        report["ref"] = run(engine, prompts, 16, logprobs=True)
+        later = [prompts[0] + report["ref"][0]["tokens"] + prompt(804, 153)]  # 769 tokens
+        report["later"], report["ref_later"] = later, run(engine, later, 16, logprobs=True)
+    finally:
+        shutdown(engine)
+    # vLLM's own prefix cache, warmed by the same prompts: a hit resumes the prefill at the last block boundary
+    # before the last token, as the consumer does at the last token for prompts of a multiple of blocks + 1
+    engine = start(engine_args(model, dtype="bfloat16", enable_prefix_caching=True, **over))
+    try:
+        run(engine, prompts + later, 1)
+        report["ref_prefix_cache"] = run(engine, prompts + later, 16, logprobs=True)
+    finally:
+        shutdown(engine)
+    pair = _HandoffPair(model, dtype="bfloat16", **over)
+    try:
+        report["decode"] = []
+        for batch in (prompts, later):
+            params = [o["transfer"] for o in run(pair.producer, batch, 1)]  # type: ignore[index]
+            report.setdefault("params", []).extend(params)
+            report["decode"] += run(pair.consumer, batch, 16, logprobs=True, transfer=params)
+        report["producer"], report["consumer"] = scrape(pair.producer_port), scrape(pair.consumer_port)
+    finally:
+        shutdown(pair.consumer)
+        shutdown(pair.producer)
+    return report
+
+
 def scenario_disagg_mooncake(work: Path) -> dict[str, Any]:
     """The handoff through a real Mooncake Store cluster on loopback (Llama, fp32): a producer with no
     handoff server (``kv_producer``, a Mooncake client on 127.0.0.2) and a consumer with no peers (a client on
@@ -1265,7 +1312,8 @@ def scenario_verify_fault(work: Path) -> dict[str, Any]:
 SCENARIOS = {"disagg": scenario_disagg, "disagg_swa_zmq": functools.partial(scenario_disagg_swa, wire="zmq"),
              "disagg_swa_ucx": functools.partial(scenario_disagg_swa, wire="ucx"),
              "disagg_mooncake": scenario_disagg_mooncake,
-             "disagg_hybrid": scenario_disagg_hybrid, "disagg_tp": scenario_disagg_tp, "first": scenario_first,
+             "disagg_hybrid": scenario_disagg_hybrid, "disagg_mla": scenario_disagg_mla, "disagg_tp": scenario_disagg_tp,
+             "first": scenario_first,
              "second": scenario_second, "hybrid": scenario_hybrid, "mla": scenario_mla,
              "mla_tp": scenario_mla_tp,
              "local": scenario_local, "mla_refusals": scenario_mla_refusals, "tp": scenario_tp,
