@@ -30,7 +30,7 @@ async def main() -> None:
 
         follow_up = prompt + [7, 8, 9]  # a later turn shares the whole prompt
         res = await engine.lookup(model, "turn-2", follow_up, max_tokens=len(follow_up) - 1)
-        restored = [torch.empty(2, HEADS, res.matched_tokens, HEAD_DIM, dtype=torch.float16) for _ in kv]
+        restored = [torch.empty(2, HEADS, res.tokens, HEAD_DIM, dtype=torch.float16) for _ in kv]
 
         def sink(view):
             s, e = view.token_range
@@ -39,7 +39,7 @@ async def main() -> None:
 
         result = await engine.load(res, sink)
         same = all(torch.equal(r, k[:, :, : result.loaded_tokens]) for r, k in zip(restored, kv))
-        print(f"matched {res.matched_tokens} of {len(follow_up)} tokens; loaded {result.loaded_tokens}; "
+        print(f"matched {res.tokens} of {len(follow_up)} tokens; loaded {result.loaded_tokens}; "
               f"identical={same}; prefill left: {len(follow_up) - result.loaded_tokens} tokens")
     finally:
         await engine.close()

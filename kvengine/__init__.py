@@ -2,7 +2,7 @@
 
 Start with :class:`KVEngine` (blocking, thread-safe) or :class:`CacheEngine`
 (asyncio). Describe a model with a :class:`Namespace` and a
-:class:`ChunkLayout`, bind it, then ``lookup`` / ``load`` / ``store``.
+:class:`ChunkLayout`, bind it, then ``lookup`` (a :class:`LookupResult`) / ``load`` / ``store``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         UnsupportedModelError,
     )
     from kvengine.facade import KVEngine
+    from kvengine.lookups import LookupOutcome, LookupResult
     from kvengine.transport import ReadScope
     from kvengine.types import ChunkSink, ChunkSource, ChunkView, LoadResult, ModelBinding, StoreResult
 
@@ -44,6 +45,7 @@ _EXPORTS = {
     **dict.fromkeys(("AttachError", "CapacityError", "ConfigError", "EngineClosedError", "IntegrityError",
                      "InvalidRequestError", "KVEngineError", "TransportError", "UnsupportedModelError"), "kvengine.errors"),
     "KVEngine": "kvengine.facade",
+    **dict.fromkeys(("LookupOutcome", "LookupResult"), "kvengine.lookups"),
     "ReadScope": "kvengine.transport",
     **dict.fromkeys(("ChunkSink", "ChunkSource", "ChunkView", "LoadResult", "ModelBinding", "StoreResult"),
                     "kvengine.types"),
@@ -68,7 +70,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachError", "CacheEngine", "CapacityError", "ChunkHash", "ChunkKey", "ChunkLayout", "ChunkSink",
     "ChunkSource", "ChunkView", "ConfigError", "DiskConfig", "EngineClosedError", "EngineConfig", "IntegrityError",
-    "InvalidRequestError", "KVCategory", "KVEngine", "KVEngineError", "LoadResult", "MemoryConfig",
+    "InvalidRequestError", "KVCategory", "KVEngine", "KVEngineError", "LoadResult", "LookupOutcome",
+    "LookupResult", "MemoryConfig",
     "ModelBinding", "Namespace", "NamespaceDigest", "ReadScope", "Reservation", "ReservationState", "StagedStore", "StoreResult",
     "TensorSpec", "TransportError", "UnsupportedModelError", "load_config",
 ]

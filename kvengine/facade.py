@@ -26,10 +26,10 @@ from kvengine.chunks.layout import ChunkLayout
 from kvengine.config import EngineConfig, load_config
 from kvengine.core.caller_mode import in_callers_mode
 from kvengine.core.engine import CacheEngine
-from kvengine.core.reservations import Reservation
 from kvengine.core.staging import StagedStore
 from kvengine.errors import CLOSED_MESSAGE, EngineClosedError, KVEngineError
 from kvengine.events import KVEventPublisher
+from kvengine.lookups import LookupResult
 from kvengine.metrics import EngineMetrics
 from kvengine.threads import start_thread
 from kvengine.tiers import Tier, build_tiers
@@ -204,9 +204,10 @@ class KVEngine:
     def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
         reads: ReadScope | None = None, from_token: int = 0,
-    ) -> Reservation:
-        """Reserve the longest cached chunk prefix of ``tokens`` (:meth:`CacheEngine.lookup`). An engine
-        whose only tier is memory answers in the calling thread, with no hop to its loop."""
+    ) -> LookupResult:
+        """Reserve the longest cached chunk prefix of ``tokens`` (:meth:`CacheEngine.lookup`): a HIT or a MISS,
+        which :meth:`load` or :meth:`release` ends. An engine whose only tier is memory answers in the calling
+        thread, with no hop to its loop."""
         if not self._core.has_lower_tiers:
             self._check_open()
             res = self._core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
@@ -218,26 +219,26 @@ class KVEngine:
     def lookup_resident(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
         from_token: int = 0,
-    ) -> Reservation | None:
+    ) -> LookupResult | None:
         """:meth:`lookup` where memory alone answers it, in the calling thread (no hop to the engine's
         loop); None where lower tiers must be asked (call :meth:`lookup`)."""
         self._check_open()
         return self._core.lookup_resident(binding, request_id, tokens, max_tokens=max_tokens, from_token=from_token)
 
-    def load(self, reservation: Reservation, sink: ChunkSink) -> LoadResult:
-        return self.run(self._core.load(reservation, in_callers_mode(sink)))
+    def load(self, found: LookupResult, sink: ChunkSink) -> LoadResult:
+        return self.run(self._core.load(found, in_callers_mode(sink)))
 
-    def begin_load(self, reservation: Reservation) -> tuple[ChunkView, ...]:
+    def begin_load(self, found: LookupResult) -> tuple[ChunkView, ...]:
         """Views of every reserved chunk for a caller-driven load; :meth:`finish_load` must follow."""
-        return self.run(self._core.begin_load(reservation))
+        return self.run(self._core.begin_load(found))
 
-    def finish_load(self, reservation: Reservation, loaded_chunks: int) -> LoadResult:
-        return self.run(self._core.finish_load(reservation, loaded_chunks))
+    def finish_load(self, found: LookupResult, loaded_chunks: int) -> LoadResult:
+        return self.run(self._core.finish_load(found, loaded_chunks))
 
-    def release(self, reservation: Reservation) -> None:
-        """End a reservation without loading; in the calling thread (no hop to the engine's loop)."""
+    def release(self, found: LookupResult) -> None:
+        """End a lookup's reservation without loading; in the calling thread (no hop to the engine's loop)."""
         self._check_open()
-        self._core.release_now(reservation)
+        self._core.release_now(found)
 
     def store(self, binding: ModelBinding, tokens: TokenInput, source: ChunkSource) -> StoreResult:
         """:meth:`CacheEngine.store <kvengine.core.engine.CacheEngine.store>`. An engine with no lower tier of

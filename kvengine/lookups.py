@@ -1,12 +1,19 @@
 """What a lookup can return, from the engine to an inference engine's scheduler: one type.
 
 A scheduler asks, before it schedules a request, how many of its tokens the cache supplies. The answer is
-one :class:`LookupResult`: its :class:`LookupOutcome` says what happened, ``tokens`` how far a hit reaches
-(or how many tokens a shadow check recomputes), and, in the process that made it, the engine's
-:class:`~kvengine.core.reservations.Reservation` behind a hit. Between processes (the vLLM channel) the
-same type travels without the reservation, which stays with the engine that pins its chunks.
+one :class:`LookupResult`, from the engine (:meth:`CacheEngine.lookup <kvengine.core.engine.CacheEngine.lookup>`,
+:meth:`KVEngine.lookup <kvengine.facade.KVEngine.lookup>`) through an integration to the scheduler: its
+:class:`LookupOutcome` says what happened, ``tokens`` how far a hit reaches (or how many tokens a shadow
+check recomputes), and, in the process that made it, the engine's
+:class:`~kvengine.core.reservations.Reservation` behind it: what the engine's ``load`` and ``release``
+end. Between processes (the vLLM channel) the same type travels without the reservation, which stays with
+the engine that pins its chunks.
 
+The engine answers HIT or MISS. The other outcomes are an integration's: a shadow check sampled, an answer
+not ready (a lookup on its way to a lower tier), a deadline passed, a broken way to the engine.
 Only :attr:`LookupOutcome.HIT` may be loaded; every other outcome means "compute it": nothing is read.
+The keyed store's per-key answers (:class:`~kvengine.keyed.GetOutcome`) are a fetch's, not a lookup's:
+a keyed get copies the chunk out in the same call, so nothing is reserved between the two.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ class LookupResult:
     tokens: int = 0
     #: FAILED: what failed
     error: str = ""
-    #: HIT, in the process that made it: the engine's reservation (never sent to another process)
+    #: In the process that made it, the engine's reservation (a HIT's pins; a MISS's entry in the engine's table,
+    #: so asking again counts nothing): ended by the engine's load or release. Never sent to another process.
     reservation: Reservation | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,10 +54,11 @@ class LookupResult:
 
     @classmethod
     def of(cls, reservation: Reservation) -> LookupResult:
-        """The engine's answer: a hit where it reserved tokens, else a miss (nothing pinned)."""
+        """The engine's answer: a hit where it reserved tokens, else a miss (nothing pinned); either way with
+        ``reservation``, which the caller ends by a load or a release."""
         if reservation.matched_tokens:
             return cls(LookupOutcome.HIT, reservation.matched_tokens, reservation=reservation)
-        return MISS
+        return cls(LookupOutcome.MISS, reservation=reservation)
 
     @property
     def loadable(self) -> int:

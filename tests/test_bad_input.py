@@ -110,7 +110,7 @@ def test_integer_max_tokens_still_caps_the_lookup(kv):
     eng.store(binding, toks, FakeKV(N).source)
     for i, (cap, want) in enumerate([(2 * CHUNK + 3, 2 * CHUNK), (np.int64(CHUNK), CHUNK), (0, 0), (None, N)]):
         res = eng.lookup(binding, f"r{i}", toks, max_tokens=cap)
-        assert res.matched_tokens == want
+        assert res.tokens == want
         eng.release(res)
 
 
@@ -123,7 +123,7 @@ def test_every_supported_token_form_finds_the_same_chunks(kv, tokens):
     eng, binding = kv
     eng.store(binding, list(range(N)), FakeKV(N).source)
     res = eng.lookup(binding, "r", tokens)
-    assert res.matched_tokens == N
+    assert res.tokens == N
     eng.release(res)
 
 
@@ -153,7 +153,7 @@ def test_meta_tensors_midway_keep_the_chunks_before_and_commit_nothing_of_theirs
         eng.store(binding, list(range(N)), source)
     assert len(eng._core.memory) == 2
     res = eng.lookup(binding, "r", list(range(N)))
-    assert res.matched_tokens == 2 * CHUNK
+    assert res.tokens == 2 * CHUNK
     out = [torch.zeros_like(t) for t in kv_data.layers]
     assert eng.load(res, copier(out)).loaded_tokens == 2 * CHUNK
     assert all(torch.equal(o[:, :, : 2 * CHUNK], k[:, :, : 2 * CHUNK]) for o, k in zip(out, kv_data.layers))

@@ -303,7 +303,7 @@ def test_promotions_and_staged_stores_are_announced(sub, tmp_path):
         sub.sync(reader._core.events)
         binding = reader.bind(Namespace(model="tiny"), make_layout())
         res = reader.lookup(binding, "r1", tokens)
-        assert res.matched_tokens == 3 * CHUNK
+        assert res.tokens == 3 * CHUNK
         sub.wait_for(lambda: len(chunks_of(sub.events(BlockStored))) == 3)
         assert chunks_of(sub.events(BlockStored)) == expected_chunks(binding, tokens)
         reader.release(res)

@@ -75,8 +75,8 @@ def test_a_lookup_memory_alone_answers_runs_in_the_callers_thread(tmp_path, lowe
 
         eng._core.memory.pin_prefix = recording  # type: ignore[method-assign]
         res = eng.lookup(binding, "r", tokens)
-        assert res.matched_tokens == 2 * CHUNK
-        assert eng.lookup(binding, "r", tokens) is res  # the same question: the same reservation
+        assert res.tokens == 2 * CHUNK
+        assert eng.lookup(binding, "r", tokens).reservation is res.reservation  # the same question: the same reservation
         assert len(threads) == 1  # pinned once
         assert (threads[0] is threading.current_thread()) is not lower_tier
         eng.release(res)
@@ -105,7 +105,7 @@ def test_a_store_with_no_lower_tier_runs_in_the_callers_thread(tmp_path, lower_t
             eng.store(binding, tokens, source)
         assert len(threads) == 3 and all((t is threading.current_thread()) is not lower_tier for t in threads)
         res = eng.lookup(binding, "r", tokens)
-        assert res.matched_tokens == 2 * CHUNK  # the two chunks copied before the failure
+        assert res.tokens == 2 * CHUNK  # the two chunks copied before the failure
         out = [torch.zeros_like(t) for t in kv.layers]
         assert eng.load(res, copier(out)).loaded_tokens == 2 * CHUNK
         assert all(torch.equal(o[:, :, :2 * CHUNK], k[:, :, :2 * CHUNK]) for o, k in zip(out, kv.layers))
@@ -160,7 +160,7 @@ def test_metrics_exporter_binds_loopback_and_a_taken_port_names_the_setting(unus
             s.bind(("127.0.0.2", unused_tcp_port))
         with pytest.raises(ConfigError, match=rf"metrics_port {unused_tcp_port} on metrics_host '127.0.0.1'"):
             KVEngine(config)
-        assert eng.lookup(eng.bind(Namespace(model="m"), make_layout()), "r", list(range(CHUNK))).matched_tokens == 0
+        assert eng.lookup(eng.bind(Namespace(model="m"), make_layout()), "r", list(range(CHUNK))).tokens == 0
 
 
 def test_cli_quickstart(capsys):

@@ -259,7 +259,7 @@ def test_keyed_chunks_never_meet_token_chunks() -> None:
         token_bytes = torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()
         store.put([token_bytes], lambda i: pages(1)[0])  # key bytes equal to the first chunk's tokens
         res = kv.lookup(kv.bind(plain, layout), "r1", tokens)
-        assert res.matched_tokens == 0
+        assert res.tokens == 0
         kv.release(res)
     finally:
         kv.close()

@@ -97,7 +97,7 @@ def test_latency_histograms_observe_lookup_load_store_and_tier_traffic(tmp_path)
     with KVEngine(_config(tmp_path, layout.nbytes())) as eng:  # memory empty: the lookup promotes from disk
         binding = eng.bind(Namespace(model="latency"), layout)
         res = eng.lookup(binding, "r", TOKENS)
-        assert res.matched_tokens == len(TOKENS)
+        assert res.tokens == len(TOKENS)
         assert eng.load(res, lambda view: None).loaded_tokens == len(TOKENS)
         samples = _exported(eng)
     assert samples["kvengine_lookup_seconds_count"] == 1 and samples["kvengine_lookup_seconds_sum"] > 0

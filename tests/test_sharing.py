@@ -80,10 +80,10 @@ def test_an_engine_server_serves_its_memory_tier_to_a_peer_client():
             with KVEngine({"chunk_size": CHUNK, "memory": {"capacity_bytes": "1MiB"},
                            "peers": {"peers": [address], "replicas": 1}}) as reader:
                 theirs = reader.bind(namespace, LAYOUT)
-                assert reader.lookup(theirs, "r", tokens).matched_tokens == 0  # not shared yet
+                assert reader.lookup(theirs, "r", tokens).tokens == 0  # not shared yet
                 server.share(binding)
                 res = reader.lookup(theirs, "r2", tokens)
-                assert res.matched_tokens == CHUNK
+                assert res.tokens == CHUNK
                 got: list[torch.Tensor] = []
                 reader.load(res, lambda view: got.append(view.tensors[0].clone()))
                 assert torch.equal(got[0], value)

@@ -40,9 +40,9 @@ import xxhash
 from kvengine.chunks.hashing import token_bytes
 from kvengine.chunks.keys import Namespace
 from kvengine.chunks.layout import ChunkLayout
-from kvengine.core.reservations import Reservation
 from kvengine.errors import InvalidRequestError, KVEngineError, ModelChangedError, UnsupportedModelError
 from kvengine.facade import KVEngine
+from kvengine.lookups import LookupResult
 from kvengine.semantics.canary import CanaryReport
 from kvengine.semantics.families import derive_spec
 from kvengine.semantics.spec import ModelKVSpec
@@ -277,12 +277,12 @@ class AttachedModel:
         self._current(ctx)
         return self._load(self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1), through)
 
-    def _load(self, res: Reservation,
+    def _load(self, res: LookupResult,
               through: Callable[[ChunkView], ChunkView] | None = None) -> tuple[Any, int, bool]:
-        if res.matched_tokens == 0:
+        if not res.loadable:
             self.engine.release(res)
             return self.codec.new_cache(), 0, True
-        restorer = self.codec.restorer(res.matched_tokens, self.runner.device)
+        restorer = self.codec.restorer(res.tokens, self.runner.device)
         sink: Callable[[ChunkView], None] = restorer if through is None else lambda view: restorer(through(view))
         result = self.engine.load(res, sink)
         cache, used = restorer.build(result.loaded_tokens)
@@ -426,7 +426,7 @@ class AttachedModel:
         if not use_cache:
             return _Restored(self.codec.new_cache(), 0, True, None, 0.0)
         res = self.engine.lookup(ctx.binding, request_id, ids, max_tokens=len(ids) - 1)
-        if res.matched_tokens and self._shadow.pick(ctx.binding):
+        if res.loadable and self._shadow.pick(ctx.binding):
             return _Restored(self.codec.new_cache(), 0, True, ShadowCheck(self, ctx, res), time.perf_counter() - t0)
         cache, reused, load_ok = self._load(res)
         return _Restored(cache, reused, load_ok, None, time.perf_counter() - t0)

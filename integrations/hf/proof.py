@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvengine.core.reservations import Reservation
+from kvengine.lookups import LookupResult
 from kvengine.trust.provenance import (
     CanaryResult,
     KVComparison,
@@ -77,16 +77,16 @@ def prove_namespace(attached: AttachedModel) -> CanaryResult:
 
 
 class ShadowCheck:
-    """One sampled hit: its reservation, compared chunk by chunk with the KV the request computes."""
+    """One sampled hit, compared chunk by chunk with the KV the request computes."""
 
-    def __init__(self, attached: AttachedModel, ctx: RequestContext, reservation: Reservation) -> None:
+    def __init__(self, attached: AttachedModel, ctx: RequestContext, hit: LookupResult) -> None:
         self._attached = attached
         self._ctx = ctx
-        self._res = reservation
+        self._hit = hit
 
     @property
     def tokens(self) -> int:
-        return self._res.matched_tokens
+        return self._hit.tokens
 
     def run(self, cache: Any, snapshots: dict[int, Snapshot]) -> KVComparison | None:
         """Compare the stored chunks with ``cache`` (the request prefilled from token 0); quarantine on
@@ -106,7 +106,7 @@ class ShadowCheck:
                     return
                 results.append(compare_kv(view.tensors, computed, lossy_bound=lossy_bound))
 
-        attached.engine.load(self._res, compare)
+        attached.engine.load(self._hit, compare)
         verdict = worst(results)  # None: e.g. a sliding window moved past every chunk
         settle(attached.engine, self._ctx.binding, "shadow", verdict,
                "a shadow-checked hit differs from the KV this model computed for it", tokens=str(self.tokens))

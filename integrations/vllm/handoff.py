@@ -48,10 +48,10 @@ from kvengine.addresses import offset_port, split_host_port
 from kvengine.chunks.hashing import prefix_end_hash
 from kvengine.chunks.keys import ChunkKey
 from kvengine.config import EngineConfig
-from kvengine.core.reservations import Reservation
 from kvengine.errors import ConfigError, InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.keyed import SyncKeyedStore, keyed_chunk_key, keyed_namespace
+from kvengine.lookups import LookupResult
 from kvengine.sharing import EngineServer, WireOptions, WireSettingNames
 from kvengine.transport import Buffer, ReadScope
 from kvengine.types import ModelBinding
@@ -223,7 +223,7 @@ class HandoffHolds:
         self.engine = engine
         self._lease = lease_s
         self._count = count  # "hold_confirmed", "hold_expired"
-        self._held: dict[ChunkKey, tuple[Reservation, float]] = {}
+        self._held: dict[ChunkKey, tuple[LookupResult, float]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from kvengine.core.reservations import Reservation
 from kvengine.core.staging import StagedStore
+from kvengine.lookups import LookupResult
 from kvengine.threads import executor
 from kvengine.types import ChunkView
 
@@ -53,10 +53,10 @@ _J = TypeVar("_J")
 
 @dataclass(eq=False)
 class LoadJob:
-    """One request's load this step: the reservation's views, and how many chunks every stage copied."""
+    """One request's load this step: its hit's views, and how many chunks every stage copied."""
 
     spec: LoadSpec
-    reservation: Reservation | None
+    hit: LookupResult | None
     views: tuple[ChunkView, ...]
     null_block_id: int
     #: hybrid models: the recurrent state at the hit's end (installed by the worker once all pages are in)

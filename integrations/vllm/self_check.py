@@ -283,7 +283,7 @@ def _load(engine: KVEngine, binding: ModelBinding, pipeline: LayerPipeline, forw
                                   f"element {element}")
             for codec in codecs:
                 _check_codec(codec, view, layout, pages, blocks)
-        spec = LoadSpec(request_id="self-check", salt="", start=0, end=res.matched_tokens, block_ids=blocks.target,
+        spec = LoadSpec(request_id="self-check", salt="", start=0, end=res.tokens, block_ids=blocks.target,
                         asynchronous=False)
         pipeline.begin_loads([LoadJob(spec, res, views, NULL_BLOCK)])
         for stage in forward_order:  # as the forward reaches each layer

@@ -47,7 +47,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
 from kvengine.chunks.keys import Namespace
 from kvengine.chunks.layout import ChunkLayout
-from kvengine.core.reservations import Reservation
 from kvengine.errors import InvalidRequestError
 from kvengine.facade import KVEngine
 from kvengine.lookups import MISS, LookupOutcome, LookupResult
@@ -85,7 +84,7 @@ def build_engine(options: ConnectorOptions) -> KVEngine:
 class _Taken:
     """A held hit, taken for loading: its chunks (None: a prompt tail alone), and what follows them."""
 
-    reservation: Reservation | None
+    hit: LookupResult | None
     state: BoundaryState | None = None
     tail: PromptTail | None = None
 
@@ -124,7 +123,7 @@ class ReservationDesk:
         self._tail_step = tail_step
         self._bindings: dict[str, ModelBinding] = {"": engine.bind(namespace, layout, tail_step=tail_step)}
         #: None: a hit that is a prompt tail alone (no whole chunk before it)
-        self._held: dict[str, Reservation | None] = {}
+        self._held: dict[str, LookupResult | None] = {}
         #: hybrid models: the recurrent state at each held reservation's end
         self._held_states: dict[str, _HeldState] = {}
         #: handed-off prompts: the tail after each held reservation's end
@@ -168,9 +167,9 @@ class ReservationDesk:
         while True:
             reads = self._handoff_reads(producer, until)
             found = self.engine.lookup(binding, request_id, ids, max_tokens=max_tokens, reads=reads, from_token=start)
-            res: Reservation | None = found
+            res: LookupResult | None = found
             state = held_tail = None
-            whole = found.matched_tokens == max_tokens // chunk * chunk  # the chunks before a tail are all held
+            whole = found.tokens == max_tokens // chunk * chunk  # the chunks before a tail are all held
             if tails is not None and whole and max_tokens % chunk:
                 held_tail = tails.find(binding, ids, max_tokens, reads)
             if self.states is not None and tails is not None and whole and (held_tail is not None or
@@ -178,9 +177,9 @@ class ReservationDesk:
                 state = self.states.at(binding, ids, max_tokens, reads)  # a handed-off prompt's, at its end
             if self.states is not None and state is None:
                 held_tail = None  # no state at its end: resume at a chunk boundary with one, if any
-                if found.matched_tokens:
+                if found.loadable:
                     res, state = self._resumable(binding, request_id, ids, found, start)
-            matched = held_tail.end if held_tail is not None else res.matched_tokens if res is not None else 0
+            matched = held_tail.end if held_tail is not None else res.tokens if res is not None else 0
             if until is None or matched == max_tokens or time.monotonic() + STORE_POLL_S >= until:
                 break
             if res is not None:
@@ -218,14 +217,14 @@ class ReservationDesk:
         producer) and MLA pages shared by ranks (the other ranks mirror this one's chunks counted from 0)."""
         return 0 if producer is not None or self._broadcast is not None else computed
 
-    def _answer(self, binding: ModelBinding, request_id: str, res: Reservation | None,
+    def _answer(self, binding: ModelBinding, request_id: str, res: LookupResult | None,
                 state: _HeldState | None, tail: PromptTail | None = None) -> LookupResult:
-        """Hold ``res`` (and a handed-off prompt's ``tail`` after it) for the request's load (or sample it
-        for a shadow check) and say what it offers."""
-        if res is not None and res.matched_tokens == 0 and tail is not None:
+        """Hold the engine's answer ``res`` (and a handed-off prompt's ``tail`` after it) for the request's
+        load (or sample it for a shadow check) and say what it offers."""
+        if res is not None and not res.loadable and tail is not None:
             self.engine.release(res)  # a tail alone: no chunk to hold
             res = None
-        if (res is None or res.matched_tokens == 0) and tail is None or \
+        if (res is None or not res.loadable) and tail is None or \
                 (self._broadcast is not None and self._broadcast.broken):
             if res is not None:
                 self.engine.release(res)
@@ -244,34 +243,36 @@ class ReservationDesk:
         assert res is not None
         with self._lock:
             self._held_tails.pop(request_id, None)
-            known = self._held.get(request_id) is res  # asked again: the same reservation, already counted
+            held = self._held.get(request_id)
+        # asked again: the engine renewed the same reservation, already counted
+        known = held is not None and held.reservation is res.reservation
         if not known and self._sampler.pick(binding):
             self.engine.release(res)
             with self._lock:
                 self._held.pop(request_id, None)
                 self._held_states.pop(request_id, None)
-                self._shadowed[request_id] = res.matched_tokens
-            return LookupResult(LookupOutcome.SHADOWED, res.matched_tokens)
+                self._shadowed[request_id] = res.tokens
+            return LookupResult(LookupOutcome.SHADOWED, res.tokens)
         with self._lock:
-            self._held[request_id] = res  # the same object again when vLLM asks again (idempotent)
+            self._held[request_id] = res
             if state is not None:
                 self._held_states[request_id] = state
-        return LookupResult(LookupOutcome.HIT, res.matched_tokens, reservation=res)
+        return res
 
-    def _resumable(self, binding: ModelBinding, request_id: str, ids: np.ndarray, res: Reservation,
-                   start: int) -> tuple[Reservation | None, BoundaryState | None]:
+    def _resumable(self, binding: ModelBinding, request_id: str, ids: np.ndarray, res: LookupResult,
+                   start: int) -> tuple[LookupResult | None, BoundaryState | None]:
         """Cut a hybrid model's hit back to the last boundary whose recurrent state is stored
         (None: no such boundary, ``res`` released)."""
         assert self.states is not None
         while True:
-            n, state = self.states.find(binding, ids, res.matched_tokens)
-            if n == res.matched_tokens:
+            n, state = self.states.find(binding, ids, res.tokens)
+            if n == res.tokens:
                 return res, state
             self.engine.release(res)
             if n == 0:
                 return None, None
             res = self.engine.lookup(binding, request_id, ids, max_tokens=n, from_token=start)
-            if res.matched_tokens == n:
+            if res.tokens == n:
                 return res, state
             # chunks were evicted meanwhile: look again below what is still there
 
@@ -304,7 +305,7 @@ class ReservationDesk:
                 return _Taken(res)  # only a whole handed-off prompt is loaded
             return _Taken(res, None if held is None else held.state, tail)
         assert res is not None
-        if held is None or end is None or end == res.matched_tokens:
+        if held is None or end is None or end == res.tokens:
             return _Taken(res, None if held is None else held.state)
         assert self.states is not None
         n, state = self.states.find(held.binding, held.tokens, end)
@@ -494,9 +495,9 @@ class WorkerSide:
             if taken is None:
                 logger.warning("kvengine: no reservation for %s (lease expired?); it is recomputed", spec.request_id)
                 taken = _Taken(None)
-            res = taken.reservation
-            views = self.engine.begin_load(res) if res is not None else ()
-            jobs.append(LoadJob(spec, res, views, meta.null_block_id, taken.state, tail=taken.tail))
+            hit = taken.hit
+            views = self.engine.begin_load(hit) if hit is not None else ()
+            jobs.append(LoadJob(spec, hit, views, meta.null_block_id, taken.state, tail=taken.tail))
         if jobs:
             self._pipeline.begin_loads(jobs)
 
@@ -578,7 +579,7 @@ class WorkerSide:
         res = self.engine.lookup(binding, f"{spec.request_id}#shadow", ids, max_tokens=hi)
         results = []
         try:
-            views = self.engine.begin_load(res) if res.matched_tokens else ()
+            views = self.engine.begin_load(res) if res.loadable else ()
             full = [i for i, t in enumerate(self.layout.tensors) if t.kind.every_block]
             for view in views:
                 start = view.token_range[0]
@@ -671,9 +672,9 @@ class WorkerSide:
         assert self.layout is not None
         spec = job.spec
         loaded = spec.start
-        if job.reservation is not None:
+        if job.hit is not None:
             assert self.engine is not None
-            loaded = max(loaded, self.engine.finish_load(job.reservation, job.loaded).loaded_tokens)
+            loaded = max(loaded, self.engine.finish_load(job.hit, job.loaded).loaded_tokens)
         elif self._follower:  # every chunk before the job's ``loaded``-th came from rank 0 and is in
             loaded = max(loaded, min(spec.end, job.loaded * self.layout.chunk.chunk_size))
         if self._pipeline is not None and self._pipeline.shares_loads:

@@ -48,7 +48,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         exact = all(torch.equal(o[:, : loaded.loaded_tokens], k[:, : loaded.loaded_tokens]) for o, k in zip(out, kv))
         print(f"prompt tokens      {len(tokens)}")
         print(f"chunks stored      {stored.stored_chunks} ({chunk} tokens each; partial tail not stored)")
-        print(f"tokens matched     {res.matched_tokens} (at most len-1, the last token is always recomputed)")
+        print(f"tokens matched     {res.tokens} (at most len-1, the last token is always recomputed)")
         print(f"tokens loaded      {loaded.loaded_tokens}  failed chunks {list(loaded.failed_chunks)}")
         print(f"bytes identical    {exact}")
         print(f"store {1e3 * (t1 - t0):.2f} ms, lookup+load {1e3 * (t2 - t1):.2f} ms")

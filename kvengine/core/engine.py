@@ -64,6 +64,7 @@ from kvengine.core.tier_writer import TierWriter
 from kvengine.errors import CLOSED_MESSAGE, CapacityError, ConfigError, EngineClosedError, InvalidRequestError
 from kvengine.events import MEDIUM_MEMORY, AllBlocksCleared, BlockStored, KVEventPublisher
 from kvengine.host.client import ServiceMemory
+from kvengine.lookups import LookupResult
 from kvengine.metrics import EngineMetrics
 from kvengine.tiers import Tier
 from kvengine.transport import ChunkTransport, ReadScope, read_scope
@@ -277,9 +278,10 @@ class CacheEngine:
     async def lookup(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
         reads: ReadScope | None = None, from_token: int = 0,
-    ) -> Reservation:
+    ) -> LookupResult:
         """Reserve the longest cached chunk prefix of ``tokens`` (at most ``max_tokens``), and with the binding's
-        ``tail_step`` the longest stored tail after it (:mod:`.tails`).
+        ``tail_step`` the longest stored tail after it (:mod:`.tails`): a HIT of the tokens it reaches, or a
+        MISS, with the reservation behind it that :meth:`load` or :meth:`release` ends.
 
         Idempotent per ``request_id``: the same question returns the same
         reservation with a renewed lease, pinning and counting nothing again.
@@ -287,13 +289,13 @@ class CacheEngine:
         them: :class:`~kvengine.transport.ReadScope`; None: the tiers' own deadlines and placement).
         ``from_token``: the caller holds the KV of every token before it (an inference engine's own prefix
         cache): chunks wholly before it are neither pinned nor read, the reservation starts at the chunk
-        holding it (``Reservation.first_token``), and ``matched_tokens`` is still the hit's end.
+        holding it (``Reservation.first_token``), and the hit's ``tokens`` still count from token 0.
         """
         self.check_open()
         started = time.perf_counter()
         question = self._question(binding, request_id, tokens, max_tokens, from_token)
         if isinstance(question, Reservation):
-            return question
+            return LookupResult.of(question)
         held = Pins.prefix(self.memory, question.keys)
         sources = {"memory": len(held)}
         promoted: list[MemoryEntry] = []
@@ -321,7 +323,7 @@ class CacheEngine:
         if promoted and self.memory.publishes_events:
             hashes = question.hashes if tail is None else [*question.hashes[: tail.chunk], tail.entry.key.chunk_hash]
             self.memory.announce(_StoreEvents(binding, hashes, token_bytes(tokens)).pairs(promoted))
-        return self._reserve(binding, request_id, question, held, started, sources, read_bytes)
+        return LookupResult.of(self._reserve(binding, request_id, question, held, started, sources, read_bytes))
 
     async def _promote(self, binding: ModelBinding, keys: list[ChunkKey], first_chunk: int, total_tokens: int,
                        sources: dict[str, int]) -> Pins:
@@ -376,7 +378,7 @@ class CacheEngine:
     def lookup_resident(
         self, binding: ModelBinding, request_id: str, tokens: TokenInput, *, max_tokens: int | None = None,
         from_token: int = 0,
-    ) -> Reservation | None:
+    ) -> LookupResult | None:
         """:meth:`lookup`'s answer where memory alone decides it (every asked chunk resident, or no lower
         tier to ask); None where it does not (call :meth:`lookup`).
 
@@ -388,7 +390,7 @@ class CacheEngine:
         started = time.perf_counter()
         question = self._question(binding, request_id, tokens, max_tokens, from_token)
         if isinstance(question, Reservation):
-            return question
+            return LookupResult.of(question)
         held = Pins.prefix(self.memory, question.keys)
         if len(held) < len(question.keys) and self.has_lower_tiers:
             held.release()
@@ -399,7 +401,7 @@ class CacheEngine:
             held.release()
             return None
         self._end_with(binding, held, tail)
-        return self._reserve(binding, request_id, question, held, started, {"memory": len(held)})
+        return LookupResult.of(self._reserve(binding, request_id, question, held, started, {"memory": len(held)}))
 
     def _question(self, binding: ModelBinding, request_id: str, tokens: TokenInput,
                   max_tokens: int | None, from_token: int) -> Reservation | _Question:
@@ -460,14 +462,15 @@ class CacheEngine:
         return res
 
     # -- load / release ------------------------------------------------------------
-    async def load(self, res: Reservation, sink: ChunkSink) -> LoadResult:
-        """Give every reserved chunk, in order, to ``sink``; the reservation ends.
+    async def load(self, found: LookupResult, sink: ChunkSink) -> LoadResult:
+        """Give every chunk ``found`` reserved, in order, to ``sink``; its reservation ends.
 
         Loading stops at the first chunk the sink fails on; that chunk and all
         later ones are reported failed so the caller recomputes them. An
-        expired or already ended reservation loads nothing.
+        expired or already ended reservation (or a miss) loads nothing.
         """
-        views = await self.begin_load(res)
+        views = await self.begin_load(found)
+        res = self._reservation_of(found)
         loaded = 0
         try:
             if views:
@@ -476,15 +479,15 @@ class CacheEngine:
             result = self._finish_load(res, loaded)  # also where close() ran meanwhile: it reports the load
         return result
 
-    async def begin_load(self, res: Reservation) -> tuple[ChunkView, ...]:
-        """Start a load the caller copies itself (e.g. layer by layer): views of every reserved chunk.
+    async def begin_load(self, found: LookupResult) -> tuple[ChunkView, ...]:
+        """Start a load the caller copies itself (e.g. layer by layer): views of every chunk ``found`` reserved.
 
         The views stay valid, and the chunks pinned, until :meth:`finish_load`,
         which must follow. Empty when the reservation expired or ended (the
         load then fails whole).
         """
         self.check_open()
-        self._check_owner(res)
+        res = self._reservation_of(found)
         now = self._clock()
         if not self.reservations.begin_load(res, now):
             self.metrics.load_failed_tokens.labels(model=res.model).inc(res.reserved_tokens)
@@ -494,18 +497,17 @@ class CacheEngine:
         return tuple(ChunkView(i, e.key, e.token_range, self.memory.tensors(e), e.layout)
                      for i, e in enumerate(res.entries))
 
-    async def finish_load(self, res: Reservation, loaded_chunks: int) -> LoadResult:
+    async def finish_load(self, found: LookupResult, loaded_chunks: int) -> LoadResult:
         """End a load: the first ``loaded_chunks`` chunks reached the caller, the rest failed (recompute).
 
         Counted once; a reservation that was not loading (its ``begin_load``
         failed, or it was finished before) reports nothing loaded.
         """
         self.check_open()
-        return self._finish_load(res, loaded_chunks)
+        return self._finish_load(self._reservation_of(found), loaded_chunks)
 
     def _finish_load(self, res: Reservation, loaded_chunks: int) -> LoadResult:
         """:meth:`finish_load`, of an engine open or closed."""
-        self._check_owner(res)
         loading = res.state is ReservationState.LOADING
         loaded_chunks = max(0, min(loaded_chunks, res.num_chunks)) if loading else 0
         tokens = res.entries[loaded_chunks - 1].token_range[1] if loaded_chunks else res.load_start
@@ -529,23 +531,30 @@ class CacheEngine:
                 return view.index
         return len(views)
 
-    async def release(self, res: Reservation) -> None:
-        """End a reservation without loading (request not scheduled, aborted, finished)."""
-        self.release_now(res)
+    async def release(self, found: LookupResult) -> None:
+        """End ``found``'s reservation without loading (request not scheduled, aborted, finished)."""
+        self.release_now(found)
 
-    def release_now(self, res: Reservation) -> None:
+    def release_now(self, found: LookupResult) -> None:
         """:meth:`release`, in the calling thread: synchronous and thread-safe (it touches only the
         reservation table and the memory tier, both locked), so an engine's thread ends a request
         without a hop to the engine's loop."""
         self.check_open()
-        self._check_owner(res)
-        self._end(res)
+        self._end(self._reservation_of(found))
 
-    def _check_owner(self, res: Reservation) -> None:
-        """Its pins are another engine's: loading or ending it here would corrupt both engines' memory."""
+    def _reservation_of(self, found: LookupResult) -> Reservation:
+        """The reservation behind this engine's answer ``found``. Another engine's pins, or an answer that
+        carries none (received from another process, or an integration's own), are refused: loading or ending
+        them here would corrupt both engines' memory, or end nothing."""
+        res = found.reservation
+        if res is None:
+            raise InvalidRequestError(f"a {found.outcome.value} lookup result without a reservation (received "
+                                      "from another process, or made by an integration): load or release the "
+                                      "result the engine's lookup returned")
         if res.owner is not self.reservations:
             raise InvalidRequestError(f"reservation of request {res.request_id!r} was made by another engine; "
                                       "load or release it through the engine that looked it up")
+        return res
 
     def _end(self, res: Reservation) -> bool:
         ended_from = self.reservations.end(res)

@@ -37,7 +37,7 @@ async def test_store_lookup_load_round_trip(engine, layout, namespace):
     st = await engine.store(b, toks, kv.source)
     assert (st.stored_chunks, st.present_chunks) == (3, 0)
     res = await engine.lookup(b, "r1", toks)
-    assert res.matched_tokens == 3 * CHUNK
+    assert res.tokens == 3 * CHUNK
     out = [torch.zeros_like(t) for t in kv.layers]
     result = await engine.load(res, copier(out))
     assert result.ok and result.loaded_tokens == 3 * CHUNK
@@ -55,7 +55,7 @@ async def test_lookup_is_idempotent(engine, layout, namespace):
     pins = engine.memory.total_pins()
     hits = engine.metrics.value("kvengine_hit_tokens_total")
     r2 = await engine.lookup(b, "r", toks)
-    assert r2 is r1 and r2.matched_tokens == r1.matched_tokens
+    assert r2.reservation is r1.reservation and r2.tokens == r1.tokens
     assert engine.memory.total_pins() == pins == 2
     assert engine.metrics.value("kvengine_hit_tokens_total") == hits
     assert engine.metrics.value("kvengine_lookups_total") == 1
@@ -70,7 +70,7 @@ async def test_changed_question_replaces_reservation(engine, layout, namespace):
     await engine.store(b, toks, FakeKV(2 * CHUNK).source)
     r1 = await engine.lookup(b, "r", toks)
     r2 = await engine.lookup(b, "r", toks, max_tokens=CHUNK + 3)
-    assert r2 is not r1 and r2.matched_tokens == CHUNK
+    assert r2.reservation is not r1.reservation and r2.tokens == CHUNK
     assert engine.memory.total_pins() == 1 and len(engine.reservations) == 1
 
 
@@ -158,8 +158,8 @@ async def test_namespaces_are_isolated(engine, layout):
     b = engine.bind(Namespace(model="a", cache_salt="tenant2"), layout)
     toks = list(range(2 * CHUNK))
     await engine.store(a, toks, FakeKV(2 * CHUNK).source)
-    assert (await engine.lookup(b, "r", toks)).matched_tokens == 0
-    assert (await engine.lookup(a, "r", toks)).matched_tokens == 2 * CHUNK
+    assert (await engine.lookup(b, "r", toks)).tokens == 0
+    assert (await engine.lookup(a, "r", toks)).tokens == 2 * CHUNK
 
 
 async def test_layout_is_part_of_identity(engine, namespace):
@@ -168,7 +168,7 @@ async def test_layout_is_part_of_identity(engine, namespace):
     b = engine.bind(namespace, make_layout(dim=8))
     toks = list(range(CHUNK))
     await engine.store(a, toks, FakeKV(CHUNK).source)
-    assert (await engine.lookup(b, "r", toks)).matched_tokens == 0
+    assert (await engine.lookup(b, "r", toks)).tokens == 0
 
 
 async def test_bad_requests(engine, layout, namespace):
@@ -194,7 +194,7 @@ async def test_huge_request_beyond_capacity_is_a_clean_partial_store(engine, lay
     assert engine.memory.used_bytes <= engine.memory.capacity_bytes
     assert engine.memory.total_pins() == 0
     res = await engine.lookup(b, "r", list(range(n)))
-    assert res.matched_tokens == 8 * CHUNK
+    assert res.tokens == 8 * CHUNK
     await engine.release(res)
 
 

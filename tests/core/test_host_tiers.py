@@ -73,7 +73,7 @@ def _load_all(engine: KVEngine, seed: int) -> tuple[int, int, bool]:
     out = [torch.zeros_like(t) for t in kv.layers]
     loaded = engine.load(res, copier(out)).loaded_tokens
     exact = all(torch.equal(o[:, :, :loaded], k[:, :, :loaded]) for o, k in zip(out, kv.layers))
-    return res.matched_tokens, loaded, exact
+    return res.tokens, loaded, exact
 
 
 def test_a_restarted_service_serves_what_its_disk_tier_holds_to_a_new_engine_exactly(tmp_path):
@@ -105,7 +105,7 @@ def test_a_restarted_service_serves_what_its_disk_tier_holds_to_a_new_engine_exa
             assert engine.metrics.value("kvengine_hit_tokens_total", model="shared") == len(TOKENS)
             assert engine.metrics.value("kvengine_loaded_bytes_total", tier="host") == 3 * LAYOUT.nbytes()
             res = engine.lookup_resident(binding, "warm", TOKENS)
-            assert res is not None and res.matched_tokens == len(TOKENS)
+            assert res is not None and res.tokens == len(TOKENS)
             engine.release(res)
         assert "3 chunks" in host.stop()
     finally:
@@ -247,7 +247,7 @@ def test_a_slow_promotion_holds_up_neither_the_engines_other_requests_nor_anothe
             for seed, res in results.items():
                 kv = FakeKV(len(prompts[seed]), seed=seed)
                 out = [torch.zeros_like(t) for t in kv.layers]
-                assert res.matched_tokens == len(TOKENS)
+                assert res.tokens == len(TOKENS)
                 assert engine.load(res, copier(out)).loaded_tokens == len(TOKENS)
                 assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     finally:

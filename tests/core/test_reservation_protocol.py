@@ -97,9 +97,9 @@ class ReservationMachine(RuleBasedStateMachine):
     def lookup(self, req, family, variant, chunks, cap, resident):
         toks = prompt(family, variant, chunks)
         res = self.ask(req, toks, cap, resident)
-        assert res.matched_tokens % CHUNK == 0 and res.matched_tokens <= len(toks)
+        assert res.tokens % CHUNK == 0 and res.tokens <= len(toks)
         if cap is not None:
-            assert res.matched_tokens <= cap
+            assert res.tokens <= cap
         self.live[req] = (res, toks)
 
     def ask(self, req, toks, cap, resident):
@@ -115,12 +115,12 @@ class ReservationMachine(RuleBasedStateMachine):
     def repeat_lookup(self, data, resident):
         req = data.draw(st.sampled_from(sorted(self.live)))
         res, toks = self.live[req]
-        if res.state is not ReservationState.RESERVED:
+        if res.reservation.state is not ReservationState.RESERVED:
             return
         pins = self.engine.memory.total_pins()
         lookups = self.engine.metrics.value("kvengine_lookups_total")
-        again = self.ask(req, toks, res.query[0], resident)
-        assert again is res and again.matched_tokens == res.matched_tokens
+        again = self.ask(req, toks, res.reservation.query[0], resident)
+        assert again.reservation is res.reservation and again == res
         assert self.engine.memory.total_pins() == pins
         assert self.engine.metrics.value("kvengine_lookups_total") == lookups
 
@@ -137,17 +137,17 @@ class ReservationMachine(RuleBasedStateMachine):
             assert torch.equal(view.tensors[0], chunk_kv(toks, view.token_range[1]))
             seen.append(view.index)
 
-        expired = self.clock.now > res.expires_at or res.state is not ReservationState.RESERVED
+        expired = self.clock.now > res.reservation.expires_at or res.reservation.state is not ReservationState.RESERVED
         result = self.run(self.engine.load(res, sink))
-        assert result.loaded_tokens <= result.promised_tokens == res.matched_tokens
+        assert result.loaded_tokens <= result.promised_tokens == res.tokens
         assert seen == list(range(result.loaded_tokens // CHUNK))
         if expired:
             assert result.loaded_tokens == 0
-        elif fail_at is None or fail_at >= res.num_chunks:
+        elif fail_at is None or fail_at >= res.reservation.num_chunks:
             assert result.ok
         else:
             assert result.loaded_tokens == fail_at * CHUNK
-            assert result.failed_chunks == tuple(range(fail_at, res.num_chunks))
+            assert result.failed_chunks == tuple(range(fail_at, res.reservation.num_chunks))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

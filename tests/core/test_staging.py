@@ -55,7 +55,7 @@ def test_staged_chunks_are_invisible_until_committed_and_unfilled_ones_never_ser
         staged = eng.begin_store(binding, toks)
         fill_layer_by_layer(staged, kv, chunks=2)
         probe = eng.lookup(binding, "early", toks)
-        assert probe.matched_tokens == 0  # half-written slots are not cached chunks
+        assert probe.tokens == 0  # half-written slots are not cached chunks
         eng.release(probe)
         result = eng.commit_store(staged, 2)
         assert (result.stored_chunks, result.rejected_chunks) == (2, 1)
@@ -181,5 +181,5 @@ async def test_unfinished_loads_and_staged_stores_are_covered_by_the_lease():
     assert (await eng.finish_load(res, 2)).loaded_tokens == 0
     with pytest.raises(InvalidRequestError, match="already committed"):
         await eng.commit_store(staged, 1)
-    assert (await eng.lookup(b, "again", toks)).matched_tokens == 2 * CHUNK  # the third was never published
+    assert (await eng.lookup(b, "again", toks)).tokens == 2 * CHUNK  # the third was never published
     await eng.close()

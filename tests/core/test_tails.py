@@ -28,7 +28,7 @@ def tail_key(binding, tokens: list[int], end: int) -> ChunkKey:
 async def loaded(eng: CacheEngine, res, kv: FakeKV) -> list[torch.Tensor]:
     out = [torch.zeros_like(x) for x in kv.layers]
     result = await eng.load(res, copier(out))
-    assert result.loaded_tokens == res.matched_tokens
+    assert result.loaded_tokens == res.tokens
     return out
 
 
@@ -51,18 +51,18 @@ async def test_a_longer_prompt_hits_to_the_last_whole_block(layout):
     assert eng.memory.contains(tail_key(b, history, 2 * CHUNK + 8))
     follow_up = history + [7] * 11  # the next turn: the history, then new tokens
     res = await eng.lookup(b, "turn2", follow_up)
-    assert res.matched_tokens == 2 * CHUNK + 8
+    assert res.tokens == 2 * CHUNK + 8
     out = await loaded(eng, res, kv)
     for o, k in zip(out, kv.layers):
         assert torch.equal(o[:, :, : 2 * CHUNK + 8], k[:, :, : 2 * CHUNK + 8])
     assert eng.metrics.value("kvengine_tail_hit_tokens_total") == 8
     # a prompt that leaves the history inside the tail (at token 38) gets the whole chunks only
     branch = history[: 2 * CHUNK + 6] + [5] * 10
-    assert (await eng.lookup(b, "branch", branch)).matched_tokens == 2 * CHUNK
+    assert (await eng.lookup(b, "branch", branch)).tokens == 2 * CHUNK
     # without a tail step, the same store keeps whole chunks only
     plain = eng.bind(Namespace(model="plain"), layout)
     await eng.store(plain, history, kv.source)
-    assert (await eng.lookup(plain, "p", follow_up)).matched_tokens == 2 * CHUNK
+    assert (await eng.lookup(plain, "p", follow_up)).tokens == 2 * CHUNK
     await eng.close()
 
 
@@ -72,10 +72,10 @@ async def test_lookup_is_stable_and_leaves_no_pin(layout):
     await eng.store(b, toks, FakeKV(len(toks)).source)
     first = await eng.lookup(b, "r", toks + [1, 2])
     again = await eng.lookup(b, "r", toks + [1, 2])
-    assert again is first and first.matched_tokens == CHUNK + 4
+    assert again.reservation is first.reservation and first.tokens == CHUNK + 4
     assert eng.memory.total_pins() == 2  # the chunk and the tail, once
     resident = eng.lookup_resident(b, "other", toks + [1, 2])
-    assert resident is not None and resident.matched_tokens == CHUNK + 4
+    assert resident is not None and resident.tokens == CHUNK + 4
     await eng.release(first)
     await eng.release(resident)
     assert eng.memory.total_pins() == 0
@@ -88,11 +88,11 @@ async def test_a_tail_inside_the_first_chunk_and_vllms_own_hit(layout):
     kv = FakeKV(CHUNK)
     await eng.store(b, toks, kv.source)
     res = await eng.lookup(b, "r", toks + [9] * 5, from_token=6)  # the caller holds 6 tokens already
-    assert res.matched_tokens == 12 and res.first_token == 0
+    assert res.tokens == 12 and res.reservation.first_token == 0
     out = await loaded(eng, res, kv)
     assert all(torch.equal(o[:, :, :12], k[:, :, :12]) for o, k in zip(out, kv.layers))
     # the one tail stored ends past the cap: no shorter one was stored, so nothing is hit
-    assert (await eng.lookup(b, "short", toks[:11], max_tokens=11)).matched_tokens == 0
+    assert (await eng.lookup(b, "short", toks[:11], max_tokens=11)).tokens == 0
     await eng.close()
 
 
@@ -110,7 +110,7 @@ async def test_storing_further_supersedes_shorter_tails(layout):
     assert len(eng.memory) == 3
     assert eng.metrics.value("kvengine_tails_superseded_total") == 2
     res = await eng.lookup(b, "r", toks + [1])
-    assert res.matched_tokens == 3 * CHUNK
+    assert res.tokens == 3 * CHUNK
     await eng.release(res)
     await eng.close()
 
@@ -121,7 +121,7 @@ async def test_a_reserved_tail_outlives_the_chunk_that_supersedes_it(layout):
     kv = FakeKV(len(toks))
     await eng.store(b, toks[: CHUNK + 9], kv.source)
     res = await eng.lookup(b, "r", toks[: CHUNK + 9] + [0])
-    assert res.matched_tokens == CHUNK + 8
+    assert res.tokens == CHUNK + 8
     await eng.store(b, toks, kv.source)
     assert eng.memory.contains(tail_key(b, toks, CHUNK + 8))  # pinned by the reservation: kept
     out = await loaded(eng, res, kv)
@@ -145,12 +145,12 @@ async def test_a_tail_memory_lacks_is_read_from_below(layout):
     # every whole chunk in memory, the tail below: memory alone cannot answer, the engine's loop does
     assert eng.lookup_resident(b, "warm", toks + [3]) is None
     res = await eng.lookup(b, "warm", toks + [3])
-    assert res.matched_tokens == 2 * CHUNK + 8
+    assert res.tokens == 2 * CHUNK + 8
     await eng.release(res)
     for key in list(t.blobs):
         eng.memory.discard(key)
     res = await eng.lookup(b, "cold", toks + [3])  # the chunks, then the tail
-    assert res.matched_tokens == 2 * CHUNK + 8
+    assert res.tokens == 2 * CHUNK + 8
     out = await loaded(eng, res, kv)
     assert all(torch.equal(o[:, :, : 2 * CHUNK + 8], k[:, :, : 2 * CHUNK + 8]) for o, k in zip(out, kv.layers))
     assert eng.memory.total_pins() == 0
@@ -158,7 +158,7 @@ async def test_a_tail_memory_lacks_is_read_from_below(layout):
     other = toks[: 2 * CHUNK] + [9] * 10
     assert eng.lookup_resident(b, "other", other) is None
     res = await eng.lookup(b, "other", other)
-    assert res.matched_tokens == 2 * CHUNK
+    assert res.tokens == 2 * CHUNK
     await eng.release(res)
     await eng.close()
 
@@ -186,13 +186,13 @@ async def test_a_tail_below_is_found_with_one_exists_for_all_candidates(layout):
     t.asked.clear()
     prompt = toks + list(range(500, 500 + CHUNK))  # the second chunk's candidates end at 20, 24 and 28
     res = await eng.lookup(b, "r", prompt)
-    assert res.matched_tokens == CHUNK + STEP
+    assert res.tokens == CHUNK + STEP
     assert t.asked == [1, 3, 1]  # the second whole chunk; its three tail candidates at once; the one read
     await eng.release(res)
     t.asked.clear()
     miss = toks[:CHUNK] + [7] * CHUNK  # no tail of it anywhere
     res = await eng.lookup(b, "miss", miss)
-    assert res.matched_tokens == CHUNK and t.asked == [1, 3]
+    assert res.tokens == CHUNK and t.asked == [1, 3]
     await eng.release(res)
     assert eng.memory.total_pins() == 0
     await eng.close()
@@ -216,7 +216,7 @@ async def test_a_tail_record_at_another_position_is_not_served(layout):
     for key in list(t.blobs):
         eng.memory.discard(key)
     res = await eng.lookup(b, "r", toks + [1])
-    assert res.matched_tokens == CHUNK
+    assert res.tokens == CHUNK
     assert eng.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 1
     await eng.release(res)
     await eng.close()

@@ -99,7 +99,7 @@ async def test_write_behind_then_promotion_from_lower_tier(layout):
     for k in list(t.blobs):
         assert eng.memory.discard(k)
     res = await eng.lookup(b, "r", toks)
-    assert res.matched_tokens == 3 * CHUNK
+    assert res.tokens == 3 * CHUNK
     out = [torch.zeros_like(x) for x in kv.layers]
     assert (await eng.load(res, copier(out))).ok
     assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
@@ -117,8 +117,8 @@ async def test_a_lookup_from_a_token_reads_only_the_chunks_from_the_one_holding_
     eng, b, toks, kv = await prompt_below(t, layout, 4)
     del t.blobs[t.in_prompt_order()[0]]
     res = await eng.lookup(b, "r", toks, from_token=CHUNK + 10)
-    assert (res.first_token, res.matched_tokens, res.num_chunks, res.reserved_tokens) == (CHUNK, 4 * CHUNK, 3, 3 * CHUNK)
-    assert await eng.lookup(b, "r", toks, from_token=CHUNK + 10) is res
+    assert (res.reservation.first_token, res.tokens, res.reservation.num_chunks, res.reservation.reserved_tokens) == (CHUNK, 4 * CHUNK, 3, 3 * CHUNK)
+    assert (await eng.lookup(b, "r", toks, from_token=CHUNK + 10)).reservation is res.reservation
     assert eng.metrics.value("kvengine_loaded_bytes_total", tier="dict") == 3 * layout.nbytes()
     out = [torch.zeros_like(x) for x in kv.layers]
     result = await eng.load(res, copier(out))
@@ -128,12 +128,12 @@ async def test_a_lookup_from_a_token_reads_only_the_chunks_from_the_one_holding_
     assert eng.metrics.value("kvengine_loaded_tokens_total") == 3 * CHUNK
     assert eng.metrics.value("kvengine_hit_tokens_total") == 3 * CHUNK
     again = await eng.lookup(b, "r", toks, from_token=0)  # asks for chunk 0 too: gone, so a miss
-    assert again is not res and again.matched_tokens == 0
+    assert again.reservation is not res.reservation and again.tokens == 0
     await eng.release(again)
     with pytest.raises(InvalidRequestError, match="from_token"):
         await eng.lookup(b, "r", toks, from_token=-1)
     past = await eng.lookup(b, "p", toks, from_token=10 * CHUNK)  # beyond the prompt: nothing to reserve
-    assert (past.matched_tokens, past.num_chunks) == (0, 0)
+    assert (past.tokens, past.reservation.num_chunks) == (0, 0)
     await eng.release(past)
     assert eng.memory.total_pins() == 0
     await eng.close()
@@ -182,7 +182,7 @@ async def test_corrupt_lower_tier_record_is_a_counted_miss(layout, damage):
         blob = bytearray(t.blobs[keys[2]])  # a valid record, but of another chunk
     t.blobs[keys[1]] = bytes(blob)
     res = await eng.lookup(b, "r", toks)
-    assert res.matched_tokens == CHUNK
+    assert res.tokens == CHUNK
     assert keys[1] in t.deleted
     assert sum(eng.metrics.value("kvengine_integrity_failures_total", reason=r)
                for r in ("payload_checksum", "truncated_payload", "other_key")) == 1
@@ -201,7 +201,7 @@ async def test_failed_tier_writes_are_counted_and_memory_keeps_serving(layout):
     await eng.flush()
     assert eng.metrics.value("kvengine_writes_dropped_total", reason="dict_failed") == 2
     res = await eng.lookup(b, "r", toks)
-    assert res.matched_tokens == 2 * CHUNK and eng.memory.total_pins() == 2
+    assert res.tokens == 2 * CHUNK and eng.memory.total_pins() == 2
     await eng.release(res)
     await eng.close()
 
@@ -305,7 +305,7 @@ async def test_unverified_namespace_never_reaches_verified_reader(layout):
     toks = list(range(2 * CHUNK))
     await eng.store(dbg, toks, FakeKV(2 * CHUNK).source)
     await eng.flush()
-    assert (await eng.lookup(ok, "r", toks)).matched_tokens == 0
+    assert (await eng.lookup(ok, "r", toks)).tokens == 0
     await eng.close()
 
 
@@ -319,11 +319,11 @@ async def test_partial_chunks_when_enabled(layout):
     st = await eng.store(b, toks, kv.source)
     assert st.stored_chunks == 3
     res = await eng.lookup(b, "same", toks)
-    assert res.matched_tokens == 2 * CHUNK + 5
+    assert res.tokens == 2 * CHUNK + 5
     out = [torch.zeros_like(x) for x in kv.layers]
     result = await eng.load(res, copier(out))
     assert result.loaded_tokens == 2 * CHUNK + 5 and all(torch.equal(o, k) for o, k in zip(out, kv.layers))
-    assert (await eng.lookup(b, "longer", toks + [7])).matched_tokens == 2 * CHUNK
+    assert (await eng.lookup(b, "longer", toks + [7])).tokens == 2 * CHUNK
     await eng.close()
 
 
@@ -345,7 +345,7 @@ async def test_record_at_wrong_position_is_refused(layout):
                            raw_length=header.raw_length, payload=payload)
     t.blobs[keys[1]] = forged + bytes(payload)
     res = await eng.lookup(b, "r", toks)
-    assert res.matched_tokens == CHUNK
+    assert res.tokens == CHUNK
     assert eng.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 1
     await eng.release(res)
     await eng.close()
@@ -385,7 +385,7 @@ async def test_records_written_before_token_dims_still_promote(layout):
         t.blobs[key] = as_version_2(t.blobs[key])
         assert all(d.token_dim is None for d in unpack_record(t.blobs[key])[0].tensors)
     res = await eng.lookup(b, "old", toks)
-    assert res.matched_tokens == 2 * CHUNK
+    assert res.tokens == 2 * CHUNK
     out = [torch.zeros_like(x) for x in kv.layers]
     await eng.load(res, copier(out))
     assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
@@ -402,7 +402,7 @@ async def test_record_whose_token_dim_disagrees_with_the_layout_is_a_layout_mism
     assert [d.token_dim for d in unpack_record(t.blobs[keys[1]])[0].tensors] == [2, 2]
     t.blobs[keys[1]] = rewritten(t.blobs[keys[1]], [2, 1])
     res = await eng.lookup(b, "r", toks)
-    assert res.matched_tokens == CHUNK
+    assert res.tokens == CHUNK
     assert eng.metrics.value("kvengine_integrity_failures_total", reason="layout_mismatch") == 1
     await eng.release(res)
     await eng.close()
@@ -447,7 +447,7 @@ async def test_a_gathering_tier_gets_raw_payloads_straight_from_memory_while_oth
     whole.blobs.clear()  # promote from the gathering tier only
     res = await eng.lookup(b, "r", toks)
     out = [torch.zeros_like(t) for t in kv.layers]
-    assert res.matched_tokens == 2 * CHUNK and (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
+    assert res.tokens == 2 * CHUNK and (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
     assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     await eng.close()
 
@@ -550,7 +550,7 @@ async def test_a_tier_that_raises_on_a_read_is_a_counted_miss(layout, fail):
         eng.memory.discard(key)
     t.fail = fail
     res = await eng.lookup(b, "r", toks)
-    assert res.matched_tokens == 0
+    assert res.tokens == 0
     assert await keyed.get([b"x"], lambda _i, _t: None) == [GetOutcome.MISS]
     assert eng.metrics.value("kvengine_tier_errors_total", tier="raising", op=fail) >= 2
     await eng.release(res)
@@ -570,7 +570,7 @@ async def test_a_closed_disk_transport_is_a_counted_miss_not_an_exception(layout
     await disk.close()
     reader = await make_engine(disk)  # empty memory: every chunk would come from the closed disk
     res = await reader.lookup(reader.bind(Namespace(model="m"), layout), "r", toks)
-    assert res.matched_tokens == 0
+    assert res.tokens == 0
     assert reader.metrics.value("kvengine_tier_errors_total", tier="local_disk", op="exists") == 1
     await reader.release(res)
     await reader.close()
@@ -661,7 +661,7 @@ async def test_a_store_that_ends_part_way_hands_its_copied_prefix_to_the_tiers(l
     b = eng.bind(Namespace(model="m"), layout)
     out = [torch.zeros_like(t) for t in kv.layers]
     res = await eng.lookup(b, "r", toks)
-    assert res.matched_tokens == 2 * CHUNK
+    assert res.tokens == 2 * CHUNK
     assert (await eng.load(res, copier(out))).loaded_tokens == 2 * CHUNK
     assert all(torch.equal(o[:, :, : 2 * CHUNK], k[:, :, : 2 * CHUNK]) for o, k in zip(out, kv.layers))
     await eng.close()
@@ -726,7 +726,7 @@ async def test_concurrent_lookups_of_one_prefix_from_below_both_get_the_whole_hi
     await t.asked_twice.wait()  # ... and the second one is promoting the same chunks
     t.gate.set()
     reservations = await asyncio.gather(first, second)
-    assert [r.matched_tokens for r in reservations] == [3 * CHUNK, 3 * CHUNK]
+    assert [r.tokens for r in reservations] == [3 * CHUNK, 3 * CHUNK]
     if placed:  # the second joined the first's reads and issued none of its own
         assert t.reads == 3
     assert eng.metrics.value("kvengine_loaded_bytes_total", tier="gated") == 3 * layout.nbytes()
@@ -754,7 +754,7 @@ async def test_a_lookup_waiting_on_a_failed_promotion_is_a_miss_not_a_hang(layou
     await t.asked_twice.wait()
     t.gate.set()
     reservations = await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
-    assert [r.matched_tokens for r in reservations] == [0, 0]
+    assert [r.tokens for r in reservations] == [0, 0]
     for res in reservations:
         await eng.release(res)
     assert eng.memory.total_pins() == 0
@@ -799,17 +799,17 @@ async def test_lookup_resident_answers_only_what_memory_alone_decides(layout):
     await eng.store(b, toks, FakeKV(3 * CHUNK).source)
     await eng.flush()
     res = eng.lookup_resident(b, "warm", toks)
-    assert res is not None and res.matched_tokens == 3 * CHUNK
-    assert await eng.lookup(b, "warm", toks) is res
+    assert res is not None and res.tokens == 3 * CHUNK
+    assert (await eng.lookup(b, "warm", toks)).reservation is res.reservation
     assert eng.memory.total_pins() == 3 and eng.metrics.value("kvengine_lookups_total") == 1
     await eng.release(res)
     tail = t.in_prompt_order()[2]
     assert eng.memory.discard(tail)
     assert eng.lookup_resident(b, "cold", toks) is None
     assert eng.memory.total_pins() == 0 and eng.metrics.value("kvengine_lookups_total") == 1
-    assert eng.lookup_resident(b, "cold", toks, max_tokens=2 * CHUNK + 1).matched_tokens == 2 * CHUNK
+    assert eng.lookup_resident(b, "cold", toks, max_tokens=2 * CHUNK + 1).tokens == 2 * CHUNK
     res = await eng.lookup(b, "cold", toks)  # another question: the capped reservation is replaced
-    assert res.matched_tokens == 3 * CHUNK and eng.memory.total_pins() == 3
+    assert res.tokens == 3 * CHUNK and eng.memory.total_pins() == 3
     await eng.release(res)
     assert eng.memory.total_pins() == 0 and len(eng.reservations) == 0
     await eng.close()
@@ -868,10 +868,10 @@ async def test_a_bad_copy_on_a_tier_with_copies_is_rejected_there_and_the_next_c
     assert t.rejected == [keys[1]] and t.deleted == []
     assert eng.metrics.value("kvengine_integrity_failures_total", tier="two_copies", reason="wrong_position") == 1
     if fail_reject:
-        assert res.matched_tokens == CHUNK
+        assert res.tokens == CHUNK
         assert eng.metrics.value("kvengine_tier_errors_total", tier="two_copies", op="reject") == 1
     else:
-        assert res.matched_tokens == loaded.loaded_tokens == 3 * CHUNK
+        assert res.tokens == loaded.loaded_tokens == 3 * CHUNK
         assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     assert eng.memory.total_pins() == 0
     await eng.close()

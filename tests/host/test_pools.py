@@ -51,7 +51,7 @@ def test_a_tenants_flood_evicts_only_its_own_share(service):
         assert pools[""].evictions == pools["c"].evictions == 0
         for name, (eng, bound, tokens) in kept.items():
             res = eng.lookup(bound, f"check-{name}", tokens)
-            assert res.matched_tokens == len(tokens), name
+            assert res.tokens == len(tokens), name
             kv = FakeKV(len(tokens), seed=ord(name))
             out = [torch.zeros_like(t) for t in kv.layers]
             assert eng.load(res, copier(out)).loaded_tokens == len(tokens)
@@ -64,7 +64,7 @@ def test_pools_do_not_see_each_others_chunks(service):
     with engine(service, "a") as a, engine(service, "b") as b:
         tokens = list(range(2 * CHUNK))
         a.store(a.bind(Namespace(model="m"), LAYOUT), tokens, FakeKV(len(tokens)).source)
-        assert b.lookup(b.bind(Namespace(model="m"), LAYOUT), "r", tokens).matched_tokens == 0
+        assert b.lookup(b.bind(Namespace(model="m"), LAYOUT), "r", tokens).tokens == 0
 
 
 @pytest.mark.parametrize("quotas, message", [

@@ -73,7 +73,7 @@ def test_two_engine_processes_share_one_copy_and_the_second_loads_it_exactly(hos
     with KVEngine(config(str(host.path))) as engine:
         binding = engine.bind(Namespace(model="shared"), LAYOUT)
         res = engine.lookup(binding, "r", TOKENS)
-        assert res.matched_tokens == len(TOKENS)
+        assert res.tokens == len(TOKENS)
         kv = FakeKV(len(TOKENS), seed=5)
         out = [torch.zeros_like(t) for t in kv.layers]
         assert engine.load(res, copier(out)).loaded_tokens == len(TOKENS)
@@ -129,7 +129,7 @@ def test_the_service_killed_mid_traffic_is_a_miss_and_the_engine_reattaches(host
                     engine.store(binding, TOKENS, kv.source)
                     t0 = time.perf_counter()
                     res = engine.lookup(binding, f"r{i}", TOKENS)
-                    if res.matched_tokens == 0:
+                    if res.tokens == 0:
                         misses.append(time.perf_counter() - t0)
                     out = [torch.zeros_like(t) for t in kv.layers]
                     n = engine.load(res, copier(out)).loaded_tokens
@@ -153,11 +153,11 @@ def test_the_service_killed_mid_traffic_is_a_miss_and_the_engine_reattaches(host
         assert engine._core.memory.outages == 1
         host.start()
         deadline = time.monotonic() + 10
-        while engine.lookup(binding, "back", TOKENS).matched_tokens == 0 and time.monotonic() < deadline:
+        while engine.lookup(binding, "back", TOKENS).tokens == 0 and time.monotonic() < deadline:
             engine.store(binding, TOKENS, kv.source)
             time.sleep(0.05)
         res = engine.lookup(binding, "after", TOKENS)
-        assert res.matched_tokens == len(TOKENS)
+        assert res.tokens == len(TOKENS)
         out = [torch.zeros_like(t) for t in kv.layers]
         assert engine.load(res, copier(out)).loaded_tokens == len(TOKENS)
         assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
@@ -246,7 +246,7 @@ def test_a_connection_cannot_release_another_ones_pins(tmp_path):
             b.bind(Namespace(model="m"), LAYOUT)
             a.store(ba, TOKENS, FakeKV(len(TOKENS)).source)
             res = a.lookup(ba, "a", TOKENS)
-            b._core.memory.unpin(b._core.memory.pin_prefix(res.keys) + a._core.memory.pin_prefix(res.keys))
+            b._core.memory.unpin(b._core.memory.pin_prefix(res.reservation.keys) + a._core.memory.pin_prefix(res.reservation.keys))
             assert b._core.memory.total_pins() == 0  # answered after b's unpins (one connection is in order)
             stats = a._core.memory.service_stats()
             assert (stats.own_pins, stats.all_pins) == (6, 6)  # a's lookup and a's pins above; b released its own
@@ -275,11 +275,11 @@ def test_chunks_a_broken_service_places_outside_the_arena_are_misses_not_views(t
             binding = engine.bind(Namespace(model="m"), LAYOUT)
             assert engine.store(binding, TOKENS, FakeKV(len(TOKENS)).source).stored_chunks == 3
             service.pools[""].base = service.capacity_bytes  # every offset it answers is now past the end
-            assert engine.lookup(binding, "r", TOKENS).matched_tokens == 0
+            assert engine.lookup(binding, "r", TOKENS).tokens == 0
             assert engine.store(binding, [9, *TOKENS[1:]], FakeKV(len(TOKENS)).source).stored_chunks == 0
             service.pools[""].base = 0
             again = engine.lookup(binding, "again", TOKENS)
-            assert again.matched_tokens == len(TOKENS)
+            assert again.tokens == len(TOKENS)
             engine.release(again)
             stats = engine._core.memory.service_stats()  # answered after every frame this engine sent before
             assert (stats.chunks, stats.all_pins) == (3, 0)  # the refused stores were aborted

@@ -77,12 +77,12 @@ def test_segment_kv_and_exact_kv_never_meet(segments):
     doc = ids(3 * CHUNK, 7)
     segments.segment(doc)
     exact = engine.lookup(attached.binding, "exact-reader", doc)
-    assert exact.matched_tokens == 0
+    assert exact.tokens == 0
     engine.release(exact)
     prefix = ids(3 * CHUNK + 1, 8)
     attached.generate(prefix, max_new_tokens=1)  # stores the prompt's whole chunks as exact KV
     exact = engine.lookup(attached.binding, "exact-again", prefix)
-    assert exact.matched_tokens == 3 * CHUNK
+    assert exact.tokens == 3 * CHUNK
     engine.release(exact)
     _, cached = segments.segment(prefix)
     assert cached == 0

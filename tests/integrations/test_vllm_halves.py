@@ -766,8 +766,8 @@ def test_hybrid_hit_stops_at_the_last_boundary_with_a_stored_state(state_desk):
         assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).loadable == 2 * CHUNK
         assert h.engine._core.memory.total_pins() == 2
     taken = h.desk.take("r")
-    res, state = taken.reservation, taken.state
-    assert res.matched_tokens == 2 * CHUNK and state[0].eq(7).all()
+    res, state = taken.hit, taken.state
+    assert res.tokens == 2 * CHUNK and state[0].eq(7).all()
     h.states.install(state, 3)
     assert torch.equal(h.cache[3], h.cache[5])
     h.engine.release(res)
@@ -790,8 +790,8 @@ def test_hybrid_load_offered_less_than_this_ranks_hit_gets_the_state_at_the_offe
     for end, want in ((CHUNK, 3), (2 * CHUNK, 7), (CHUNK + BS, None)):
         assert h.desk.lookup("r", "", token_bytes(h.tokens), 4 * CHUNK - 1).loadable == 2 * CHUNK
         taken = h.desk.take("r", end)
-        res, state = taken.reservation, taken.state
-        assert res.matched_tokens == 2 * CHUNK
+        res, state = taken.hit, taken.state
+        assert res.tokens == 2 * CHUNK
         assert (state is None) if want is None else state[0].eq(want).all()
         h.engine.release(res)
     assert h.engine._core.memory.total_pins() == 0

@@ -119,7 +119,7 @@ def test_a_tail_loads_after_the_chunks_and_only_up_to_its_end(setup):
     assert tails.save(binding, TOKENS, end, SRC, 0)
     before = backing.clone()
     res = eng.lookup(binding, "consumer", TOKENS[:end], max_tokens=end)
-    assert res.matched_tokens == CHUNK
+    assert res.tokens == CHUNK
     spec = LoadSpec(request_id="consumer", salt="", start=0, end=end, block_ids=DST, asynchronous=False)
     job = LoadJob(spec, res, eng.begin_load(res), 0, tail=tails.find(binding, TOKENS, end, tails.reads(PRODUCER)))
     pipe = LayerPipeline(copier, (0, 1))
@@ -212,11 +212,11 @@ def test_the_desk_offers_a_handed_off_prompt_through_its_tail_only_when_asked(se
     assert desk.lookup("plain", "", data, end).loadable == CHUNK
     assert desk.lookup("handed", "", data, end, producer=PRODUCER).loadable == end
     taken = desk.take("handed")
-    assert taken.reservation.matched_tokens == CHUNK and (taken.tail.start, taken.tail.end) == (CHUNK, end)
-    eng.release(taken.reservation)
+    assert taken.hit.tokens == CHUNK and (taken.tail.start, taken.tail.end) == (CHUNK, end)
+    eng.release(taken.hit)
     assert desk.lookup("short", "", token_bytes(TOKENS[:short]), short, producer=PRODUCER).loadable == short
     alone = desk.take("short")
-    assert alone.reservation is None and (alone.tail.start, alone.tail.end) == (0, short)
+    assert alone.hit is None and (alone.tail.start, alone.tail.end) == (0, short)
     assert desk.lookup("gone", "", data, end - 1, producer=PRODUCER).loadable == CHUNK  # no tail of that length
     desk.release("gone")
     desk.release("plain")
@@ -316,7 +316,7 @@ def test_a_consumer_fetches_a_handed_off_prompt_over_the_producers_wire(wire, tm
                 consumed = PromptTails(consumer, layout, copier, fetch_timeout=5.0)
                 res = consumer.lookup(theirs, "c", TOKENS[:end], max_tokens=end,
                                       reads=consumed.reads(server.address))
-                assert res.matched_tokens == CHUNK
+                assert res.tokens == CHUNK
                 consumer.release(res)
                 tail = consumed.find(theirs, TOKENS, end, consumed.reads(server.address))
                 assert tail is not None and (tail.start, tail.end) == (CHUNK, end)

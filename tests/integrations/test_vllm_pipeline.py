@@ -50,7 +50,7 @@ def save(eng, binding, pipe: LayerPipeline, copier: PagedCopier, layers_done=())
 
 def load(eng, binding, pipe: LayerPipeline) -> LoadJob:
     res = eng.lookup(binding, "l", TOKENS)
-    spec = LoadSpec(request_id="l", salt="", start=0, end=res.matched_tokens, block_ids=DST,
+    spec = LoadSpec(request_id="l", salt="", start=0, end=res.tokens, block_ids=DST,
                              asynchronous=False)
     pipe.begin_loads([LoadJob(spec, res, eng.begin_load(res), 0)])
     assert pipe.wait_layer(0)
@@ -125,7 +125,7 @@ def test_a_failing_save_copy_commits_only_the_chunks_before_it(setup, beside):
     finally:
         pipe.close()
     res = eng.lookup(binding, "check", TOKENS)
-    assert res.matched_tokens == CHUNK  # the unfilled chunk was never published
+    assert res.tokens == CHUNK  # the unfilled chunk was never published
     eng.release(res)
 
 

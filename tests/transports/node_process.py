@@ -86,4 +86,4 @@ def lookup_and_load(engine: Any, binding: Any, request: str, tokens: Any, kv: An
             dst[:, :, s:e].copy_(src)
 
     loaded = engine.load(res, sink)
-    return {"matched": res.matched_tokens, "loaded": loaded.loaded_tokens, "digest": digest(out, loaded.loaded_tokens)}
+    return {"matched": res.tokens, "loaded": loaded.loaded_tokens, "digest": digest(out, loaded.loaded_tokens)}

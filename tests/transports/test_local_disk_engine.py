@@ -25,7 +25,7 @@ def load_all(eng: KVEngine, binding, toks, kv: FakeKV, request: str = "r"):
     result = eng.load(res, copier(out))
     n = result.loaded_tokens
     exact = all(torch.equal(o[:, :, :n], k[:, :, :n]) for o, k in zip(out, kv.layers))
-    return res.matched_tokens, result, exact
+    return res.tokens, result, exact
 
 
 def test_one_lookup_spans_memory_and_disk(tmp_path):
@@ -56,7 +56,7 @@ def test_restarted_engine_reuses_the_directory(tmp_path):
         matched, result, exact = load_all(eng, eng.bind(Namespace(model="m"), layout), toks, kv)
         assert matched == 3 * CHUNK and result.ok and exact
         other = eng.bind(Namespace(model="other-model"), layout)
-        assert eng.lookup(other, "x", toks).matched_tokens == 0
+        assert eng.lookup(other, "x", toks).tokens == 0
 
 
 def test_second_process_gets_hits_from_disk(tmp_path):
@@ -138,7 +138,7 @@ def test_lossy_disk_codec_needs_a_lossy_namespace(tmp_path):
         res = eng.lookup(lossy, "r", list(range(2 * CHUNK)))
         got = []
         eng.load(res, lambda v: got.append([t.clone() for t in v.tensors]))
-        assert res.matched_tokens == 2 * CHUNK
+        assert res.tokens == 2 * CHUNK
         err = max((g - k[:, :, :CHUNK]).abs().max().item() for g, k in zip(got[0], kv.layers))
         assert 0 < err < 0.05  # quantized: close, not exact
 

@@ -42,13 +42,13 @@ def test_a_quarantined_namespace_serves_and_stores_nothing_and_withdraws_what_it
         held = eng.lookup(binding, "held", TOKENS)
         eng.store(salted, TOKENS, kv.source)
         held_salted = eng.lookup(salted, "held", TOKENS)
-        assert held.matched_tokens == held_salted.matched_tokens == 3 * CHUNK
+        assert held.tokens == held_salted.tokens == 3 * CHUNK
         eng.quarantine_namespace(binding, "test")
         assert not eng.load(held_salted, lambda _v: None).ok  # every salt of the root is withdrawn
         assert eng.is_quarantined(binding) and eng.is_quarantined(salted)
         out = [torch.zeros_like(t) for t in kv.layers]
         assert not eng.load(held, copier(out)).ok  # withdrawn: the caller recomputes
-        assert eng.lookup(binding, "again", TOKENS).matched_tokens == 0
+        assert eng.lookup(binding, "again", TOKENS).tokens == 0
         assert eng.store(salted, TOKENS, kv.source).stored_chunks == 0
         keyed = SyncKeyedStore(eng, eng.bind(keyed_namespace(Namespace(model="m"), "k"), layout))
         assert keyed.put([b"key"], lambda _i: [t[:, :, :CHUNK] for t in kv.layers]) == [PutOutcome.REFUSED]
@@ -61,7 +61,7 @@ def test_a_quarantined_namespace_serves_and_stores_nothing_and_withdraws_what_it
         assert eng._core.memory.total_pins() == 0
         other = eng.bind(Namespace(model="other"), layout)
         eng.store(other, TOKENS, kv.source)
-        assert eng.lookup(other, "o", TOKENS).matched_tokens == 3 * CHUNK  # others are untouched
+        assert eng.lookup(other, "o", TOKENS).tokens == 3 * CHUNK  # others are untouched
 
 
 def test_the_quarantine_outlives_the_process_and_reaches_every_engine_on_the_disk(tmp_path: Path, capsys):
@@ -80,11 +80,11 @@ def test_the_quarantine_outlives_the_process_and_reaches_every_engine_on_the_dis
             eng.quarantine_namespace(binding, "shadow mismatch", tokens="0-48")
         assert [e.model for e in read_markers(tmp_path)] == ["m"]
         other._core.quarantine.refresh()  # what its periodic refresh does
-        assert other.lookup(other.bind(ns, layout), "r", TOKENS).matched_tokens == 0
+        assert other.lookup(other.bind(ns, layout), "r", TOKENS).tokens == 0
     finally:
         other.close()
     with disk_engine(tmp_path) as eng:
-        assert eng.lookup(eng.bind(ns.with_updates(cache_salt="s"), layout), "r", TOKENS).matched_tokens == 0
+        assert eng.lookup(eng.bind(ns.with_updates(cache_salt="s"), layout), "r", TOKENS).tokens == 0
     assert quarantine_cmd(["list", "--disk", str(tmp_path)]) == 0
     listed = capsys.readouterr().out
     root = root_digest(ns)
@@ -96,7 +96,7 @@ def test_the_quarantine_outlives_the_process_and_reaches_every_engine_on_the_dis
     with disk_engine(tmp_path) as eng:
         binding = eng.bind(ns, layout)
         assert not eng.is_quarantined(binding)
-        assert eng.lookup(binding, "r", TOKENS).matched_tokens == 0  # purged: gone, and cacheable again
+        assert eng.lookup(binding, "r", TOKENS).tokens == 0  # purged: gone, and cacheable again
         assert eng.store(binding, TOKENS, kv.source).stored_chunks == 3
 
 

@@ -90,7 +90,7 @@ def test_a_fifo_planted_while_running_does_not_stop_the_lease_reaper(tmp_path: P
         eng.store(binding, TOKENS, FakeKV(len(TOKENS)).source)
         plant_fifo(fifo)
         time.sleep(1.2)  # two re-reads of the markers since the FIFO appeared
-        assert eng.lookup(binding, "abandoned", TOKENS).matched_tokens == len(TOKENS)  # never loaded or released
+        assert eng.lookup(binding, "abandoned", TOKENS).tokens == len(TOKENS)  # never loaded or released
         deadline = time.monotonic() + DEADLINE
         while eng.metrics.value("kvengine_reservations_reclaimed_total") == 0 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -530,7 +530,7 @@ async def slow_and_silent_peers(host: str, chunks: int = 32) -> list[Outcome]:
         t0 = time.monotonic()
         res = await reader.lookup(rb, "r1", tokens)
         took = time.monotonic() - t0
-        matched = res.matched_tokens
+        matched = res.tokens
         await reader.release(res)
         await reader.close()
         await server.close()

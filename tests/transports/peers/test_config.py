@@ -35,7 +35,7 @@ def test_engines_share_chunks_through_a_configured_peer():
             res = b.lookup(binding, "r", toks)
             out = [torch.zeros_like(t) for t in kv.layers]
             result = b.load(res, copier(out))
-            assert res.matched_tokens == 2 * CHUNK and result.ok
+            assert res.tokens == 2 * CHUNK and result.ok
             assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
             assert b.metrics.value("kvengine_loaded_bytes_total", tier="peers_tcp") == 2 * layout.nbytes()
     finally:

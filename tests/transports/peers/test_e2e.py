@@ -122,7 +122,7 @@ def node_main(wire: str, bind: str, peers_file: str, fakes_host: str = "") -> No
             engine.flush()
             if cmd.get("forget"):  # keep it on the peers only
                 res = engine.lookup(binding, "forget", tokens)
-                keys = res.keys
+                keys = res.reservation.keys
                 engine.release(res)
                 assert all(engine._core.memory.discard(k) for k in keys)
             reply: dict[str, Any] = {"stored": stored.stored_chunks}

@@ -111,11 +111,11 @@ async def test_a_replica_at_the_wrong_position_is_deleted_at_its_owner_only_and_
     reader = await _engine(reader_transport)
     binding = reader.bind(Namespace(model="m"), layout)
     res = await reader.lookup(binding, "r", tokens)
-    keys = list(res.keys)
+    keys = list(res.reservation.keys)
     out = [torch.zeros_like(t) for t in kv.layers]
     loaded = await reader.load(res, copier(out))
 
-    assert res.matched_tokens == CHUNKS * CHUNK and loaded.ok and loaded.loaded_tokens == CHUNKS * CHUNK
+    assert res.tokens == CHUNKS * CHUNK and loaded.ok and loaded.loaded_tokens == CHUNKS * CHUNK
     assert all(torch.equal(o, k) for o, k in zip(out, kv.layers))
     assert await pair.holds(pair.healthy, keys) == CHUNKS
     assert await pair.holds(pair.liar, keys) == 0
@@ -168,14 +168,14 @@ async def test_a_chunk_bad_at_every_owner_is_a_miss_deleted_at_each_and_nothing_
     await writer.store(written, tokens, kv.source)
     await writer.flush()
     res = await writer.lookup(written, "w", tokens)
-    keys = list(res.keys)
+    keys = list(res.reservation.keys)
     await writer.release(res)
     await writer.close()
     reader_transport = PeerTransport(TcpConnector(), Membership(addresses), OPTIONS)
     reader = await _engine(reader_transport)
     res = await reader.lookup(reader.bind(Namespace(model="m"), layout), "r", tokens)
 
-    assert res.matched_tokens == 0
+    assert res.tokens == 0
     for store in stores:
         assert await store.exists(keys) == [False, True, True, True]
     assert reader.metrics.value("kvengine_integrity_failures_total", reason="wrong_position") == 2

@@ -487,7 +487,7 @@ async def test_engine_store_serves_resident_chunks_as_verifiable_records(layout:
     tokens = list(range(40))
     await engine.store(binding, tokens, FakeKV(40).source)
     res = await engine.lookup(binding, "r", tokens)
-    keys = list(res.keys)
+    keys = list(res.reservation.keys)
     await engine.release(res)
     store = EngineStore(engine, MemoryRecordStore(MiB))
     assert await store.get(keys) == [None, None]  # namespace not shared yet
