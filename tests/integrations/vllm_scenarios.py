@@ -1092,7 +1092,7 @@ def scenario_disagg_hybrid(work: Path) -> dict[str, Any]:
 
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "SD"
     qwen = str(build_model_dir(work / "qwen3_next", "qwen3_next", dtype="bfloat16"))
-    over = dict(enable_prefix_caching=True, prefix_match_unit=HYBRID_MATCH_UNIT)
+    over = dict(enable_prefix_caching=True, prefix_match_unit=HYBRID_MATCH_UNIT, max_num_seqs=1)
     prompts = [prompt(701, 700), prompt(702, 333), prompt(703, 769)]
     report: dict[str, Any] = {"prompts": prompts}
     set_topology(in_process=True)
@@ -1101,15 +1101,26 @@ def scenario_disagg_hybrid(work: Path) -> dict[str, Any]:
         report["ref"] = run(engine, prompts, 16, logprobs=True)
         later = [prompts[0] + report["ref"][0]["tokens"] + prompt(704, 150)]
         report["later"], report["ref_later"] = later, run(engine, later, 16, logprobs=True)
+        # asked again: vLLM's own prefix cache resumes each prompt where the consumer does (its last token)
+        report["ref_again"] = run(engine, prompts + later, 16, logprobs=True)
     finally:
         shutdown(engine)
-    pair = _HandoffPair(qwen, dtype="bfloat16", **over)
+    unclaimed = [prompts[0][:-1] + prompts[1][:1]]  # the same tail as the first prompt's: its hold is replaced
+    return {**report, **_hand_off_turns(_HandoffPair(qwen, dtype="bfloat16", **over), [prompts, later], unclaimed)}
+
+
+def _hand_off_turns(pair: _HandoffPair, turns: list[list[list[int]]],
+                    unclaimed: list[list[int]] | None = None) -> dict[str, Any]:
+    """The ``unclaimed`` prompts prefilled by ``pair``'s producer (never decoded); then each turn's prompts
+    prefilled, then decoded (16 tokens, logprobs) by its consumer with the returned params; both instances'
+    metrics after; both shut down."""
+    report: dict[str, Any] = {"params": [], "decode": []}
     try:
-        report["decode"] = []
-        run(pair.producer, [prompts[0][:-1] + prompts[1][:1]], 1)  # the same tail: its hold is replaced
-        for batch in (prompts, later):
+        if unclaimed:
+            run(pair.producer, unclaimed, 1)
+        for batch in turns:
             params = [o["transfer"] for o in run(pair.producer, batch, 1)]  # type: ignore[index]
-            report.setdefault("params", []).extend(params)
+            report["params"] += params
             report["decode"] += run(pair.consumer, batch, 16, logprobs=True, transfer=params)
         report["producer"], report["consumer"] = scrape(pair.producer_port), scrape(pair.consumer_port)
     finally:
@@ -1151,18 +1162,7 @@ def scenario_disagg_mla(work: Path) -> dict[str, Any]:
         report["ref_prefix_cache"] = run(engine, prompts + later, 16, logprobs=True)
     finally:
         shutdown(engine)
-    pair = _HandoffPair(model, dtype="bfloat16", **over)
-    try:
-        report["decode"] = []
-        for batch in (prompts, later):
-            params = [o["transfer"] for o in run(pair.producer, batch, 1)]  # type: ignore[index]
-            report.setdefault("params", []).extend(params)
-            report["decode"] += run(pair.consumer, batch, 16, logprobs=True, transfer=params)
-        report["producer"], report["consumer"] = scrape(pair.producer_port), scrape(pair.consumer_port)
-    finally:
-        shutdown(pair.consumer)
-        shutdown(pair.producer)
-    return report
+    return {**report, **_hand_off_turns(_HandoffPair(model, dtype="bfloat16", **over), [prompts, later])}
 
 
 def scenario_disagg_mooncake(work: Path) -> dict[str, Any]:
