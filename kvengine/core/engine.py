@@ -469,8 +469,9 @@ class CacheEngine:
         later ones are reported failed so the caller recomputes them. An
         expired or already ended reservation (or a miss) loads nothing.
         """
-        views = await self.begin_load(found)
+        self.check_open()
         res = self._reservation_of(found)
+        views = self._begin_load(res)
         loaded = 0
         try:
             if views:
@@ -487,7 +488,10 @@ class CacheEngine:
         load then fails whole).
         """
         self.check_open()
-        res = self._reservation_of(found)
+        return self._begin_load(self._reservation_of(found))
+
+    def _begin_load(self, res: Reservation) -> tuple[ChunkView, ...]:
+        """:meth:`begin_load` of a reservation this engine made."""
         now = self._clock()
         if not self.reservations.begin_load(res, now):
             self.metrics.load_failed_tokens.labels(model=res.model).inc(res.reserved_tokens)
