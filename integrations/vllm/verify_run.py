@@ -11,11 +11,16 @@ their own), one after another:
    writer is started once more with the budget and prompts they need; with
    several KV cache groups, once more again on a budget sized from the blocks
    one preempted-size request was measured to hold (:class:`_Plan`);
-2. **reference** -- vLLM without the connector: greedy tokens and their
-   log-probabilities for the same prompts;
-3. **reader** -- a FRESH engine process with the connector when a persistent
+2. **reader** -- a FRESH engine process with the connector when a persistent
    or shared tier is configured (disk, peers, Mooncake), loading from it;
-   memory only: the writer engine again, before the reference.
+   memory only: the writer engine again;
+3. **reference** -- vLLM without the connector, on the CPU cores the
+   connector's engines compute on (:func:`_cpus_reserved_as`): greedy tokens
+   and their log-probabilities for the same prompts, each computed whole, and each
+   request run alone that a pass resumed from cached tokens computed again
+   resumed at the same token by vLLM's own prefix cache
+   (:func:`_resumed_references`): a prefill split elsewhere rounds
+   differently in bf16 on AMX CPUs, by as much as a wrong state moves it.
 
 Prompts (``C`` the chunk size the connector derives from vLLM's blocks):
 full and partial chunks (``2.5 C + 1``); a prompt sharing ``1.5 C`` with it;
@@ -28,16 +33,18 @@ looking them up again. Every engine, the reference's too, runs on that budget
 the blocks one such request was measured to hold (:class:`_Plan`). The proof
 fails unless vLLM reports preemptions in each of the connector's passes.
 
-Greedy tokens must equal the reference's in the writer and the reader pass,
-and log-probabilities within :data:`ALONE_TOLERANCE` of it for a request run alone (the
-preempted requests, batched: :data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`; those of a
-recurrent-state model below fp32 not at all, see :func:`_preempted_bound`).
+Greedy tokens must equal the reference's (the resumed one where there is
+one) in the writer and the reader pass, and log-probabilities within
+:data:`ALONE_TOLERANCE` of it for a request run alone (the preempted
+requests, batched, against the whole prompts:
+:data:`~kvengine.trust.proof_run.LOGPROB_TOLERANCE`; not at all where their
+outputs follow step timing, see :func:`_preempted_bound`).
 Each KV cache group gets a verdict, with the tokens the reader loaded (a
 reader that loads nothing fails). vLLM keeps its KV inside the workers, so a
 group's state is judged by the outputs it leads to (``max_state_error`` None).
-vLLM's own prefix cache is off, so every reused token is kvengine's, except
-for models with a recurrent-state group, which the connector serves only with
-it on (vLLM's ``mamba_cache_mode 'align'``).
+In the connector's passes vLLM's own prefix cache is off, so every reused
+token is kvengine's, except for models with a recurrent-state group, which the
+connector serves only with it on (vLLM's ``mamba_cache_mode 'align'``).
 
 Must run in a ``__main__``-guarded process (vLLM spawns its engine processes).
 """
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import socket
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -95,12 +103,16 @@ class _Prompt:
     name: str
     tokens: tuple[tuple[int, ...], ...]  # one batch: these requests are added together
     max_tokens: int
+    #: the prompt whose request, prompt and reply, this one's tokens begin with (the next turn's first turn)
+    follows: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Output:
     tokens: list[int]
     logprobs: list[float]
+    #: prompt tokens vLLM reported cached when it first scheduled the request (its prefix cache and the connector)
+    cached: int = 0
 
 
 class _SchedulerWatch:
@@ -222,9 +234,6 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
-    clock.step("reference: vLLM without the connector")
-    with _engine(plain_args(plan)) as engine:
-        want = {p.name: _run(engine, p, clock, "reference") for p in prompts}
     if fresh:
         clock.step("reader: a fresh engine process with the connector, loading from the configured tiers")
         with _engine(connector_args(plan), watch) as engine:
@@ -232,13 +241,29 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
     preempted["reader"] = watch.preempted - preempted["writer"]  # the reference engine has no watch
+    clock.step("reference: vLLM without the connector, each prompt whole and resumed where the passes resumed it")
+    with _cpus_reserved_as(connector_args(plan)), \
+            _engine({**plain_args(plan), "enable_prefix_caching": True}) as engine:
+        want = {p.name: _run(engine, p, clock, "reference", whole=True) for p in prompts}
+        resumed = _resumed_references(engine, prompts, got, clock)
+    # each request run alone against its nearest reference resumed where it was, else the whole prompt's
+    expected = {which: {name: [min(resumed.get((which, name), [w]), key=lambda r: _error([o], [r]))
+                               for o, w in zip(outputs, want[name])] for name, outputs in passes.items()}
+                for which, passes in got.items()}
     dtype = str(probe.model_config.dtype).removeprefix("torch.")
     if dtype not in LOGPROB_TOLERANCE:
         raise UnsupportedModelError(f"kvengine verify vllm: no tolerance is established for {dtype} "
                                     f"(known: {', '.join(LOGPROB_TOLERANCE)})")
-    # a recurrent-state model's preempted requests below fp32 follow where vLLM resumed them (_preempted_bound)
-    unjudged = {PREEMPTION} if _preempted_bound(dtype, hybrid) == math.inf else set()
-    failures = [f for which, outputs in got.items() for f in _differences(which, outputs, want, unjudged)]
+    # how far this platform's outputs move with where a prefill is split: a resumed reference from its whole one
+    split_effect = max((_error([ref], want[name]) for (_, name), refs in resumed.items() for ref in refs),
+                       default=0.0)
+    preempted_bound = _preempted_bound(dtype, hybrid, split_effect)
+    unjudged = {PREEMPTION} if preempted_bound == math.inf else set()
+    if unjudged:
+        clock.step(f"preempted requests not judged: they are resumed where step timing puts them, and this model "
+                   f"{'has recurrent state' if hybrid else f'moves by {split_effect:.3g} with a split prefill'} "
+                   f"in {dtype}")
+    failures = [f for which, outputs in got.items() for f in _differences(which, outputs, expected[which], unjudged)]
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
     clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted "
@@ -247,16 +272,16 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
         failures.append(f"loaded nothing: the reader pass reused no token (chunk size {plan.chunk})")
     failures += [f"vLLM preempted no request in the {which} pass on a budget of {plan.budget} blocks: the "
                  "preemption case was not exercised" for which, n in preempted.items() if n == 0]
-    errors = {(which, name): max((abs(a - b) for o, w in zip(out, want[name]) for a, b in zip(o.logprobs, w.logprobs)),
-                                 default=math.inf) for which, outputs in got.items() for name, out in outputs.items()}
-    clock.step("log-probability error against the reference: " + ", ".join(
-        f"{which} {name} {e:.3g}" for (which, name), e in errors.items()))
+    errors = {(which, name): _error(out, expected[which][name]) for which, outputs in got.items()
+              for name, out in outputs.items()}
+    clock.step(f"log-probability error against the reference ({len(resumed)} resumed where the passes resumed): "
+               + ", ".join(f"{which} {name} {e:.3g}" for (which, name), e in errors.items()))
     for (which, name), e in errors.items():
-        bound = _preempted_bound(dtype, hybrid) if name == PREEMPTION else ALONE_TOLERANCE[dtype]
+        bound = preempted_bound if name == PREEMPTION else ALONE_TOLERANCE[dtype]
         if e > bound and not failures:
             failures.append(f"{which} pass, {name}: log-probabilities differ by up to {e:.3g} (tolerance {bound:g} "
                             f"for {dtype}{' batched' if name == PREEMPTION else ''})")
-    error = max(errors.values())
+    error = max(e for (_, name), e in errors.items() if name not in unjudged)
     exact = not failures
     groups = tuple(GroupVerdict(group=g, outcome=Outcome.EXACT if exact else Outcome.DIFFERS, max_state_error=None,
                                 max_logprob_error=error, max_logit_error=None, tokens_loaded=loaded)
@@ -375,26 +400,32 @@ def _prompts(plan: _Plan, k: int, vocab: int, prefix_cached: bool) -> list[_Prom
             _Prompt(FIRST_TURN, (tuple(turn1),), k),
             _Prompt(PREEMPTION, preempt, plan.decode),
             # the next turn over the first turn's reply: its tokens are filled in from the writer's reply
-            _Prompt(NEXT_TURN, (tuple(turn1) + (0,) * k + tuple(fresh(7)),), k)]
+            _Prompt(NEXT_TURN, (tuple(turn1) + (0,) * k + tuple(fresh(7)),), k, follows=FIRST_TURN)]
 
 
 def _with_reply(prompt: _Prompt, reply: list[int], k: int) -> _Prompt:
     """:data:`NEXT_TURN` with the first turn's reply in place."""
     (tokens,) = prompt.tokens
     head = len(tokens) - k - 7
-    return _Prompt(prompt.name, (tokens[:head] + tuple(reply) + tokens[head + k:],), prompt.max_tokens)
+    return _Prompt(prompt.name, (tokens[:head] + tuple(reply) + tokens[head + k:],), prompt.max_tokens,
+                   prompt.follows)
 
 
-def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str) -> list[_Output]:
-    """Greedy tokens and their log-probabilities for ``prompt``'s requests, added together."""
+def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str, *, whole: bool = False) -> list[_Output]:
+    """Greedy tokens and their log-probabilities for ``prompt``'s requests, added together. ``whole``: each
+    computed from its first token (vLLM's prefix cache emptied first, and requests added together salted
+    apart, so that they share no block, as with the prefix cache off)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     clock.step(f"{which}: {prompt.name}")
+    if whole:
+        _empty_prefix_cache(engine)
     sp = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     ids = [f"{which}-{prompt.name}-{i}" for i in range(len(prompt.tokens))]
     for rid, tokens in zip(ids, prompt.tokens):
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=list(tokens)), sp)
+        salt = {"cache_salt": rid} if whole and len(prompt.tokens) > 1 else {}
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=list(tokens), **salt), sp)
     done: dict[str, _Output] = {}
     while engine.has_unfinished_requests():
         clock.check(f"{which}: {prompt.name}")
@@ -402,14 +433,89 @@ def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str) -> list[_O
             if out.finished:
                 c = out.outputs[0]
                 done[out.request_id] = _Output(list(c.token_ids),
-                                               [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])])
+                                               [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])],
+                                               int(out.num_cached_tokens or 0))
     return [done[rid] for rid in ids]
 
 
-def _preempted_bound(dtype: str, hybrid: bool) -> float:
-    """The log-probability bound for the preempted requests: the dtype's, except for a model with recurrent
-    state below fp32, whose preempted requests are not judged (no bound, and their greedy tokens are not
-    compared either: a resumed bf16 request flipped a token in 1 of 2 CI runs, 2026-12-06).
+def _resumed_references(engine: Any, prompts: list[_Prompt], got: Mapping[str, Mapping[str, list[_Output]]],
+                        clock: ProofClock) -> dict[tuple[str, str], list[_Output]]:
+    """The references for each request run alone that a pass resumed from cached tokens, keyed by pass and
+    prompt name: vLLM (prefix cache on, no connector) resuming it at the same token over KV computed in each
+    way the pass may have computed it.
+
+    A request resumed from cached pages runs over KV computed otherwise than in its whole prompt's prefill:
+    its prefill is split there, and a reply's KV was computed while decoding it (one token a step), by a
+    request itself resumed somewhere. Where vLLM's kernels round differently for those (bf16 on AMX CPUs:
+    0.015 in log-probability, as far as a wrong state moves them; measured 2026-12-07 on DeepSeek-V2 and
+    Qwen3-Next), only a reference computed the same way can tell a right hit from a wrong one. Which way is
+    the store's business (the chunk of a reply re-stored by a later request of the pass, a recurrent state
+    only where a prefill materialized one), so there are two, each its prefix cache emptied first:
+
+    * prefilled: the prompt's first ``c + 1`` tokens (a recurrent state is materialized at the last block
+      boundary before a prompt's end), then the prompt;
+    * decoded: the prompt it follows (the next turn's first turn) run again, resumed where that pass
+      resumed it (its reply decoded again), then as prefilled.
+
+    A request vLLM does not resume at ``c`` there (``c`` not a block boundary) gets no reference that way."""
+    named = {p.name: p for p in prompts}
+    computed: dict[tuple[tuple[str, int], ...], _Output | None] = {}
+    out: dict[tuple[str, str], list[_Output]] = {}
+    for which, passes in got.items():
+        for p in prompts:
+            cached = passes[p.name][0].cached
+            if len(p.tokens) != 1 or not cached:
+                continue
+            ways: list[tuple[tuple[str, int], ...]] = [((p.name, cached),)]
+            if p.follows:
+                ways.append(((p.follows, passes[p.follows][0].cached), (p.name, cached)))
+            for steps in ways:
+                if steps not in computed:
+                    _empty_prefix_cache(engine)
+                    ref = None
+                    for name, at in steps:
+                        ref = _resumed_at(engine, named[name], at, clock)
+                        if ref is None:
+                            break
+                    computed[steps] = ref
+            refs = [ref for ref in (computed[steps] for steps in ways) if ref is not None]
+            if refs:
+                out[(which, p.name)] = refs
+    return out
+
+
+def _resumed_at(engine: Any, prompt: _Prompt, cached: int, clock: ProofClock) -> _Output | None:
+    """``prompt`` run by vLLM resuming it at token ``cached`` (None where it resumed elsewhere)."""
+    (tokens,) = prompt.tokens
+    if cached:
+        _run(engine, _Prompt(f"{prompt.name}, its first {cached + 1} tokens", (tokens[:cached + 1],), 1), clock,
+             "reference")
+    (ref,) = _run(engine, prompt, clock, f"reference resumed at {cached}")
+    if ref.cached != cached:
+        clock.step(f"reference: vLLM resumed {prompt.name} at {ref.cached}, not {cached}: no reference that way")
+        return None
+    return ref
+
+
+def _empty_prefix_cache(engine: Any) -> None:
+    if not engine.reset_prefix_cache():
+        raise UnsupportedModelError("vLLM could not empty its prefix cache for the reference (blocks in use)")
+
+
+def _error(outputs: list[_Output], references: list[_Output]) -> float:
+    """The largest log-probability difference between ``outputs`` and their references."""
+    return max((abs(a - b) for o, w in zip(outputs, references) for a, b in zip(o.logprobs, w.logprobs)),
+               default=math.inf)
+
+
+def _preempted_bound(dtype: str, hybrid: bool, split_effect: float) -> float:
+    """The log-probability bound for the preempted requests: the dtype's, except where their outputs follow
+    step timing, where they are not judged (no bound, and their greedy tokens are not compared either: a
+    resumed bf16 request flipped a token in 1 of 2 CI runs, 2026-12-06): a model with recurrent state below
+    fp32, and a platform whose outputs move past :data:`ALONE_TOLERANCE` with where a prefill is split
+    (``split_effect``, measured by the proof: bf16 DeepSeek-V2 on an AMX Xeon, 0.015; there a preempted
+    request resumed from a chunk stored a step earlier or later flipped a greedy token and moved by 0.35,
+    2026-12-07, while every request run alone equalled its resumed reference bit for bit).
 
     vLLM resumes a preempted hybrid request from the state at a block boundary and recomputes the rest, so its
     outputs follow where it resumed, which follows step timing (asynchronous loads and saves): in bf16,
@@ -418,7 +524,9 @@ def _preempted_bound(dtype: str, hybrid: bool) -> float:
     refuses at random, and proves nothing a bound can: reading the state from the wrong block moves outputs by
     0.015 (docs/vllm.md, Gaps), below the dtype's bound already. The requests run alone, held to
     :data:`ALONE_TOLERANCE`, are where a wrong state shows."""
-    return math.inf if hybrid and dtype != "float32" else LOGPROB_TOLERANCE[dtype]
+    if (hybrid and dtype != "float32") or split_effect > ALONE_TOLERANCE[dtype]:
+        return math.inf
+    return LOGPROB_TOLERANCE[dtype]
 
 
 def _differences(which: str, got: dict[str, list[_Output]], want: dict[str, list[_Output]],
@@ -465,6 +573,37 @@ def _engine(args: dict[str, Any], watch: type[_SchedulerWatch] | None = None) ->
         yield engine
     finally:
         engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _cpus_reserved_as(args: dict[str, Any]) -> Iterator[None]:
+    """Start engines within on the CPU cores an engine of ``args`` computes on.
+
+    vLLM's CPU platform reserves a core more for an engine with a KV connector, and the worker's OpenMP
+    threads take the cores left (2-core machine: 2 threads with the connector, 1 without). A GEMM's sums are
+    split by thread, so the reference would round differently from the connector's engines (bf16 Qwen3-Next
+    on an AMX Xeon: 4.3e-4 apart on the same cold prompt, and a greedy token flipped; measured 2026-12-07).
+    vLLM's own count, read from the engine configuration it would build, is set for the engines within."""
+    try:
+        from vllm import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+    except ImportError:  # a vLLM release without it: nothing to match
+        yield
+        return
+    if not current_platform.is_cpu():
+        yield
+        return
+    reserved = OMPProcessManager(EngineArgs(**args).create_engine_config()).reserve_cpu_num
+    name, before = "VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    os.environ[name] = str(reserved)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _raw_config(source: str | None) -> dict[str, Any]:

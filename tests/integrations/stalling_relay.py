@@ -48,6 +48,11 @@ class StallingRelay:
             return self._arming
         return asyncio.run_coroutine_threadsafe(install(), self._loop).result(10).done
 
+    @property
+    def stalled(self) -> int:
+        """Connections the latest :meth:`arm` has stalled so far (for a failing test's message)."""
+        return self._arming.stalled if self._arming is not None else 0
+
     def close(self) -> None:
         async def stop() -> None:
             self._server.close()

@@ -37,8 +37,9 @@ class ApiServer:
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         # engine_in_server: no engine-core and worker processes (less memory); else vLLM's default topology
+        # unbuffered: a killed server's log keeps its last lines
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0" if engine_in_server else "1")
+                   PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0" if engine_in_server else "1")
         with log.open("w") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
