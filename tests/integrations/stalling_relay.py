@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ class _Arming:
     done: threading.Event = field(default_factory=threading.Event)
     stalled: int = 0
     fired: bool = False
+    #: how running ``action`` ended (for a failing test's message): None until it has
+    outcome: str | None = None
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -49,9 +52,10 @@ class StallingRelay:
         return asyncio.run_coroutine_threadsafe(install(), self._loop).result(10).done
 
     @property
-    def stalled(self) -> int:
-        """Connections the latest :meth:`arm` has stalled so far (for a failing test's message)."""
-        return self._arming.stalled if self._arming is not None else 0
+    def progress(self) -> tuple[int, str | None]:
+        """Connections the latest :meth:`arm` has stalled so far, and how its action ended (None: not run or
+        still running), for a failing test's message."""
+        return (self._arming.stalled, self._arming.outcome) if self._arming is not None else (0, None)
 
     def close(self) -> None:
         async def stop() -> None:
@@ -103,6 +107,13 @@ class StallingRelay:
         if arming.fired:
             return
         arming.fired = True
-        await asyncio.get_running_loop().run_in_executor(None, arming.action)
-        arming.release.set()
+        started = time.monotonic()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, arming.action)
+        except Exception as exc:
+            arming.outcome = f"{exc!r} after {time.monotonic() - started:.1f} s"
+            raise
+        finally:
+            arming.release.set()
+        arming.outcome = f"ran in {time.monotonic() - started:.1f} s"
         arming.done.set()
