@@ -586,15 +586,15 @@ def _cpus_reserved_as(args: dict[str, Any]) -> Iterator[None]:
     vLLM's own count, read from the engine configuration it would build, is set for the engines within."""
     try:
         from vllm import EngineArgs
-        from vllm.platforms import current_platform
         from vllm.utils.ompmultiprocessing import OMPProcessManager
     except ImportError:  # a vLLM release without it: nothing to match
         yield
         return
-    if not current_platform.is_cpu():
+    # off the CPU platform the manager's constructor sets nothing: nothing to match either
+    reserved = getattr(OMPProcessManager(EngineArgs(**args).create_engine_config()), "reserve_cpu_num", None)
+    if reserved is None:
         yield
         return
-    reserved = OMPProcessManager(EngineArgs(**args).create_engine_config()).reserve_cpu_num
     name, before = "VLLM_CPU_NUM_OF_RESERVED_CPU", os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
     os.environ[name] = str(reserved)
     try:

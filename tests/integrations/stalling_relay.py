@@ -37,6 +37,7 @@ class StallingRelay:
         self._upstream = upstream
         self._loop = asyncio.new_event_loop()
         self._arming: _Arming | None = None
+        self._firing: set[asyncio.Future[None]] = set()  # running actions (the loop keeps only weak references)
         self._thread = threading.Thread(target=self._loop.run_forever, name="stalling-relay", daemon=True)
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
@@ -98,10 +99,18 @@ class StallingRelay:
     async def _stall(self, arming: _Arming) -> None:
         arming.stalled += 1
         if arming.stalled == 1:
-            self._loop.call_later(arming.wait_s, lambda: asyncio.ensure_future(self._fire(arming)))
+            self._loop.call_later(arming.wait_s, self._start_firing, arming)
         if arming.stalled >= arming.connections:
-            await self._fire(arming)
+            self._start_firing(arming)
         await arming.release.wait()
+
+    def _start_firing(self, arming: _Arming) -> None:
+        """Run the action in a task of its own: not in the stalled connection's, which is cancelled when the
+        action kills the client (its connection closes) -- awaited there, the action's end was cancelled with
+        it whenever the client died before the action returned, and the test never heard of the kill (3 runs
+        of 7 with the servers in vLLM's default topology, 2026-12-07)."""
+        self._firing.add(task := asyncio.ensure_future(self._fire(arming)))
+        task.add_done_callback(self._firing.discard)
 
     async def _fire(self, arming: _Arming) -> None:
         if arming.fired:

@@ -3,7 +3,9 @@ once armed cuts a transfer in the middle, runs its action and leaves the client 
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 from kvengine.transports.peers.client import PeerClientOptions, PeerTransport
 from kvengine.transports.peers.placement import Membership
@@ -37,3 +39,38 @@ async def test_the_relay_forwards_records_and_cuts_an_armed_transfer_mid_record(
         await client.close()
         relay.close()
         await server.close()
+
+
+def test_the_action_ends_even_when_it_kills_the_stalled_client_first() -> None:
+    """An action that kills the client (a consumer's process) closes the stalled connection before it returns;
+    its end is still reported: the stalled connection's task, cancelled then, does not carry the action."""
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = upstream.accept()
+        try:
+            conn.sendall(b"x" * (4 * MiB))
+        except OSError:  # the relay closed it
+            pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    relay = StallingRelay(upstream.getsockname()[:2])
+    client = socket.socket()
+
+    def kill_client() -> None:
+        client.shutdown(socket.SHUT_RDWR)  # the client dies: its connection to the relay ends ...
+        time.sleep(0.5)  # ... before the action returns (as a killed process is waited for)
+
+    try:
+        done = relay.arm(MiB, connections=1, action=kill_client)
+        client.connect(("127.0.0.1", relay.port))
+        received = 0
+        while chunk := client.recv(1 << 16):
+            received += len(chunk)
+        assert received <= MiB
+        assert done.wait(10), relay.progress
+        assert relay.progress[0] == 1 and (relay.progress[1] or "").startswith("ran in")
+    finally:
+        client.close()
+        relay.close()
+        upstream.close()
