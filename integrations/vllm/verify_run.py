@@ -219,6 +219,7 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             # nothing was compared yet: start again with the budget and prompts the proof needs
             stack.close()
             plan = following
+        connector_config = engine.vllm_config  # what the reference matches the CPU cores of
         prompts = _prompts(plan, k, vocab, hybrid)
         desc = ", ".join(f"{p.name} ({'+'.join(str(len(t)) for t in p.tokens)} tokens)" for p in prompts)
         clock.step(f"block size {plan.block}, chunk {plan.chunk}{', prefix caching on (hybrid)' if hybrid else ''}; "
@@ -242,7 +243,7 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             after = scrape(port)
     preempted["reader"] = watch.preempted - preempted["writer"]  # the reference engine has no watch
     clock.step("reference: vLLM without the connector, each prompt whole and resumed where the passes resumed it")
-    with _cpus_reserved_as(connector_args(plan)), \
+    with _cpus_reserved_as(connector_config), \
             _engine({**plain_args(plan), "enable_prefix_caching": True}) as engine:
         want = {p.name: _run(engine, p, clock, "reference", whole=True) for p in prompts}
         resumed = _resumed_references(engine, prompts, got, clock)
@@ -576,22 +577,21 @@ def _engine(args: dict[str, Any], watch: type[_SchedulerWatch] | None = None) ->
 
 
 @contextlib.contextmanager
-def _cpus_reserved_as(args: dict[str, Any]) -> Iterator[None]:
-    """Start engines within on the CPU cores an engine of ``args`` computes on.
+def _cpus_reserved_as(vllm_config: Any) -> Iterator[None]:
+    """Start engines within on the CPU cores an engine of ``vllm_config`` computes on.
 
     vLLM's CPU platform reserves a core more for an engine with a KV connector, and the worker's OpenMP
     threads take the cores left (2-core machine: 2 threads with the connector, 1 without). A GEMM's sums are
     split by thread, so the reference would round differently from the connector's engines (bf16 Qwen3-Next
     on an AMX Xeon: 4.3e-4 apart on the same cold prompt, and a greedy token flipped; measured 2026-12-07).
-    vLLM's own count, read from the engine configuration it would build, is set for the engines within."""
+    vLLM's own count for that configuration is set for the engines within."""
     try:
-        from vllm import EngineArgs
         from vllm.utils.ompmultiprocessing import OMPProcessManager
     except ImportError:  # a vLLM release without it: nothing to match
         yield
         return
     # off the CPU platform the manager's constructor sets nothing: nothing to match either
-    reserved = getattr(OMPProcessManager(EngineArgs(**args).create_engine_config()), "reserve_cpu_num", None)
+    reserved = getattr(OMPProcessManager(vllm_config), "reserve_cpu_num", None)
     if reserved is None:
         yield
         return
