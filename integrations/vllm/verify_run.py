@@ -12,8 +12,9 @@ their own), one after another:
    several KV cache groups, once more again on a budget sized from the blocks
    one preempted-size request was measured to hold (:class:`_Plan`);
 2. **reader** -- a FRESH engine process with the connector when a persistent
-   or shared tier is configured (disk, peers, Mooncake), loading from it;
-   memory only: the writer engine again;
+   or shared tier is configured (disk, peers, Mooncake), loading from it, and
+   a control with nothing cached (:func:`_control_failure`); memory only: the
+   writer engine again;
 3. **reference** -- vLLM without the connector, on the CPU cores the
    connector's engines compute on (:func:`_cpus_reserved_as`): greedy tokens
    and their log-probabilities for the same prompts, each computed whole, and each
@@ -235,12 +236,15 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
+    control: list[_Output] = []
     if fresh:
         clock.step("reader: a fresh engine process with the connector, loading from the configured tiers")
         with _engine(connector_args(plan), watch) as engine:
             before = scrape(port)
             got["reader"] = {p.name: _run(engine, p, clock, "reader") for p in prompts}
             after = scrape(port)
+            # the control: a request with nothing cached (the writer's first one had none either)
+            control = _run(engine, prompts[0], clock, "reader control, nothing cached", salted=True)
     preempted["reader"] = watch.preempted - preempted["writer"]  # the reference engine has no watch
     clock.step("reference: vLLM without the connector, each prompt whole and resumed where the passes resumed it")
     with _cpus_reserved_as(connector_config), \
@@ -265,6 +269,10 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
                    f"{'has recurrent state' if hybrid else f'moves by {split_effect:.3g} with a split prefill'} "
                    f"in {dtype}")
     failures = [f for which, outputs in got.items() for f in _differences(which, outputs, expected[which], unjudged)]
+    if control:
+        clock.step(f"reader control ({control[0].cached} tokens cached) against the reference: "
+                   f"{_error(control, want[prompts[0].name]):.3g}")
+        failures[:0] = _control_failure(prompts[0].name, control[0], want[prompts[0].name][0], ALONE_TOLERANCE[dtype])
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
     clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted "
@@ -412,10 +420,12 @@ def _with_reply(prompt: _Prompt, reply: list[int], k: int) -> _Prompt:
                    prompt.follows)
 
 
-def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str, *, whole: bool = False) -> list[_Output]:
+def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str, *, whole: bool = False,
+         salted: bool = False) -> list[_Output]:
     """Greedy tokens and their log-probabilities for ``prompt``'s requests, added together. ``whole``: each
     computed from its first token (vLLM's prefix cache emptied first, and requests added together salted
-    apart, so that they share no block, as with the prefix cache off)."""
+    apart, so that they share no block, as with the prefix cache off). ``salted``: each request salted apart
+    from every other (no hit in vLLM's prefix cache or in the connector's tiers)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -425,7 +435,7 @@ def _run(engine: Any, prompt: _Prompt, clock: ProofClock, which: str, *, whole: 
     sp = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     ids = [f"{which}-{prompt.name}-{i}" for i in range(len(prompt.tokens))]
     for rid, tokens in zip(ids, prompt.tokens):
-        salt = {"cache_salt": rid} if whole and len(prompt.tokens) > 1 else {}
+        salt = {"cache_salt": rid} if salted or (whole and len(prompt.tokens) > 1) else {}
         engine.add_request(rid, TokensPrompt(prompt_token_ids=list(tokens), **salt), sp)
     done: dict[str, _Output] = {}
     while engine.has_unfinished_requests():
@@ -507,6 +517,18 @@ def _error(outputs: list[_Output], references: list[_Output]) -> float:
     """The largest log-probability difference between ``outputs`` and their references."""
     return max((abs(a - b) for o, w in zip(outputs, references) for a, b in zip(o.logprobs, w.logprobs)),
                default=math.inf)
+
+
+def _control_failure(name: str, control: _Output, reference: _Output, tolerance: float) -> list[str]:
+    """The reader engine's control (``name`` with nothing cached) against the reference's: off by more than
+    ``tolerance``, or a greedy token apart, the platform's outputs differ between engine starts, and the
+    reader's hits cannot be judged against the reference (a failure naming the platform, not the cache)."""
+    drift = _error([control], [reference])
+    if drift <= tolerance and control.tokens == reference.tokens:
+        return []
+    return [f"the fresh reader engine computed {name} with nothing cached {drift:.3g} from the reference engine "
+            f"(greedy tokens {'equal' if control.tokens == reference.tokens else 'differ'}): outputs on this "
+            "platform differ from one engine start to another, so no hit can be judged against them"]
 
 
 def _preempted_bound(dtype: str, hybrid: bool, split_effect: float) -> float:

@@ -229,3 +229,18 @@ def test_vllm_preempted_requests_whose_outputs_follow_step_timing_are_not_judged
     assert _differences("writer", got, want, {PREEMPTION}) == []
     got["shared prefix"] = [_Output([4, 6], [0.0] * 2)]
     assert len(_differences("writer", got, want, {PREEMPTION})) == 1
+
+
+def test_vllm_a_reader_control_off_the_reference_fails_naming_the_platform():
+    """The fresh reader engine's request with nothing cached must compute what the reference engine does: a
+    drift past the bound, or a greedy token apart, fails the proof as the platform's (engine starts that
+    compute differently), whatever the hits did; within it, nothing is said."""
+    from kvengine.integrations.vllm.verify_run import _control_failure, _Output
+
+    reference = _Output([1, 2, 3], [-0.5, -1.0, -0.25])
+    assert _control_failure("full and partial chunks", _Output([1, 2, 3], [-0.5, -1.0, -0.25]), reference, 0.0) == []
+    assert _control_failure("x", _Output([1, 2, 3], [-0.5, -1.002, -0.25]), reference, 5e-3) == []
+    (drifted,) = _control_failure("x", _Output([1, 2, 3], [-0.5, -1.01, -0.25]), reference, 5e-3)
+    assert "0.01 from the reference engine (greedy tokens equal)" in drifted and "platform" in drifted
+    (flipped,) = _control_failure("x", _Output([1, 7, 3], [-0.5, -1.0, -0.25]), reference, 5e-3)
+    assert "greedy tokens differ" in flipped

@@ -51,6 +51,7 @@ def _verify(work: Path, family: str, *, dtype: str, disk: bool, extra: tuple[str
                                str(work / "secret"), *extra], stdout=subprocess.PIPE, stderr=log, text=True,
                               env=_env(),
                               timeout=TIMEOUT_S, cwd=ROOT)
+    (work / "verify.out").write_text(proc.stdout)  # whole, for a failure's diagnosis (the message has its end)
     return proc.returncode, proc.stdout, records
 
 
@@ -102,11 +103,11 @@ def _amx() -> bool:
 MLA_ARGS = ("--engine-args", json.dumps({"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}))
 
 
-#: bf16 Qwen3-Next on an AMX CPU: EXACT (every request run alone 0 from its resumed reference) in 2 proofs of
-#: 3 on 2026-12-07; in the third the reader pass loaded fewer tokens (8,448, not 9,600) and its requests were
-#: 2e-4 to 0.0154 from every reference, a greedy token flipping: not yet understood (docs/verify.md)
-QWEN3_NEXT_BF16_ON_AMX = pytest.mark.skipif(_amx(), reason="bf16 Qwen3-Next on AMX: the reader pass varies "
-                                                          "from run to run (see QWEN3_NEXT_BF16_ON_AMX)")
+#: bf16 Qwen3-Next on an AMX CPU: EXACT (every request run alone 0 from its resumed reference) in 18 proofs of
+#: 19 on 2026-12-07; in one the reader's requests were 2e-4 to 0.0154 from every reference, a greedy token
+#: flipping: not reproduced since, not understood (docs/verify.md). Skipped there until it is.
+QWEN3_NEXT_BF16_ON_AMX = pytest.mark.skipif(_amx(), reason="bf16 Qwen3-Next on AMX: 1 proof in 19 failed, "
+                                                          "not understood (see QWEN3_NEXT_BF16_ON_AMX)")
 
 
 @pytest.mark.parametrize("family, dtype, groups, extra", [
