@@ -270,9 +270,10 @@ def run_proof(model: str, kvengine_source: str | None, config: EngineConfig, req
                    f"in {dtype}")
     failures = [f for which, outputs in got.items() for f in _differences(which, outputs, expected[which], unjudged)]
     if control:
+        (cold,) = want[prompts[0].name]
         clock.step(f"reader control ({control[0].cached} tokens cached) against the reference: "
-                   f"{_error(control, want[prompts[0].name]):.3g}")
-        failures[:0] = _control_failure(prompts[0].name, control[0], want[prompts[0].name][0], ALONE_TOLERANCE[dtype])
+                   f"{_error(control, [cold]):.3g}")
+        failures[:0] = _control_failure(prompts[0].name, control[0], cold, ALONE_TOLERANCE[dtype])
     loaded = int(_delta(after, before, "kvengine_loaded_tokens_total"))
     failed = int(_delta(after, before, "kvengine_load_failed_tokens_total"))
     clock.step(f"reader loaded {loaded} tokens ({failed} failed and recomputed); vLLM preempted "
